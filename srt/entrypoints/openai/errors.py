@@ -1,0 +1,66 @@
+"""OpenAI's error object, for every failure the HTTP surface reports.
+
+Clients (the `openai` package among them) parse `{"error": {"message", "type", "param", "code"}}`; a bare
+FastAPI `{"detail": ...}` or a 500 with a traceback would surface as an unhelpful generic error.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+SERVICE_UNAVAILABLE = "service_unavailable"
+
+
+class OpenAIError(Exception):
+    """An error the HTTP layer turns into OpenAI's error object with `status`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = HTTPStatus.BAD_REQUEST,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status)
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """A readable 400 from pydantic's error list: the first problem, named by its field path."""
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError("invalid request")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    field = ".".join(loc)
+    message = f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg", "invalid request")
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return OpenAIError(message, param=field or None, code="invalid_value")
+
+
+def status_error(status: int, detail: str | None) -> OpenAIError:
+    """OpenAI-shaped error for a plain HTTP status (unknown route, wrong method …)."""
+    kind = NOT_FOUND if status == HTTPStatus.NOT_FOUND else INVALID_REQUEST
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "error"
+    return OpenAIError(detail or phrase, status=status, type=kind)

@@ -1,0 +1,108 @@
+"""Every message that crosses a process boundary, in one place: the contract between the processes.
+
+Outputs are batched: the scheduler sends one `BatchTokenIDOut` per forward step and the detokenizer one
+`BatchStrOut` per received batch, never one message per token per request. All messages go over ZMQ with
+`send_pyobj`/`recv_pyobj` (pickle), serialized once per message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended. `type` is one of stop / length / abort / error (OpenAI's finish_reason for the
+    first two); `matched` is the EOS/stop token id or the stop string that ended it."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_openai(self) -> str:
+        return self.type
+
+
+# ---- TokenizerManager -> Scheduler ----
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    input_text: str | None = None
+
+
+@dataclass
+class AbortReq:
+    """Removes a request wherever it is and frees its memory. `rid=""` aborts every request. `silent`
+    aborts (the request already finished on a stop string in the detokenizer) are not counted as aborts."""
+
+    rid: str
+    silent: bool = False
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+# ---- Scheduler -> Detokenizer -> TokenizerManager (control replies pass the detokenizer unchanged) ----
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once over the start-up pipe before the HTTP server accepts traffic."""
+
+    max_total_num_tokens: int
+    max_req_input_len: int
+    context_len: int
+    max_running_requests: int
+    attention_backend: str
+
+
+@dataclass
+class BatchOutMeta:
+    """Per-request fields both output batches carry; list index i describes `rids[i]`.
+
+    Timestamps are the scheduler's `time.monotonic()`; only differences between them are meaningful
+    (never subtract them from another process's clock). `token_ts[i]` holds one step stamp per token in
+    `output_ids[i]`, so inter-token latency survives `--stream-interval` batching."""
+
+    rids: list[str]
+    output_ids: list[list[int]]  # tokens produced since the previous message for this request
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]  # total output tokens so far
+    cached_tokens: list[int]
+    queued_ts: list[float]
+    scheduled_ts: list[float]
+    first_token_ts: list[float]
+    token_ts: list[list[float]]
+    num_retractions: list[int]
+    # Present only when some request in the batch asked for logprobs: per request, per new token.
+    output_token_logprobs: list[list[float]] | None = None
+    output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class BatchTokenIDOut(BatchOutMeta):
+    # What the detokenizer needs to turn ids into text; repeated each message (small) so it keeps no
+    # per-request configuration beyond its decode state.
+    skip_special_tokens: list[bool] = field(default_factory=list)
+    stop_strs: list[list[str]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOut(BatchOutMeta):
+    output_strs: list[str] = field(default_factory=list)  # text delta since the previous message

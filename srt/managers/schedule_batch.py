@@ -1,0 +1,138 @@
+"""The scheduler's view of a request (`Req`) and the tensors of one forward step built from a list of them.
+
+A `Req` owns its token ids, its lengths and its event timestamps; everything else is derived. The KV of a
+request covers `kv_token_ids` = (prompt + output)[:kv_len]: the newest sampled token has no KV until it is fed
+back in the next decode step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from srt.managers.io_struct import FinishReason
+from srt.sampling.sampling_params import SamplingParams
+
+EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        stream: bool = False,
+        generator: torch.Generator | None = None,
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.stream = stream
+        self.generator = generator
+        self.output_ids: list[int] = []
+        self.finished_reason: FinishReason | None = None
+
+        # Memory: row in ReqToTokenPool, locked prefix from the cache, tokens whose KV is written.
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = EMPTY_INDICES
+        self.last_node = None
+        self.kv_len = 0
+        # Prefill in progress: tokens to put into KV this round and how many the current step extends.
+        self.fill_ids: list[int] = []
+        self.extend_len = 0
+        self.cached_tokens = 0  # prompt tokens served by the prefix cache at first scheduling
+
+        # Events on this process's monotonic clock (METRICS.md "Events").
+        self.queued_ts = time.monotonic()
+        self.scheduled_ts: float | None = None
+        self.first_token_ts: float | None = None
+        self.last_token_ts: float | None = None
+        self.num_retractions = 0
+
+        # Output not yet sent to the detokenizer, with the step stamp of each token.
+        self.sent_len = 0
+        self.pending_ts: list[float] = []
+        self.pending_logprobs: list[float] = []
+        self.pending_top_logprobs: list[list[tuple[int, float]]] = []
+
+    # ---- derived ----
+    @property
+    def seq_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def kv_token_ids(self) -> list[int]:
+        return self.seq_ids[: self.kv_len]
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix_indices)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def is_chunked(self) -> bool:
+        """True while a prefill is split over steps and more of `fill_ids` remains."""
+        return self.kv_len + self.extend_len < len(self.fill_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def reset_prefix(self) -> None:
+        """Forget an unlocked prefix match (the request was not admitted after all)."""
+        self.prefix_indices, self.last_node, self.kv_len = EMPTY_INDICES, None, 0
+
+    def prepare_fill(self) -> None:
+        """Before (re)admission: everything but the newest token must be in KV; the newest one is fed to get
+        the next token. A resumed request thus re-prefills its prompt and the output it already has."""
+        self.fill_ids = self.seq_ids
+
+    # ---- finishing ----
+    def check_finished(self, eos_token_ids: frozenset[int], context_len: int) -> None:
+        """Stop conditions the scheduler owns (stop strings belong to the detokenizer)."""
+        params = self.sampling_params
+        n_out = len(self.output_ids)
+        if n_out == 0:
+            return
+        last = self.output_ids[-1]
+        if n_out >= params.min_new_tokens:
+            if last in params.stop_token_ids:
+                self.finished_reason = FinishReason("stop", matched=last)
+                return
+            if not params.ignore_eos and last in eos_token_ids:
+                self.finished_reason = FinishReason("stop", matched=last)
+                return
+        if n_out >= params.max_new_tokens:
+            self.finished_reason = FinishReason("length")
+        elif len(self.origin_input_ids) + n_out >= context_len:
+            self.finished_reason = FinishReason("length", message="reached the model's context length")
+
+    def append_token(self, token_id: int, step_ts: float, logprob: float | None, top: list | None) -> None:
+        self.output_ids.append(token_id)
+        self.pending_ts.append(step_ts)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
+            self.pending_top_logprobs.append(top or [])
+        if self.first_token_ts is None:
+            self.first_token_ts = step_ts
+        self.last_token_ts = step_ts
+
+    def due_for_output(self, stream_interval: int) -> bool:
+        """First token at once (TTFT is observed when it is produced), then every `stream_interval` tokens
+        when streaming, and always on finish."""
+        pending = len(self.output_ids) - self.sent_len
+        if self.finished:
+            return True
+        if pending == 0:
+            return False
+        if self.sent_len == 0:
+            return True
+        return self.stream and pending >= stream_interval
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)}, kv={self.kv_len})"

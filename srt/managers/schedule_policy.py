@@ -1,0 +1,108 @@
+"""Which waiting requests join the next prefill batch: queue order (`fcfs`, `lpm`) and admission within the
+token budgets and the KV memory that running requests still need (`PrefillAdder`)."""
+
+from __future__ import annotations
+
+import math
+from enum import Enum, auto
+
+from srt.managers.schedule_batch import Req
+
+# Future decode tokens of one request counted against free KV are capped: max_tokens is an upper bound that
+# most requests never reach, and reserving it in full would starve admission.
+CLIP_MAX_NEW_TOKENS = 4096
+# Queues longer than this fall back from lpm to fcfs: matching every waiting prompt each step costs more
+# than the better order gains.
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting_queue(policy: str, waiting: list[Req], tree_cache) -> None:
+    """Sort `waiting` in place. fcfs keeps arrival order; lpm puts the longest cached prefix first."""
+    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+        lens = {id(r): len(tree_cache.match_prefix(r.seq_ids[:-1]).device_indices) for r in waiting}
+        waiting.sort(key=lambda r: -lens[id(r)])
+
+
+class AddResult(Enum):
+    CONTINUE = auto()
+    NO_TOKEN = auto()  # out of KV memory: stop admitting
+    OTHER = auto()  # out of a token budget or request slots: stop admitting
+
+
+class PrefillAdder:
+    """Admits requests while the prefill token budget, the chunk size and the KV memory allow.
+
+    Memory left for new work = free slots + evictable cache slots − what running requests are expected to
+    still decode (`remaining_new_tokens × new_token_ratio`). A request is admitted if its new prompt tokens
+    plus its own expected decode fit; a prompt longer than the chunk budget is admitted as a first chunk and
+    closes the batch. Admitted requests lock their matched prefix so eviction cannot take it."""
+
+    def __init__(
+        self,
+        tree_cache,
+        allocator,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int,
+        max_new_reqs: int,
+    ):
+        self.tree_cache = tree_cache
+        self.new_token_ratio = new_token_ratio
+        reserved = sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) for r in running) * new_token_ratio
+        self.rem_total = allocator.available_size() + tree_cache.evictable_size() - reserved
+        self.rem_input = max_prefill_tokens
+        self.rem_chunk = chunked_prefill_size if chunked_prefill_size > 0 else math.inf
+        self.max_new_reqs = max_new_reqs
+        self.nothing_running = not running
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def _lock(self, req: Req) -> None:
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        # Locked prefix slots are no longer evictable, so they no longer count as room for new work.
+        self.rem_total -= before - self.tree_cache.evictable_size()
+
+    def add_chunked_req(self, req: Req) -> AddResult:
+        """Continue a prompt already being prefilled in chunks (its prefix is its own, already locked)."""
+        rest = len(req.fill_ids) - req.kv_len
+        req.extend_len = int(min(rest, self.rem_chunk, self.rem_input))
+        self.can_run.append(req)
+        self._take(req.extend_len)
+        if req.is_chunked:
+            self.new_chunked_req = req
+            return AddResult.OTHER
+        self.rem_total -= min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+        return AddResult.CONTINUE
+
+    def add_one_req(self, req: Req) -> AddResult:
+        if len(self.can_run) >= self.max_new_reqs:
+            return AddResult.OTHER
+        req.prepare_fill()
+        match = self.tree_cache.match_prefix(req.fill_ids[:-1])
+        req.prefix_indices, req.last_node = match.device_indices, match.last_node
+        req.kv_len = len(req.prefix_indices)
+        extend = len(req.fill_ids) - req.kv_len
+        future = min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+        first_alone = self.nothing_running and not self.can_run
+        if extend + future > self.rem_total and not (first_alone and extend + 1 <= self.rem_total):
+            req.reset_prefix()
+            return AddResult.NO_TOKEN
+        if self.rem_input <= 0 or self.rem_chunk <= 0:
+            req.reset_prefix()
+            return AddResult.OTHER
+        self._lock(req)
+        req.extend_len = int(min(extend, self.rem_chunk, self.rem_input))
+        self.can_run.append(req)
+        self._take(req.extend_len)
+        if req.is_chunked:
+            self.new_chunked_req = req
+            return AddResult.OTHER
+        self.rem_total -= future
+        return AddResult.CONTINUE
+
+    def _take(self, n: int) -> None:
+        self.rem_total -= n
+        self.rem_input -= n
+        self.rem_chunk -= n

@@ -1,0 +1,347 @@
+"""The scheduler: continuous batching over the paged KV pool and the prefix cache, driven one step at a time.
+
+`Scheduler.step()` runs one forward step — a prefill (extend) batch when waiting work fits, otherwise a decode
+batch of every running request — and returns the step's `BatchTokenIDOut`. It knows nothing of sockets, so
+tests drive it in-process; `scheduler_process.py` wraps it in the ZMQ loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from srt.managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
+from srt.managers.schedule_batch import Req
+from srt.managers.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
+from srt.managers.scheduler_reporter import NullReporter, StepReporter
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.radix_cache import RadixCache
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampler import Sampler, make_generator
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Decode-memory reservation ratio (SGLang's new_token_ratio): the share of each running request's remaining
+# max_new_tokens that admission keeps free. It starts cautious, decays while decoding goes well and is raised
+# again after a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+# After a retraction, assume each remaining request decodes at least this many more tokens.
+RETRACT_DECODE_STEPS = 20
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner, reporter: StepReporter | None = None):
+        self.args = server_args
+        self.runner = model_runner
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        self.reporter = reporter or NullReporter()
+        if server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator)
+        else:
+            self.tree_cache = RadixCache(
+                self.req_to_token_pool, self.allocator, residency_observer=self.reporter.residency_observer
+            )
+        self.sampler = Sampler(model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device)
+        self.default_generator = torch.Generator(device="cpu").manual_seed(server_args.random_seed)
+        self.eos_token_ids = frozenset(model_runner.eos_token_ids)
+        self.context_len = model_runner.context_len
+        self.max_running_requests = model_runner.max_running_requests
+        self.max_req_input_len = min(self.context_len, model_runner.max_total_num_tokens) - 1
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.finished_outside_step: list[Req] = []  # aborts and rejections, reported with the next output
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    # ---- inputs ----
+    def add_request(self, recv: TokenizedGenerateReqInput) -> None:
+        params = recv.sampling_params
+        req = Req(recv.rid, recv.input_ids, params, recv.stream, make_generator(params.seed, self.default_generator))
+        if not recv.input_ids:
+            req.finished_reason = FinishReason("error", message="the prompt is empty")
+        elif len(recv.input_ids) > self.max_req_input_len:
+            req.finished_reason = FinishReason(
+                "error", message=f"prompt of {len(recv.input_ids)} tokens exceeds the limit of {self.max_req_input_len}"
+            )
+        elif params.max_new_tokens == 0:
+            req.finished_reason = FinishReason("length")
+        if req.finished:
+            self.finished_outside_step.append(req)
+        else:
+            self.waiting.append(req)
+
+    def abort_request(self, recv: AbortReq) -> None:
+        """Remove a request wherever it is and free its memory; `rid=""` aborts every request."""
+
+        def hit(req: Req) -> bool:
+            return recv.rid == "" or req.rid == recv.rid
+
+        for req in [r for r in self.waiting if hit(r)]:
+            self.waiting.remove(req)
+            self._finish_outside_step(req)
+        if self.chunked_req is not None and hit(self.chunked_req):
+            self._release(self.chunked_req)
+            self._finish_outside_step(self.chunked_req)
+            self.chunked_req = None
+        for req in [r for r in self.running if hit(r)]:
+            self.running.remove(req)
+            self._release(req)
+            self._finish_outside_step(req)
+
+    def _finish_outside_step(self, req: Req) -> None:
+        req.finished_reason = FinishReason("abort", message="request aborted")
+        self.finished_outside_step.append(req)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; only allowed when no request holds KV."""
+        if not self.is_idle:
+            return False
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return True
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req)
+
+    @property
+    def num_used_tokens(self) -> int:
+        """KV slots held by requests; evictable cache slots count as free."""
+        return self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    # ---- one step ----
+    def step(self) -> BatchTokenIDOut | None:
+        stepped: list[Req] = []
+        prefill = self._schedule_prefill()
+        if prefill:
+            stepped = self._run_prefill(prefill)
+        elif self.running:
+            stepped = self._run_decode()
+        return self._make_output(stepped)
+
+    def _schedule_prefill(self) -> list[Req]:
+        if not self.waiting and self.chunked_req is None:
+            return []
+        slots = min(self.max_running_requests - len(self.running), self.req_to_token_pool.available_size())
+        if slots <= 0 and self.chunked_req is None:
+            return []
+        order_waiting_queue(self.args.schedule_policy, self.waiting, self.tree_cache)
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.allocator,
+            self.running,
+            self.new_token_ratio,
+            self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size,
+            max_new_reqs=max(slots, 0),
+        )
+        result = AddResult.CONTINUE
+        if self.chunked_req is not None:
+            result = adder.add_chunked_req(self.chunked_req)
+        if result == AddResult.CONTINUE:
+            for req in self.waiting:
+                if adder.add_one_req(req) != AddResult.CONTINUE:
+                    break
+        admitted = set(map(id, adder.can_run))
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        return adder.can_run
+
+    def _alloc_kv(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        loc = self.allocator.alloc(n)
+        if loc is None:  # admission and retraction keep this from happening; a bug if it does
+            raise RuntimeError(f"KV pool exhausted: need {n}, free {self.allocator.available_size()}")
+        return loc
+
+    def _run_prefill(self, reqs: list[Req]) -> list[Req]:
+        now = time.monotonic()
+        new_seqs = queries = hits = 0
+        for req in reqs:
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+                req.cached_tokens = req.kv_len
+                new_seqs += 1
+                queries += len(req.origin_input_ids)
+                hits += req.kv_len
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
+                self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len] = req.prefix_indices
+        total = sum(r.extend_len for r in reqs)
+        loc = self._alloc_kv(total)
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        offset = 0
+        for req in reqs:
+            start, end = req.kv_len, req.kv_len + req.extend_len
+            self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] = loc[offset : offset + req.extend_len]
+            input_ids.extend(req.fill_ids[start:end])
+            positions.append(torch.arange(start, end, dtype=torch.int64))
+            offset += req.extend_len
+        seq_lens = [r.kv_len + r.extend_len for r in reqs]
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            batch_size=len(reqs),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.cat(positions),
+            out_cache_loc=loc,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=[r.kv_len for r in reqs],
+            extend_seq_lens_cpu=[r.extend_len for r in reqs],
+        )
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        forward_seconds = time.perf_counter() - t0
+        for req in reqs:
+            req.kv_len += req.extend_len
+        done = [i for i, r in enumerate(reqs) if not r.is_chunked]
+        for req in reqs:
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req)
+        sampled = [reqs[i] for i in done]
+        if sampled:
+            self._sample_and_append(logits[done] if len(done) < len(reqs) else logits, sampled)
+        for req in sampled:
+            if not req.finished:
+                self.running.append(req)
+        self.reporter.on_prefill(
+            self, new_seqs=new_seqs, new_tokens=total, cached_tokens=hits, prefix_queries=queries,
+            prefix_hits=hits, forward_seconds=forward_seconds,
+        )
+        return reqs
+
+    def _run_decode(self) -> list[Req]:
+        self._ensure_decode_memory()
+        reqs = self.running
+        if not reqs:
+            return []
+        loc = self._alloc_kv(len(reqs))
+        pool_idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        self.req_to_token_pool.req_to_token[pool_idx, positions] = loc
+        seq_lens = positions + 1
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=len(reqs),
+            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            positions=positions,
+            out_cache_loc=loc,
+            req_pool_indices=pool_idx,
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        forward_seconds = time.perf_counter() - t0
+        for req in reqs:
+            req.kv_len += 1
+        self._sample_and_append(logits, reqs)
+        self.running = [r for r in reqs if not r.finished]
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        self.reporter.on_decode(self, num_tokens=len(reqs), forward_seconds=forward_seconds)
+        return reqs
+
+    def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        out = self.sampler.sample(
+            logits,
+            [r.sampling_params for r in reqs],
+            [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.generator for r in reqs],
+        )
+        step_ts = time.monotonic()
+        for i, req in enumerate(reqs):
+            lp = out.token_logprobs[i] if out.token_logprobs is not None and req.sampling_params.logprobs is not None else None
+            top = out.top_logprobs[i] if lp is not None and out.top_logprobs is not None else None
+            req.append_token(out.next_token_ids[i], step_ts, lp, top)
+            req.check_finished(self.eos_token_ids, self.context_len)
+            if req.finished:
+                self._release(req)
+                self.reporter.on_finished(req)
+
+    def _release(self, req: Req) -> None:
+        """Return a request's KV to the cache (shared prefixes stay cached, unlocked) and its pool row."""
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+            req.req_pool_idx = None
+        req.reset_prefix()
+
+    def _ensure_decode_memory(self) -> None:
+        """Retract requests until the next decode step has a KV slot for every running request.
+
+        The retracted are those with the least output (least work lost), longest prompt first among equals;
+        they keep their output and return to the front of the waiting queue."""
+        def room() -> int:
+            return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+        if room() >= len(self.running):
+            return
+        self.running.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted: list[Req] = []
+        while len(self.running) > 1 and room() < len(self.running):
+            req = self.running.pop()
+            self._release(req)
+            req.num_retractions += 1
+            retracted.append(req)
+        if room() < len(self.running):  # a single request larger than the whole pool
+            req = self.running.pop()
+            self._release(req)
+            req.finished_reason = FinishReason("length", message="the KV cache cannot hold this request")
+            self.finished_outside_step.append(req)
+        if retracted:
+            self.waiting[:0] = reversed(retracted)
+            decoded = sum(len(r.output_ids) for r in self.running)
+            budget = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / budget)
+            self.new_token_ratio = max(self.new_token_ratio, INIT_NEW_TOKEN_RATIO)
+            self.reporter.on_retraction(self, len(retracted))
+            logger.info("Retracted %d request(s); new_token_ratio=%.2f", len(retracted), self.new_token_ratio)
+
+    # ---- outputs ----
+    def _make_output(self, stepped: list[Req]) -> BatchTokenIDOut | None:
+        reqs = [r for r in stepped if r.due_for_output(self.args.stream_interval)]
+        if self.finished_outside_step:
+            reqs.extend(self.finished_outside_step)
+            self.finished_outside_step = []
+        if not reqs:
+            return None
+        want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
+        out = BatchTokenIDOut(
+            rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
+            cached_tokens=[], queued_ts=[], scheduled_ts=[], first_token_ts=[], token_ts=[], num_retractions=[],
+            output_token_logprobs=[] if want_logprobs else None, output_top_logprobs=[] if want_logprobs else None,
+        )
+        for req in reqs:
+            out.rids.append(req.rid)
+            out.output_ids.append(req.output_ids[req.sent_len :])
+            out.finished_reasons.append(req.finished_reason)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            out.queued_ts.append(req.queued_ts)
+            out.scheduled_ts.append(req.scheduled_ts)
+            out.first_token_ts.append(req.first_token_ts)
+            out.token_ts.append(req.pending_ts)
+            out.num_retractions.append(req.num_retractions)
+            out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
+            out.stop_strs.append(req.sampling_params.stop)
+            if want_logprobs:
+                out.output_token_logprobs.append(req.pending_logprobs)
+                out.output_top_logprobs.append(req.pending_top_logprobs)
+                req.pending_logprobs, req.pending_top_logprobs = [], []
+            req.sent_len = len(req.output_ids)
+            req.pending_ts = []
+        return out

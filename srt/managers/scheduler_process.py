@@ -1,0 +1,121 @@
+"""The scheduler subprocess: loads the model, reports readiness, then turns the loop — drain the input
+socket, run one step, send that step's outputs — until it is killed."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from srt.managers.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from srt.managers.scheduler import Scheduler
+from srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# While idle the loop blocks on the socket, waking at this period so periodic work (the stats summary,
+# process metrics) still happens.
+IDLE_POLL_MS = 1000
+
+
+def scheduler_input_endpoint(port_args: PortArgs, dp_rank: int) -> str:
+    """Each data-parallel scheduler has its own input socket."""
+    return port_args.scheduler_input if dp_rank == 0 else f"{port_args.scheduler_input}-dp{dp_rank}"
+
+
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer: Connection, dp_rank: int = 0
+) -> None:
+    from srt.managers.scheduler_logging import build_reporter, configure_process_logging
+
+    rank_tag = f"DP{dp_rank} TP0" if server_args.dp_size > 1 else "TP0"
+    configure_process_logging(server_args.log_level, rank_tag)
+    try:
+        start = time.monotonic()
+        from srt.model_executor.model_runner import ModelRunner
+
+        runner = ModelRunner(
+            model_dir,
+            dtype=server_args.dtype,
+            device=server_args.device,
+            max_total_tokens=server_args.max_total_tokens,
+            mem_fraction_static=server_args.mem_fraction_static,
+            max_running_requests=server_args.max_running_requests,
+            context_length=server_args.context_length,
+            attention_backend=server_args.attention_backend,
+            random_seed=server_args.random_seed,
+        )
+        reporter = build_reporter(server_args, runner, dp_rank, startup_seconds=time.monotonic() - start)
+        scheduler = Scheduler(server_args, runner, reporter)
+        ctx = zmq.Context()
+        recv_sock = ctx.socket(zmq.PULL)
+        recv_sock.bind(scheduler_input_endpoint(port_args, dp_rank))
+        send_sock = ctx.socket(zmq.PUSH)
+        send_sock.connect(port_args.detokenizer_input)
+    except Exception:
+        ready_writer.send(traceback.format_exc())
+        raise
+    logger.info(
+        "Scheduler ready: KV capacity %d tokens, max running requests %d, attention backend %s",
+        runner.max_total_num_tokens, runner.max_running_requests, runner.attention_backend_name,
+    )
+    ready_writer.send(
+        SchedulerReady(
+            max_total_num_tokens=runner.max_total_num_tokens,
+            max_req_input_len=scheduler.max_req_input_len,
+            context_len=runner.context_len,
+            max_running_requests=runner.max_running_requests,
+            attention_backend=runner.attention_backend_name,
+        )
+    )
+    ready_writer.close()
+    event_loop(scheduler, recv_sock, send_sock)
+
+
+def event_loop(scheduler: Scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(recv_sock, zmq.POLLIN)
+    was_busy = False
+    while True:
+        if scheduler.is_idle and not scheduler.finished_outside_step:
+            if was_busy:
+                scheduler.reporter.on_idle(scheduler)
+                was_busy = False
+            if not poller.poll(IDLE_POLL_MS):
+                scheduler.reporter.on_tick(scheduler)
+                continue
+        while True:
+            try:
+                msg = recv_sock.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            reply = dispatch(scheduler, msg)
+            if reply is not None:
+                send_sock.send_pyobj(reply)
+        out = scheduler.step()
+        if out is not None:
+            send_sock.send_pyobj(out)
+        was_busy = True
+        scheduler.reporter.on_tick(scheduler)
+
+
+def dispatch(scheduler: Scheduler, msg) -> object | None:
+    if isinstance(msg, TokenizedGenerateReqInput):
+        scheduler.add_request(msg)
+    elif isinstance(msg, AbortReq):
+        scheduler.abort_request(msg)
+    elif isinstance(msg, FlushCacheReq):
+        ok = scheduler.flush_cache()
+        return FlushCacheReqOutput(ok, "" if ok else "requests are still running; cache not flushed")
+    else:
+        logger.warning("Ignoring unknown message %r", type(msg).__name__)
+    return None

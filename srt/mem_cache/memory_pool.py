@@ -1,0 +1,128 @@
+"""KV memory: the request-to-token table, the KV slot allocator and the per-layer K/V buffers.
+
+Page size is 1: every token owns exactly one KV slot. Slot 0 is never handed out so that padded
+positions (e.g. unused tail entries of `req_to_token`) can point at it and write harmlessly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# KV slot reserved as the write target of padding; usable slots are 1..size.
+PADDING_SLOT = 0
+INDEX_DTYPE = torch.int64
+
+
+class ReqToTokenPool:
+    """Maps a request slot (row) to the KV slot index of each of its tokens (columns).
+
+    The scheduler owns the row contents; this pool only hands out and takes back rows.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=INDEX_DTYPE, device=device)
+        self._free_slots: list[int] = list(range(size))
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        """Take `n` free rows, or None (taking nothing) if fewer are free."""
+        if n > len(self._free_slots):
+            return None
+        taken = self._free_slots[:n]
+        del self._free_slots[:n]
+        return taken
+
+    def free(self, idx: int | list[int]) -> None:
+        if isinstance(idx, int):
+            self._free_slots.append(idx)
+        else:
+            self._free_slots.extend(idx)
+
+    def available_size(self) -> int:
+        return len(self._free_slots)
+
+    def clear(self) -> None:
+        self._free_slots = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Free list of KV slots kept as one int64 tensor: alloc slices its head, free concatenates.
+
+    Both operations are O(n) tensor ops with no per-token Python work, because the scheduler calls
+    them every step. Freeing a slot twice is a caller bug that this class does not detect (it would
+    cost a bitmap update per call); tests check the callers' accounting instead.
+    """
+
+    def __init__(self, size: int, device: str = "cpu"):
+        self.size = size
+        self.device = device
+        self.clear()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take `n` slots as an int64 tensor, or None (taking nothing) if fewer than `n` are free."""
+        if n > self._free.numel():
+            return None
+        taken = self._free[:n]
+        self._free = self._free[n:]
+        return taken
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.numel() == 0:
+            return
+        self._free = torch.cat((self._free, indices.to(device=self.device, dtype=INDEX_DTYPE)))
+
+    def available_size(self) -> int:
+        return self._free.numel()
+
+    def clear(self) -> None:
+        self._free = torch.arange(PADDING_SLOT + 1, self.size + 1, dtype=INDEX_DTYPE, device=self.device)
+
+
+class MHATokenToKVPool:
+    """Per-layer K and V buffers of shape [size + 1, head_num, head_dim] (row 0 is the padding slot)."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str = "cpu",
+    ):
+        self.size = size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = device
+        shape = (size + 1, head_num, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        logger.info(
+            "KV pool: %d slots, %.1f MiB",
+            size,
+            self.bytes_per_token(dtype, head_num, head_dim, layer_num) * (size + 1) / 2**20,
+        )
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None:
+        """Write this step's K/V rows at slots `loc` (cache_k/cache_v: [len(loc), head_num, head_dim])."""
+        self.k_buffer[layer_id][loc] = cache_k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = cache_v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int) -> int:
+        """Bytes one token's K and V take across all layers; used to size the pool from a memory budget."""
+        k_and_v = 2
+        return k_and_v * head_num * head_dim * layer_num * torch.empty((), dtype=dtype).element_size()

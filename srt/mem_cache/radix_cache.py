@@ -1,0 +1,243 @@
+"""Radix tree over token ids whose nodes own the KV slots of their tokens (page size 1).
+
+Invariants:
+- A node's `key` (token ids) and `value` (KV slots) have equal length; children are keyed by the first
+  token of their key, so no two children of a node start with the same token.
+- `lock_ref` of a node counts the requests using it or a descendant; the root is always locked.
+- Every non-root token is counted in `evictable_size` when its node's lock_ref is 0, else in
+  `protected_size`. Splitting a node keeps its lock_ref on both halves, so sizes do not change.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, Req, held_prefix_len
+from srt.mem_cache.memory_pool import INDEX_DTYPE, ReqToTokenPool, TokenToKVPoolAllocator
+
+logger = logging.getLogger(__name__)
+
+ROOT_NODE_ID = 0
+
+
+class ResidencyObserver(Protocol):
+    """Optional listener for --kv-cache-metrics; `now` is time.monotonic()."""
+
+    def node_created(self, node_id: int, now: float) -> None: ...
+    def node_hit(self, node_id: int, now: float) -> None: ...
+    def node_evicted(self, node_id: int, now: float) -> None: ...
+
+
+class TreeNode:
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time", "created_at")
+
+    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, now: float):
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access_time = now
+        self.created_at = now
+
+    def __lt__(self, other: TreeNode) -> bool:
+        """Heap order for eviction: least recently used first, older node on ties."""
+        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RadixCache(BasePrefixCache):
+    """Shares KV across requests with a common token prefix; evicts unlocked leaves in LRU order."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        residency_observer: ResidencyObserver | None = None,
+    ):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.residency_observer = residency_observer
+        self.device = token_to_kv_pool_allocator.device
+        self.reset()
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop the whole tree without freeing slots (the caller clears the allocator with it)."""
+        self._ids = itertools.count(ROOT_NODE_ID + 1)
+        self.root = TreeNode(ROOT_NODE_ID, [], self._empty(), None, time.monotonic())
+        self.root.lock_ref = 1
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        now = time.monotonic()
+        observer = self.residency_observer
+        node = self.root
+        node.last_access_time = now
+        values: list[torch.Tensor] = []
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                break
+            matched = _common_prefix_len(child.key, key)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access_time = now
+            if observer is not None:
+                observer.node_hit(child.id, now)
+            values.append(child.value)
+            node = child
+            key = key[matched:]
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(device_indices=indices, last_node=node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        now = time.monotonic()
+        node = self.root
+        node.last_access_time = now
+        present = 0
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                self._add_leaf(node, key, value, now)
+                break
+            matched = _common_prefix_len(child.key, key)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access_time = now
+            present += matched
+            node = child
+            key = key[matched:]
+            value = value[matched:]
+        return present
+
+    def evict(self, num_tokens: int) -> int:
+        leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        heapq.heapify(leaves)
+        freed = 0
+        observer = self.residency_observer
+        now = time.monotonic() if observer is not None else 0.0
+        while freed < num_tokens and leaves:
+            leaf = heapq.heappop(leaves)
+            self.token_to_kv_pool_allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self._evictable_size -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            if observer is not None:
+                observer.node_evicted(leaf.id, now)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"radix node {node.id} unlocked more often than locked")
+            if node.lock_ref == 1:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    def cache_finished_req(self, req: Req) -> None:
+        row = req.req_pool_idx
+        kv_indices = self.req_to_token_pool.req_to_token[row, : len(req.kv_token_ids)].clone()
+        self._insert_and_free_duplicates(req, kv_indices)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(row)
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        row = req.req_pool_idx
+        token_ids = req.kv_token_ids
+        kv_indices = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
+        held = self._insert_and_free_duplicates(req, kv_indices)
+        match = self.match_prefix(token_ids)
+        new_indices = match.device_indices
+        # The tree's slots replace the duplicates just freed, so the row stays valid for attention.
+        self.req_to_token_pool.req_to_token[row, held : len(new_indices)] = new_indices[held:]
+        self.inc_lock_ref(match.last_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.prefix_indices = new_indices
+        req.last_node = match.last_node
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _insert_and_free_duplicates(self, req: Req, kv_indices: torch.Tensor) -> int:
+        """Insert the request's tokens and free the slots the tree already had for them.
+
+        The request's first `held` slots came from its own match and already are the tree's: they are
+        not duplicates. Returns `held`.
+        """
+        held = held_prefix_len(req)
+        present = self.insert(req.kv_token_ids, kv_indices)
+        if present > held:
+            self.token_to_kv_pool_allocator.free(kv_indices[held:present])
+        return held
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, now: float) -> None:
+        leaf = TreeNode(next(self._ids), list(key), value.clone(), parent, now)
+        parent.children[key[0]] = leaf
+        self._evictable_size += len(key)
+        if self.residency_observer is not None:
+            self.residency_observer.node_created(leaf.id, now)
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut `node` after `at` tokens; returns the new parent holding the first `at` tokens.
+
+        The new node inherits the lock count, access time and creation time (its tokens entered the
+        cache with the original), so neither sizes nor residency change.
+        """
+        head = TreeNode(next(self._ids), node.key[:at], node.value[:at], node.parent, node.created_at)
+        head.lock_ref = node.lock_ref
+        head.last_access_time = node.last_access_time
+        node.parent.children[head.key[0]] = head
+        node.key = node.key[at:]
+        node.value = node.value[at:]
+        node.parent = head
+        head.children[node.key[0]] = node
+        if self.residency_observer is not None:
+            self.residency_observer.node_created(head.id, head.created_at)
+        return head
+
+    def _iter_nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=INDEX_DTYPE, device=self.device)

@@ -1,0 +1,111 @@
+"""`torch_native`: scaled_dot_product_attention over K/V gathered from the paged pool. Runs everywhere;
+the CPU default.
+
+Extend runs one SDPA call per sequence (a loop over sequences, never over tokens): with no cached prefix
+it attends over this step's own K/V (no gather); with a prefix it gathers the sequence's slots from the
+pool and applies a causal mask shifted by the prefix length. Decode gathers every sequence's slots into one
+padded `[bs, max_len]` index table once per step and runs a single SDPA call per layer, with the query
+heads of each KV group laid out as that group's "query rows" so no K/V repetition is needed for GQA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from srt.model_executor.attention.base import AttentionBackend
+from srt.model_executor.forward_batch_info import ForwardBatch
+
+# KV slot 0 is the allocator's reserved padding slot: padded index positions point there.
+PADDING_SLOT = 0
+
+
+@dataclass
+class _ExtendSeq:
+    start: int  # first row of this sequence in the step's token arrays
+    num_new: int
+    prefix_len: int
+    kv_indices: torch.Tensor | None  # all slots (prefix + new), only when prefix_len > 0
+    mask: torch.Tensor | None  # bool [num_new, prefix_len + num_new], True = may attend
+
+
+@dataclass
+class _DecodeMeta:
+    kv_indices: torch.Tensor  # int64 [bs * max_len], padding positions -> PADDING_SLOT
+    max_len: int
+    mask: torch.Tensor | None  # bool [bs, 1, 1, max_len]; None when every sequence has max_len tokens
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            self._decode = self._decode_metadata(batch)
+        else:
+            self._extend = self._extend_metadata(batch)
+
+    def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
+        max_len = max(batch.seq_lens_cpu)
+        rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices, :max_len]
+        if min(batch.seq_lens_cpu) == max_len:
+            return _DecodeMeta(rows.reshape(-1), max_len, None)
+        valid = torch.arange(max_len, device=rows.device)[None, :] < batch.seq_lens[:, None]
+        kv_indices = rows.masked_fill(~valid, PADDING_SLOT).reshape(-1)
+        return _DecodeMeta(kv_indices, max_len, valid[:, None, None, :])
+
+    def _extend_metadata(self, batch: ForwardBatch) -> list[_ExtendSeq]:
+        prefix_lens = batch.extend_prefix_lens_cpu or [0] * batch.batch_size
+        seqs, start = [], 0
+        for i, num_new in enumerate(batch.new_token_counts()):
+            prefix = prefix_lens[i]
+            kv_indices = mask = None
+            if prefix > 0:
+                total = prefix + num_new
+                kv_indices = self.req_to_token_pool.req_to_token[batch.req_pool_indices[i], :total]
+                # bottom-right aligned causal mask: new token j sees every slot up to prefix + j
+                mask = torch.ones(num_new, total, dtype=torch.bool, device=kv_indices.device).tril(prefix)
+            seqs.append(_ExtendSeq(start, num_new, prefix, kv_indices, mask))
+            start += num_new
+        return seqs
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.token_to_kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        if batch.is_decode:
+            return self._forward_decode(q, layer_id, batch.batch_size)
+        return self._forward_extend(q, k, v, layer_id)
+
+    def _forward_decode(self, q: torch.Tensor, layer_id: int, bs: int) -> torch.Tensor:
+        meta = self._decode
+        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
+        shape = (bs, meta.max_len, self.num_kv_heads, self.head_dim)
+        keys = k_buf.index_select(0, meta.kv_indices).view(shape).transpose(1, 2)
+        values = v_buf.index_select(0, meta.kv_indices).view(shape).transpose(1, 2)
+        group = self.num_heads // self.num_kv_heads
+        # [bs, kv_heads, group, head_dim]: the group's query heads act as query rows of one KV head
+        queries = q.view(bs, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scaling)
+        return out.reshape(bs, self.num_heads * self.head_dim)
+
+    def _forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
+        for seq in self._extend:
+            rows = slice(seq.start, seq.start + seq.num_new)
+            if seq.kv_indices is None:
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = k_buf.index_select(0, seq.kv_indices), v_buf.index_select(0, seq.kv_indices)
+            # SDPA wants [heads, tokens, head_dim]
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=seq.mask,
+                is_causal=seq.mask is None,
+                scale=self.scaling,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)

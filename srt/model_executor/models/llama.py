@@ -1,0 +1,241 @@
+"""The one Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over the paged KV pool.
+
+Architecture differences are switches read from the config, not copies of this file: Qwen2 adds a bias to
+the q/k/v projections, Qwen3 RMS-normalizes q and k per head before the rotary embedding, and small models
+tie the output head to the input embedding. q/k/v and gate/up are fused into one matmul each; the
+checkpoint's separate tensors are copied into their slices by the declarative mapping `STACKED_PARAMS`.
+The numerics follow Hugging Face's implementation op for op, so greedy outputs match it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.model_executor.attention.base import AttentionBackend
+from srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# (fused parameter module, checkpoint module, shard id): checkpoint tensors that land in a slice of ours.
+STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+)
+# Checkpoint tensors we recompute instead of loading.
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+DEFAULT_ROPE_THETA = 10000.0
+
+
+class FusedLinear(nn.Linear):
+    """A linear layer whose output rows are the concatenation of several checkpoint layers ("shards")."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard, size in shard_sizes.items():
+            self.shard_offsets[shard] = (offset, size)
+            offset += size
+
+    def shard_view(self, param: torch.Tensor, shard: str) -> torch.Tensor:
+        offset, size = self.shard_offsets[shard]
+        return param.narrow(0, offset, size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as in HF, so reduced-precision runs normalize stably
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for rotary embeddings from the config (`rope_parameters` in transformers 5,
+    `rope_theta` + `rope_scaling` before), supporting the plain and the Llama-3.1 ("llama3") schemes."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", DEFAULT_ROPE_THETA))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    # explicit CPU device: the model may be constructed under a `meta` device context
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type != "llama3":
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported")
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position, built once at model construction (not per step)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, device: str):
+        inv_freq, attention_scaling = rope_inv_freq(config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(t, inv_freq)
+        self.cos = (freqs.cos() * attention_scaling).to(dtype=dtype, device=device)
+        self.sin = (freqs.sin() * attention_scaling).to(dtype=dtype, device=device)
+        self.half = head_dim // 2
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `positions`, shaped [num_tokens, 1, head_dim // 2] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half (GPT-NeoX) layout, as HF Llama: x [num_tokens, heads, head_dim]."""
+        x1, x2 = x[..., : self.half], x[..., self.half :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=qkv_bias)
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.layer_id, batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inter = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.inter = inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, rope, cos_sin, batch, attn) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cos_sin, batch, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Model code takes (input_ids, positions, forward_batch) and returns the logits of each sequence's
+    last new token; the head runs only on those rows (most of an extend step's rows are never sampled)."""
+
+    # architecture name -> (qkv_bias, qk_norm)
+    ARCH_SWITCHES = {
+        "LlamaForCausalLM": (False, False),
+        "MistralForCausalLM": (False, False),
+        "Qwen2ForCausalLM": (True, False),
+        "Qwen3ForCausalLM": (False, True),
+    }
+
+    def __init__(
+        self, config, arch: str, max_positions: int, dtype: torch.dtype, device: str
+    ):
+        super().__init__()
+        qkv_bias, qk_norm = self.ARCH_SWITCHES[arch]
+        qkv_bias = qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.config = config
+        self.model = LlamaModel(config, qkv_bias, qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # set by the model runner once the KV pool exists (the pool is sized after the weights are loaded)
+        self.attn_backend: AttentionBackend | None = None
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.rope = RotaryEmbedding(config, head_dim, max_positions, dtype, device)
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            logger.warning("sliding_window=%s is ignored: attention is full-context", config.sliding_window)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.tables(positions)
+        for layer in self.model.layers:
+            hidden = layer(hidden, self.rope, cos_sin, batch, self.attn_backend)
+        if not batch.is_decode:
+            hidden = hidden[last_token_rows(batch.new_token_counts(), hidden.device)]
+        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+
+    # ---- declarative weight loading (used by model_loader) ----
+    def skip_weight(self, name: str) -> bool:
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            return True
+        return self.tie_word_embeddings and name.startswith("lm_head.")
+
+
+def last_token_rows(new_token_counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Row of each sequence's last new token in the step's concatenated token arrays."""
+    ends = torch.tensor(new_token_counts, dtype=torch.int64).cumsum(0) - 1
+    return ends.to(device)
+
+
+EntryClass = LlamaForCausalLM

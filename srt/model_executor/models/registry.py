@@ -1,0 +1,17 @@
+"""Model classes by the `architectures` field of a Hugging Face config."""
+
+from __future__ import annotations
+
+from srt.model_executor.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {arch: LlamaForCausalLM for arch in LlamaForCausalLM.ARCH_SWITCHES}
+# GGUF-converted configs may lack `architectures`; they are Llama-family (see gguf_convert).
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
+
+
+def get_model_class(architectures: list[str] | None) -> tuple[str, type]:
+    """The first supported architecture named by the config, with its class."""
+    for arch in architectures or [DEFAULT_ARCHITECTURE]:
+        if arch in MODEL_REGISTRY:
+            return arch, MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported architectures {architectures}; supported: {', '.join(MODEL_REGISTRY)}")

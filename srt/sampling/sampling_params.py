@@ -1,0 +1,65 @@
+"""Per-request sampling parameters: the one definition shared by HTTP parsing, the scheduler and the sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Context-free upper bound for max_new_tokens; the real bound is the model's context length, checked later.
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class SamplingParamsError(ValueError):
+    """Raised for a parameter a client sent that can never be valid; the HTTP layer maps it to a 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    # Number of top log-probabilities to return per output token; None = no logprobs at all.
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def verify(self) -> None:
+        """Reject values no model could honour, naming the offending field."""
+        checks = [
+            (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
+            (0 <= self.min_new_tokens, "min_new_tokens", "must be >= 0"),
+            (self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be <= max_new_tokens"),
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise SamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}", param=name)

@@ -1,0 +1,162 @@
+"""`ServerArgs`: the only source of defaults. Every CLI flag is generated from a field of it, validated once,
+and never mutated after start-up. `PortArgs` holds the IPC endpoints of one server instance."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _f(default, help: str, **meta):
+    """A dataclass field whose metadata becomes the argparse help (and choices, when given)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model
+    model_path: str | None = _f(None, "HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _f(None, "tokenizer directory; default: the model's")
+    served_model_name: str | None = _f(None, "name reported in /v1/models and the model_name metric label")
+    dtype: str = _f("auto", "weight/activation dtype; auto = float32 on CPU", choices=DTYPES)
+    context_length: int | None = _f(None, "override the model's maximum context length")
+    device: str = _f("auto", "cpu, cuda or auto")
+    random_seed: int = _f(0, "seed for sampling of requests without their own seed")
+    # HTTP
+    host: str = _f("127.0.0.1", "address the HTTP server binds")
+    port: int = _f(30000, "HTTP port")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer <key>' on every route but /health and /metrics")
+    # Scheduling and memory
+    max_running_requests: int | None = _f(None, "most requests decoded at once; default derived from the KV pool")
+    max_total_tokens: int | None = _f(None, "KV pool capacity in tokens; default derived from --mem-fraction-static")
+    mem_fraction_static: float = _f(0.1, "fraction of available memory given to the KV pool when --max-total-tokens is unset")
+    max_prefill_tokens: int = _f(8192, "token budget of one prefill batch")
+    chunked_prefill_size: int = _f(2048, "longest prompt piece prefilled in one step; -1 disables chunking")
+    schedule_policy: str = _f("fcfs", "order of the waiting queue", choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = _f(False, "never share prompt prefixes between requests")
+    stream_interval: int = _f(1, "send streamed tokens every N decode steps (the first token is always sent at once)")
+    attention_backend: str | None = _f(None, "default: flashinfer on CUDA when installed, else torch_native", choices=ATTENTION_BACKENDS)
+    tp_size: int = _f(1, "tensor parallel ranks")
+    dp_size: int = _f(1, "data parallel scheduler replicas")
+    load_balance_method: str = _f("round_robin", "how requests are routed to data parallel replicas", choices=LOAD_BALANCE_METHODS)
+    # Logging
+    log_level: str = _f("info", "logging level", choices=LOG_LEVELS)
+    decode_log_interval: int = _f(40, "write a 'Decode batch' log line every N decode steps")
+    log_stats_interval: float = _f(10.0, "seconds between summary log lines while not idle")
+    # Metrics (on by default: a metric that must be switched on is rarely there when it is needed)
+    enable_metrics: bool = _f(False, "accepted for SGLang command lines; metrics are on unless --disable-metrics")
+    disable_metrics: bool = _f(False, "record nothing; /metrics answers 404")
+    bucket_time_to_first_token: list[float] | None = _f(None, "TTFT histogram buckets (seconds)", nargs="+")
+    bucket_inter_token_latency: list[float] | None = _f(None, "inter-token latency histogram buckets (seconds)", nargs="+")
+    bucket_e2e_request_latency: list[float] | None = _f(None, "end-to-end latency histogram buckets (seconds)", nargs="+")
+    kv_cache_metrics: bool = _f(False, "track KV residency histograms of a sample of radix-cache nodes")
+    kv_cache_metrics_sample: float = _f(0.01, "fraction of radix-cache nodes tracked by --kv-cache-metrics")
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Fail at start with one clear line for any combination that cannot work."""
+        problems = []
+        if not (0 < self.port < 65536):
+            problems.append(f"--port must be in 1..65535, got {self.port}")
+        if self.tp_size < 1 or self.dp_size < 1:
+            problems.append("--tp-size and --dp-size must be >= 1")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            problems.append("--max-running-requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            problems.append("--max-total-tokens must be >= 16")
+        if not (0 < self.mem_fraction_static < 1):
+            problems.append("--mem-fraction-static must be in (0, 1)")
+        if self.max_prefill_tokens < 1:
+            problems.append("--max-prefill-tokens must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            problems.append("--chunked-prefill-size must be positive or -1 (disabled)")
+        if self.stream_interval < 1 or self.decode_log_interval < 1:
+            problems.append("--stream-interval and --decode-log-interval must be >= 1")
+        if self.log_stats_interval <= 0:
+            problems.append("--log-stats-interval must be > 0")
+        if self.enable_metrics and self.disable_metrics:
+            problems.append("--enable-metrics and --disable-metrics contradict each other")
+        if not (0 < self.kv_cache_metrics_sample <= 1):
+            problems.append("--kv-cache-metrics-sample must be in (0, 1]")
+        for name in ("bucket_time_to_first_token", "bucket_inter_token_latency", "bucket_e2e_request_latency"):
+            buckets = getattr(self, name)
+            if buckets is not None and (not buckets or sorted(buckets) != list(buckets) or buckets[0] < 0):
+                problems.append(f"--{name.replace('_', '-')} must be a non-empty ascending list of seconds >= 0")
+        if self.model_path is not None and not os.path.exists(self.model_path):
+            problems.append(f"--model-path {self.model_path!r} does not exist")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def metrics_enabled(self) -> bool:
+        return not self.disable_metrics
+
+    @property
+    def model_name(self) -> str:
+        """The served name: the flag, else the model file or directory name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model_path is None:
+            return "SmolLM2-135M-Instruct"
+        base = os.path.basename(os.path.normpath(self.model_path))
+        return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ---- CLI ----
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            help_text = meta.pop("help", "")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kind = {"int": int, "int | None": int, "float": float, "list[float] | None": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)", **meta)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None) -> ServerArgs:
+        parser = argparse.ArgumentParser(prog="python -m srt.launch_server", description="Start the srt server.")
+        cls.add_cli_args(parser)
+        args = parser.parse_args(argv)
+        try:
+            return cls.from_cli_args(args)
+        except ValueError as e:
+            parser.error(str(e))
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """ZMQ ipc:// endpoints in a per-server temporary directory; each PULL side binds, each PUSH connects."""
+
+    ipc_dir: str
+    scheduler_input: str
+    detokenizer_input: str
+    tokenizer_input: str
+
+    @classmethod
+    def create(cls) -> PortArgs:
+        d = tempfile.mkdtemp(prefix="srt-ipc-")
+        return cls(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer")

@@ -1,0 +1,158 @@
+"""Small process and socket helpers shared by the launcher and the subprocesses.
+
+Nothing here imports torch or prometheus_client: the launcher imports this module before it sets up the
+metrics directory, and the HTTP process must never load torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s [%(process_label)s] %(levelname)s %(name)s: %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+# prctl option that makes the kernel signal a child when its parent dies (Linux only).
+PR_SET_PDEATHSIG = 1
+# How often a child checks that its parent is still alive, as a fallback where prctl is unavailable.
+PARENT_POLL_SECONDS = 1.0
+# Time a process gets to exit after SIGTERM before it is SIGKILLed.
+TERMINATE_GRACE_SECONDS = 3.0
+
+
+class _ProcessLabelFilter(logging.Filter):
+    """Adds the process label (`main`, `scheduler`, `detokenizer` …) to every record."""
+
+    def __init__(self, label: str):
+        super().__init__()
+        self.label = label
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.process_label = self.label
+        return True
+
+
+def configure_logging(level: str, process_label: str) -> None:
+    """Root logging for one process: every line carries the process label so interleaved logs stay readable."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+    handler.addFilter(_ProcessLabelFilter(process_label))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def get_zmq_socket(context: zmq.Context, socket_type: int, endpoint: str, bind: bool) -> zmq.Socket:
+    """A PUSH/PULL socket with unlimited high-water marks: a full queue must never block or drop a message
+    (the ring carries one message per scheduler step, so memory stays bounded by the work in flight)."""
+    sock = context.socket(socket_type)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies, so a crashed launcher never
+    leaves orphans. Best effort: a no-op where prctl is unavailable."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:
+        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable")
+
+
+def watch_parent_process(interval: float = PARENT_POLL_SECONDS) -> None:
+    """Start a daemon thread that exits this process when it is re-parented (its launcher died)."""
+    parent = os.getppid()
+
+    def _watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                logger.error("parent process %d is gone; exiting", parent)
+                os._exit(1)
+
+    threading.Thread(target=_watch, name="parent-watch", daemon=True).start()
+
+
+def _children_map() -> dict[int, list[int]]:
+    """pid -> child pids, from /proc (no psutil dependency in the serving path)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name is in parentheses and may contain spaces; fields after it are fixed.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every live descendant of `pid`, children before grandchildren."""
+    tree = _children_map()
+    out: list[int] = []
+    frontier = [pid]
+    while frontier:
+        nxt = []
+        for p in frontier:
+            for c in tree.get(p, []):
+                out.append(c)
+                nxt.append(c)
+        frontier = nxt
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def kill_process_tree(pid: int, include_parent: bool = True, grace: float = TERMINATE_GRACE_SECONDS) -> None:
+    """SIGTERM a process and all its descendants, then SIGKILL whatever is still alive after `grace`."""
+    targets = descendant_pids(pid)
+    if include_parent:
+        targets.append(pid)
+    for p in targets:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(pid_alive(p) for p in targets):
+        time.sleep(0.05)
+    for p in targets:
+        if pid_alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -195,7 +195,9 @@ class DetokenizerManager:
                 self.send_sock.send_pyobj(msg)
 
 
-def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer) -> None:
+def run_detokenizer_process(
+    server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer
+) -> None:
     """Entry point of the spawned detokenizer: load the tokenizer, report ready (True or an error string)."""
     configure_logging(server_args.log_level, "detokenizer")
     set_parent_death_signal()

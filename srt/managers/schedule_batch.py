@@ -76,7 +76,8 @@ class Req:
 
     @property
     def is_chunked(self) -> bool:
-        """True while a prefill is split over steps and more of `fill_ids` remains."""
+        """True while a prefill is split over steps and more of `fill_ids` remains after the step being
+        planned (`extend_len` is reset to 0 once the step has run)."""
         return self.kv_len + self.extend_len < len(self.fill_ids)
 
     @property

@@ -92,8 +92,13 @@ class PrefillAdder:
         if self.rem_input <= 0 or self.rem_chunk <= 0:
             req.reset_prefix()
             return AddResult.OTHER
+        budget = min(self.rem_chunk, self.rem_input)
+        if extend > budget and math.isinf(self.rem_chunk) and self.can_run:
+            # Chunking is off: a prompt over the remaining budget waits for a batch of its own.
+            req.reset_prefix()
+            return AddResult.OTHER
         self._lock(req)
-        req.extend_len = int(min(extend, self.rem_chunk, self.rem_input))
+        req.extend_len = int(extend if math.isinf(self.rem_chunk) else min(extend, budget))
         self.can_run.append(req)
         self._take(req.extend_len)
         if req.is_chunked:

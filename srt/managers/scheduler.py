@@ -207,6 +207,7 @@ class Scheduler:
         forward_seconds = time.perf_counter() - t0
         for req in reqs:
             req.kv_len += req.extend_len
+            req.extend_len = 0
         done = [i for i, r in enumerate(reqs) if not r.is_chunked]
         for req in reqs:
             if req.is_chunked:

@@ -179,6 +179,7 @@ class SchedulerMetricsCollector:
         ).labels(**labels)
 
         self._recent = RecentFootprint()
+        self._concurrency.set(self.concurrency_estimate())
         self._reset_pending()
 
     def _reset_pending(self) -> None:

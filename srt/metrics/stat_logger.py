@@ -16,27 +16,23 @@ _PERCENT = 100.0
 
 
 def format_prefill_line(
-    num_new_seqs: int,
-    num_new_tokens: int,
-    num_cached_tokens: int,
-    token_usage: float,
-    num_running_reqs: int,
-    num_queue_reqs: int,
+    *, new_seq: int, new_token: int, cached_token: int, token_usage: float, running_req: int, queue_req: int
 ) -> str:
+    """Keyword names mirror the line's own labels (`#new-seq` -> new_seq) so call sites read like the log."""
     return (
-        f"Prefill batch. #new-seq: {num_new_seqs}, #new-token: {num_new_tokens}, "
-        f"#cached-token: {num_cached_tokens}, token usage: {token_usage:.2f}, "
-        f"#running-req: {num_running_reqs}, #queue-req: {num_queue_reqs}"
+        f"Prefill batch. #new-seq: {new_seq}, #new-token: {new_token}, "
+        f"#cached-token: {cached_token}, token usage: {token_usage:.2f}, "
+        f"#running-req: {running_req}, #queue-req: {queue_req}"
     )
 
 
 def format_decode_line(
-    num_running_reqs: int, num_tokens: int, token_usage: float, gen_throughput: float, num_queue_reqs: int
+    *, running_req: int, token: int, token_usage: float, gen_throughput: float, queue_req: int
 ) -> str:
     return (
-        f"Decode batch. #running-req: {num_running_reqs}, #token: {num_tokens}, "
+        f"Decode batch. #running-req: {running_req}, #token: {token}, "
         f"token usage: {token_usage:.2f}, gen throughput (token/s): {gen_throughput:.2f}, "
-        f"#queue-req: {num_queue_reqs}"
+        f"#queue-req: {queue_req}"
     )
 
 
@@ -87,64 +83,82 @@ class GenThroughputMeter:
         return rate
 
 
+class PrefixHitWindow:
+    """Prefix-cache hit rate over the most recent `max_requests` requests, as vLLM computes it: one entry per
+    prefill batch (requests, queried tokens, hit tokens); the oldest entries drop out while the remaining
+    ones still cover `max_requests` requests."""
+
+    def __init__(self, max_requests: int = HIT_RATE_WINDOW_REQUESTS) -> None:
+        self._max = max_requests
+        self._entries: deque[tuple[int, int, int]] = deque()
+        self._requests = self._queries = self._hits = 0
+
+    def add(self, requests: int, queries: int, hits: int) -> None:
+        self._entries.append((requests, queries, hits))
+        self._requests += requests
+        self._queries += queries
+        self._hits += hits
+        while len(self._entries) > 1 and self._requests - self._entries[0][0] >= self._max:
+            old_requests, old_queries, old_hits = self._entries.popleft()
+            self._requests -= old_requests
+            self._queries -= old_queries
+            self._hits -= old_hits
+
+    def hit_rate(self) -> float:
+        """Hit tokens / queried tokens; 0 before any query."""
+        return self._hits / self._queries if self._queries else 0.0
+
+
 class StatsSummaryLogger:
     """The vLLM-shaped summary every `interval` seconds while the scheduler is not idle.
 
-    Per step the scheduler calls `record_prefill` / `record_decode` (integer adds), per finished request
-    `record_finished_request`, and once per loop iteration `maybe_log`, which is a clock comparison unless
-    the interval has passed."""
+    Per step the scheduler calls `on_prefill` / `on_decode` (integer adds) and once per loop iteration
+    `maybe_log`, which is a clock comparison unless the interval has passed. `maybe_log` returns the line;
+    it also logs it when a `logger` was given (otherwise the caller logs it with its own logger)."""
 
     def __init__(
         self, interval: float, logger: logging.Logger | None = None, now: float | None = None
     ) -> None:
         self._interval = interval
-        self._logger = logger or logging.getLogger(__name__)
+        self._logger = logger
         self._last = time.monotonic() if now is None else now
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._recent: deque[tuple[int, int]] = deque(maxlen=HIT_RATE_WINDOW_REQUESTS)
-        self._recent_prompt = 0
-        self._recent_cached = 0
+        self._hits = PrefixHitWindow()
 
-    def record_prefill(self, num_tokens: int) -> None:
-        self._prompt_tokens += num_tokens
+    def on_prefill(
+        self, new_tokens: int, prefix_queries: int, prefix_hits: int, num_requests: int = 1
+    ) -> None:
+        """`num_requests`: requests whose prefix was looked up in this batch (the hit-rate window counts them)."""
+        self._prompt_tokens += new_tokens
+        self._hits.add(num_requests, prefix_queries, prefix_hits)
 
-    def record_decode(self, num_tokens: int) -> None:
+    def on_decode(self, num_tokens: int) -> None:
         self._generation_tokens += num_tokens
 
-    def record_finished_request(self, prompt_tokens: int, cached_tokens: int) -> None:
-        if len(self._recent) == self._recent.maxlen:
-            old_prompt, old_cached = self._recent[0]
-            self._recent_prompt -= old_prompt
-            self._recent_cached -= old_cached
-        self._recent.append((prompt_tokens, cached_tokens))
-        self._recent_prompt += prompt_tokens
-        self._recent_cached += cached_tokens
-
     def prefix_cache_hit_rate(self) -> float:
-        """Cached / prompt tokens over the most recent requests; 0 before any."""
-        return self._recent_cached / self._recent_prompt if self._recent_prompt else 0.0
+        return self._hits.hit_rate()
 
     def maybe_log(
-        self, num_running_reqs: int, num_waiting_reqs: int, token_usage: float, now: float | None = None
+        self, now: float | None = None, *, running: int, waiting: int, kv_usage: float
     ) -> str | None:
-        """Log (and return) the summary if the interval has passed and there was work; else None."""
+        """The summary line if the interval has passed and there was work in it, else None."""
         now = time.monotonic() if now is None else now
         elapsed = now - self._last
         if elapsed < self._interval:
             return None
-        busy = num_running_reqs or num_waiting_reqs or self._prompt_tokens or self._generation_tokens
         line = None
-        if busy:
+        if running or waiting or self._prompt_tokens or self._generation_tokens:
             line = format_summary_line(
                 self._prompt_tokens / elapsed,
                 self._generation_tokens / elapsed,
-                num_running_reqs,
-                num_waiting_reqs,
-                token_usage,
+                running,
+                waiting,
+                kv_usage,
                 self.prefix_cache_hit_rate(),
             )
-            self._logger.info(line)
+            if self._logger is not None:
+                self._logger.info(line)
         self._last = now
         self._prompt_tokens = 0
         self._generation_tokens = 0

@@ -1,7 +1,7 @@
 """Logit penalties and the min_new_tokens mask, vectorized over the rows that use them.
 
 Each function edits `logits` ([batch, vocab], a tensor the caller owns) in place and touches only the
-rows whose request asked for the feature, so a batch of plain requests pays one Python check per row.
+(row, token) entries concerned, so a batch of plain requests pays one Python check per row.
 """
 
 from __future__ import annotations
@@ -23,13 +23,20 @@ def min_new_tokens_active(p: SamplingParams, num_output: int) -> bool:
     return num_output < p.min_new_tokens
 
 
-def _token_index(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) index pairs for scattering per-row token lists into a [rows, vocab] tensor."""
+def _token_index(
+    rows: list[int], token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch row, token) index pairs, one per listed token, for indexing a [batch, vocab] tensor."""
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), lengths)
     tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
     in_vocab = tokens < vocab_size
-    return rows[in_vocab], tokens[in_vocab]
+    return row_ids[in_vocab], tokens[in_vocab]
+
+
+def _unique_pairs(rows: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = torch.unique(rows * vocab_size + tokens)
+    return flat // vocab_size, flat % vocab_size
 
 
 def apply_penalties(
@@ -42,30 +49,31 @@ def apply_penalties(
 
     Repetition divides a positive logit by the penalty and multiplies a negative one, for every token
     seen at least once. Frequency subtracts penalty * count; presence subtracts a flat penalty once.
+    Work is proportional to the number of tokens seen, not to the vocabulary.
     """
     vocab_size = logits.shape[-1]
     device = logits.device
 
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != NO_REPETITION_PENALTY]
     if rep_rows:
-        rows, tokens = _token_index([input_ids[i] + output_ids[i] for i in rep_rows], vocab_size, device)
-        seen = torch.zeros((len(rep_rows), vocab_size), dtype=torch.bool, device=device)
-        seen[rows, tokens] = True
-        penalty = torch.tensor(
-            [params[i].repetition_penalty for i in rep_rows], dtype=logits.dtype, device=device
-        ).unsqueeze(1)
-        sub = logits[rep_rows]
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        logits[rep_rows] = torch.where(seen, penalized, sub)
+        seen = [input_ids[i] + output_ids[i] for i in rep_rows]
+        rows, tokens = _unique_pairs(*_token_index(rep_rows, seen, vocab_size, device), vocab_size)
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[rows]
+        values = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
 
-    freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0]
     if freq_rows:
-        rows, tokens = _token_index([output_ids[i] for i in freq_rows], vocab_size, device)
-        counts = torch.zeros((len(freq_rows), vocab_size), dtype=logits.dtype, device=device)
-        counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=logits.dtype), accumulate=True)
-        freq = torch.tensor([params[i].frequency_penalty for i in freq_rows], dtype=logits.dtype, device=device)
-        pres = torch.tensor([params[i].presence_penalty for i in freq_rows], dtype=logits.dtype, device=device)
-        logits[freq_rows] -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
+        rows, tokens = _token_index(freq_rows, [output_ids[i] for i in freq_rows], vocab_size, device)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
+        logits.index_put_((rows, tokens), -freq[rows], accumulate=True)
+
+    pres_rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0]
+    if pres_rows:
+        pairs = _token_index(pres_rows, [output_ids[i] for i in pres_rows], vocab_size, device)
+        rows, tokens = _unique_pairs(*pairs, vocab_size)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
+        logits[rows, tokens] -= pres[rows]
 
 
 def apply_min_new_tokens(
@@ -79,6 +87,5 @@ def apply_min_new_tokens(
     if not active:
         return
     banned = [eos_token_ids + params[i].stop_token_ids for i in active]
-    rows, tokens = _token_index(banned, logits.shape[-1], logits.device)
-    row_ids = torch.tensor(active, dtype=torch.int64, device=logits.device)[rows]
-    logits[row_ids, tokens] = float("-inf")
+    rows, tokens = _token_index(active, banned, logits.shape[-1], logits.device)
+    logits[rows, tokens] = float("-inf")

@@ -1,9 +1,10 @@
 """Turns a batch of last-position logits into next tokens, one set of sampling parameters per row.
 
 Order per row: penalties -> min_new_tokens mask -> temperature -> top_k -> top_p -> min_p -> sample.
-Greedy rows take the argmax of the penalized logits. Sampling is an exponential race,
-argmax(probs / E) with E ~ Exp(1) i.i.d., which draws exactly from `probs`; a request with its own
-generator draws its E alone, so a seeded request's tokens do not depend on what else is in the batch.
+Greedy rows take the argmax of the penalized logits. Sampling inverts the row's CDF at one uniform
+draw: one random number per row instead of one per vocabulary entry (per-token noise costs more than
+the rest of the step on a CPU). A request with its own generator draws its number alone, so a seeded
+request's tokens do not depend on what else is in the batch.
 Log-probabilities are those of the raw model distribution (before penalties and temperature).
 """
 
@@ -18,6 +19,9 @@ from srt.sampling.sampling_params import SamplingParams
 
 TOP_K_DISABLED = -1
 TOP_P_DISABLED = 1.0
+# Best tokens searched for the top-p cut-off before falling back to a full sort of the row; a model's
+# next-token distribution almost always puts top_p of its mass well inside this many tokens.
+TOP_P_CANDIDATES = 1024
 
 
 @dataclass
@@ -90,8 +94,7 @@ class Sampler:
             top_p=[p.top_p for p in params],
             min_p=[p.min_p for p in params],
         )
-        noise = _exponential_noise(probs.shape, generators, probs.device)
-        return (probs / noise).argmax(dim=-1)
+        return sample_from_probs(probs, _uniforms(generators, probs.device))
 
     @staticmethod
     def _logprobs(
@@ -111,43 +114,68 @@ class Sampler:
 def filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Softmax of temperature-scaled logits with top-k, then top-p, then min-p applied per row.
 
-    Masked tokens get probability exactly 0; the rest are not renormalized (the exponential race does
-    not need it). top_p keeps the smallest set of best tokens whose probability reaches top_p.
+    Masked tokens get probability exactly 0 and the rest are not renormalized (sampling scales by the
+    row's remaining mass). top_k keeps tokens at least as likely as the k-th best (ties at the boundary
+    stay); top_p keeps the smallest set of best tokens whose share of the top-k mass reaches top_p.
     """
-    vocab_size = logits.shape[-1]
-    device = logits.device
-    use_top_k = any(k != TOP_K_DISABLED for k in top_k)
-    use_top_p = any(p < TOP_P_DISABLED for p in top_p)
-    if use_top_k or use_top_p:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        if use_top_k:
-            ks = torch.tensor([k if k != TOP_K_DISABLED else vocab_size for k in top_k], device=device)
-            ranks = torch.arange(vocab_size, device=device)
-            sorted_logits.masked_fill_(ranks.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
-        if use_top_p:
-            sorted_probs = torch.softmax(sorted_logits, dim=-1)
-            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            threshold = torch.tensor(
-                [p if p < TOP_P_DISABLED else float("inf") for p in top_p], dtype=logits.dtype, device=device
-            )
-            sorted_logits.masked_fill_(mass_before >= threshold.unsqueeze(1), float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
+    if any(k != TOP_K_DISABLED for k in top_k):
+        _apply_top_k(probs, top_k)
+    if any(p < TOP_P_DISABLED for p in top_p):
+        _apply_top_p(probs, top_p)
     if any(p > 0.0 for p in min_p):
-        floor = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+        probs.masked_fill_(probs < floor * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs
 
 
-def _exponential_noise(
-    shape: torch.Size, generators: list[torch.Generator | None], device: torch.device
-) -> torch.Tensor:
-    """Exp(1) noise; rows sharing a generator draw together, a seeded row draws alone."""
-    noise = torch.empty(shape, device=device)
+def _apply_top_k(probs: torch.Tensor, top_k: list[int]) -> None:
+    vocab_size = probs.shape[-1]
+    ks = [min(k, vocab_size) if k != TOP_K_DISABLED else vocab_size for k in top_k]
+    best = probs.topk(max(ks), dim=-1).values
+    kth = best.gather(1, torch.tensor(ks, device=probs.device).unsqueeze(1) - 1)
+    probs.masked_fill_(probs < kth, 0.0)
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: list[float]) -> None:
+    """Find each row's cut-off among its TOP_P_CANDIDATES best tokens; fully sort only rows whose
+    candidates do not reach top_p (a flat distribution)."""
+    rows = [i for i, p in enumerate(top_p) if p < TOP_P_DISABLED]
+    sub = probs[rows]
+    share = torch.tensor([top_p[i] for i in rows], dtype=probs.dtype, device=probs.device)
+    target = share.unsqueeze(1) * sub.sum(dim=-1, keepdim=True)
+    cutoff = _top_p_cutoff(sub, target, min(TOP_P_CANDIDATES, sub.shape[-1]))
+    short = torch.isnan(cutoff.squeeze(1)).nonzero().flatten()
+    if short.numel() > 0:
+        cutoff[short] = _top_p_cutoff(sub[short], target[short], sub.shape[-1])
+    probs[rows] = sub.masked_fill_(sub < cutoff, 0.0)
+
+
+def _top_p_cutoff(probs: torch.Tensor, target: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Probability of the last token kept per row ([rows, 1]); NaN where the candidates fall short."""
+    best = probs.topk(candidates, dim=-1).values
+    mass_before = torch.cumsum(best, dim=-1) - best
+    num_kept = (mass_before < target).sum(dim=-1, keepdim=True)
+    cutoff = best.gather(1, num_kept.clamp(max=candidates) - 1)
+    reached = (mass_before[:, -1:] + best[:, -1:]) >= target
+    return cutoff.masked_fill(~reached, float("nan"))
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Invert each row's (unnormalized) CDF at its uniform draw; zero-probability tokens are never chosen."""
+    cdf = torch.cumsum(probs, dim=-1)
+    point = uniforms.unsqueeze(1) * cdf[:, -1:]
+    chosen = torch.searchsorted(cdf, point, right=True).squeeze(1)
+    # Rounding can put the point at the very end of the CDF; the most likely token is a safe landing.
+    return torch.where(chosen < probs.shape[-1], chosen, probs.argmax(dim=-1))
+
+
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per row; rows sharing a generator draw together, a seeded row draws alone."""
+    uniforms = torch.empty(len(generators), device=device)
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for row, gen in enumerate(generators):
         groups.setdefault(id(gen), (gen, []))[1].append(row)
     for gen, rows in groups.values():
-        noise[rows] = torch.empty((len(rows), shape[1]), device=device).exponential_(generator=gen)
-    # An exact 0 draw would divide by zero; the smallest normal float keeps the race well defined.
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        uniforms[rows] = torch.rand(len(rows), generator=gen, device=device)
+    return uniforms

@@ -53,7 +53,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         return OpenAIError(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     field = ".".join(loc)
-    message = f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg", "invalid request")
+    message = (
+        f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg", "invalid request")
+    )
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"
     return OpenAIError(message, param=field or None, code="invalid_value")

@@ -53,10 +53,9 @@ class SamplingFields(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return stops[:MAX_STOP_STRINGS]
 
-    def to_sampling_params(self, max_new_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """`max_new_tokens` None means "up to the context length"; the TokenizerManager fills it in."""
+    def to_sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            max_new_tokens=-1 if max_new_tokens is None else max_new_tokens,
+            max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

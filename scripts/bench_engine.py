@@ -1,0 +1,127 @@
+"""Engine throughput, in-process, on the embedded model (issue 2's benchmark): srt's scheduler against
+Hugging Face transformers on the same weights, same run, same machine.
+
+Prints batch-1 decode tok/s, aggregate decode tok/s at 16 and 64 concurrent sequences, and prefill tok/s for
+a 512-token prompt, for both, with the ratios.
+
+    .venv/bin/python scripts/bench_engine.py [--model-path DIR_OR_GGUF] [--decode-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from srt.managers.io_struct import TokenizedGenerateReqInput
+from srt.managers.scheduler import Scheduler
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_source import resolve_model_dir
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+PREFILL_LEN = 512
+DECODE_PROMPT_LEN = 32
+BATCHES = (1, 16, 64)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def srt_decode_rate(sched: Scheduler, prompts: list[list[int]], new_tokens: int) -> float:
+    """Aggregate decode tokens/s: time only the decode steps once every sequence has been prefilled."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.add_request(TokenizedGenerateReqInput(rid=f"d{i}", input_ids=p, sampling_params=params))
+    while sched.waiting or sched.chunked_req:
+        sched.step()
+    decoded, start = 0, time.perf_counter()
+    while sched.running:
+        decoded += len(sched.running)
+        sched.step()
+    rate = decoded / (time.perf_counter() - start)
+    sched.flush_cache()
+    return rate
+
+
+def srt_prefill_rate(sched: Scheduler, prompt: list[int], repeats: int = 3) -> float:
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    best = float("inf")
+    for r in range(repeats):
+        sched.add_request(TokenizedGenerateReqInput(rid=f"p{r}", input_ids=prompt, sampling_params=params))
+        start = time.perf_counter()
+        sched.step()
+        best = min(best, time.perf_counter() - start)
+        sched.flush_cache()
+    return len(prompt) / best
+
+
+@torch.inference_mode()
+def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """Same-length prompts, hand-written greedy loop over HF's DynamicCache: decode steps only."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor(prompts)
+    cache = DynamicCache()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return len(prompts) * (new_tokens - 1) / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def hf_prefill_rate(model, prompt: list[int], repeats: int = 3) -> float:
+    ids = torch.tensor([prompt])
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        best = min(best, time.perf_counter() - start)
+    return len(prompt) / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model_dir = resolve_model_dir(args.model_path)
+    server_args = ServerArgs(model_path=args.model_path, max_total_tokens=64 * (DECODE_PROMPT_LEN + args.decode_tokens) + 1024,
+                             max_running_requests=64, chunked_prefill_size=-1)
+    runner = ModelRunner(model_dir, max_total_tokens=server_args.max_total_tokens, max_running_requests=64)
+    sched = Scheduler(server_args, runner)
+    vocab = runner.vocab_size
+    prefill_prompt = random_prompt(rng, PREFILL_LEN, vocab)
+    decode_prompts = {b: [random_prompt(rng, DECODE_PROMPT_LEN, vocab) for _ in range(b)] for b in BATCHES}
+
+    srt_prefill_rate(sched, prefill_prompt[:64], repeats=1)  # warm-up
+    rows = {"prefill 512 (tok/s)": [srt_prefill_rate(sched, prefill_prompt)]}
+    for b in BATCHES:
+        rows[f"decode bs={b} (tok/s)"] = [srt_decode_rate(sched, decode_prompts[b], args.decode_tokens)]
+
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        rows["prefill 512 (tok/s)"].append(hf_prefill_rate(model, prefill_prompt))
+        for b in BATCHES:
+            rows[f"decode bs={b} (tok/s)"].append(hf_decode_rate(model, decode_prompts[b], args.decode_tokens))
+
+    print(f"\n{'figure':<24}{'srt':>10}{'transformers':>14}{'ratio':>8}")
+    for name, vals in rows.items():
+        hf = f"{vals[1]:>14.1f}{vals[0] / vals[1]:>8.2f}" if len(vals) > 1 else ""
+        print(f"{name:<24}{vals[0]:>10.1f}{hf}")
+    print(f"(torch threads: {torch.get_num_threads()}, decode tokens per sequence: {args.decode_tokens})")
+
+
+if __name__ == "__main__":
+    main()

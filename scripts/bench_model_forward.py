@@ -1,0 +1,105 @@
+"""Times ModelRunner.forward alone (no scheduler, no sampling beyond argmax) on the embedded model.
+
+Prints batch-1 decode tokens/s, aggregate decode tokens/s at several batch sizes, and prefill tokens/s of
+one long prompt. Usage: python scripts/bench_model_forward.py [--model-path DIR_OR_GGUF] [--context 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import torch
+
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_source import resolve_model_dir
+
+logger = logging.getLogger("bench_model_forward")
+
+TOKEN_ID = 1000  # any ordinary token; the content does not change the cost
+WARMUP_STEPS = 2
+
+
+def fill_sequences(runner: ModelRunner, bs: int, context: int) -> tuple[list[int], torch.Tensor]:
+    """Allocate `bs` rows with `context` KV slots each (contents irrelevant for timing)."""
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    rows = runner.req_to_token_pool.alloc(bs)
+    for row in rows:
+        runner.req_to_token_pool.req_to_token[row, :context] = runner.token_to_kv_pool_allocator.alloc(context)
+    return rows, torch.tensor(rows, dtype=torch.int64)
+
+
+def time_decode(runner: ModelRunner, bs: int, context: int, steps: int) -> float:
+    """Seconds per decode step for `bs` sequences that each already hold `context` tokens."""
+    rows, row_tensor = fill_sequences(runner, bs, context)
+    table = runner.req_to_token_pool.req_to_token
+    times = []
+    for step in range(WARMUP_STEPS + steps):
+        seq_len = context + step + 1
+        slots = runner.token_to_kv_pool_allocator.alloc(bs)
+        table[row_tensor, seq_len - 1] = slots
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=torch.full((bs,), TOKEN_ID, dtype=torch.int64),
+            positions=torch.full((bs,), seq_len - 1, dtype=torch.int64),
+            out_cache_loc=slots,
+            req_pool_indices=row_tensor,
+            seq_lens=torch.full((bs,), seq_len, dtype=torch.int64),
+            seq_lens_cpu=[seq_len] * bs,
+        )
+        start = time.perf_counter()
+        runner.forward(batch).argmax(-1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[WARMUP_STEPS:])
+
+
+def time_prefill(runner: ModelRunner, length: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        rows, row_tensor = fill_sequences(runner, 1, 0)
+        slots = runner.token_to_kv_pool_allocator.alloc(length)
+        runner.req_to_token_pool.req_to_token[rows[0], :length] = slots
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            batch_size=1,
+            input_ids=torch.full((length,), TOKEN_ID, dtype=torch.int64),
+            positions=torch.arange(length, dtype=torch.int64),
+            out_cache_loc=slots,
+            req_pool_indices=row_tensor,
+            seq_lens=torch.tensor([length]),
+            seq_lens_cpu=[length],
+            extend_prefix_lens_cpu=[0],
+            extend_seq_lens_cpu=[length],
+        )
+        start = time.perf_counter()
+        runner.forward(batch)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--context", type=int, default=256, help="tokens already cached per sequence")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prefill", type=int, default=512)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.monotonic()
+    runner = ModelRunner(resolve_model_dir(args.model_path), max_total_tokens=80_000, max_running_requests=128)
+    logger.info("runner ready in %.2f s (weights %.2f s)", time.monotonic() - start, runner.load_weights_seconds)
+    for bs in args.batch_sizes:
+        step = time_decode(runner, bs, args.context, args.steps)
+        logger.info("decode bs=%3d context=%d: %6.1f ms/step  %7.1f tok/s", bs, args.context, step * 1e3, bs / step)
+    seconds = time_prefill(runner, args.prefill, repeats=3)
+    logger.info("prefill %d tokens: %6.1f ms  %7.1f tok/s", args.prefill, seconds * 1e3, args.prefill / seconds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The FastAPI application: every HTTP route of srt, its error handling and API-key guard.
+
+The app holds no model: it talks to the scheduler only through the TokenizerManager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+
+from srt.entrypoints.openai.errors import (
+    AUTHENTICATION,
+    SERVER_ERROR,
+    SERVICE_UNAVAILABLE,
+    OpenAIError,
+    status_error,
+    validation_error,
+)
+from srt.entrypoints.openai.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
+from srt.entrypoints.openai.serving_chat import ChatHandler
+from srt.entrypoints.openai.serving_completions import CompletionHandler
+from srt.entrypoints.serving_native import GenerateHandler
+from srt.managers.tokenizer_manager import GenerateInput, ServerUnavailableError, TokenizerManager
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Routes reachable without the API key: probes and scrapers carry no credentials.
+PUBLIC_PATHS = ("/health", "/metrics")
+# /health_generate gives up (503) if one token takes longer than this.
+HEALTH_GENERATE_TIMEOUT_SECONDS = 20.0
+SRT_VERSION = "0.1.0"
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI guard (no BaseHTTPMiddleware: it would break disconnect detection in streams)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].rstrip("/") in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if headers.get(b"authorization") != self.expected:
+            err = OpenAIError(
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                status=HTTPStatus.UNAUTHORIZED,
+                type=AUTHENTICATION,
+                code="invalid_api_key",
+            )
+            return await err.to_response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
+    """Build the app around a TokenizerManager whose scheduler already reported ready."""
+    model_name = server_args.model_name
+    chat = ChatHandler(tm, model_name)
+    completions = CompletionHandler(tm, model_name)
+    native = GenerateHandler(tm)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await tm.start()
+        yield
+        await tm.stop()
+
+    app = FastAPI(title="srt", version=SRT_VERSION, lifespan=lifespan)
+    app.state.tokenizer_manager = tm
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return validation_error(exc).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return status_error(
+            exc.status_code, exc.detail if isinstance(exc.detail, str) else None
+        ).to_response()
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return OpenAIError(
+            f"internal error: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR, type=SERVER_ERROR
+        ).to_response()
+
+    # ---- OpenAI ----
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await chat.handle(body, request)
+
+    @app.post("/v1/completions")
+    async def v1_completions(body: CompletionRequest, request: Request):
+        return await completions.handle(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "srt",
+            "root": model_name,
+            "max_model_len": tm.context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    # ---- native ----
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        return await native.handle(body, request)
+
+    @app.get("/health")
+    async def health():
+        if tm.dead_reason is not None:
+            return JSONResponse({"status": "unhealthy", "reason": tm.dead_reason}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        obj = GenerateInput(
+            prompts=[tm.encode("ping") or [0]], sampling_params=SamplingParams(max_new_tokens=1)
+        )
+        try:
+            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_SECONDS):
+                async for out in tm.generate(obj):
+                    if out.finish_reason is not None and out.finish_reason.type == "error":
+                        raise ServerUnavailableError(out.finish_reason.message or "generation failed")
+        except (TimeoutError, ServerUnavailableError) as e:
+            msg = str(e) or "one-token generation timed out"
+            return OpenAIError(
+                msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE
+            ).to_response()
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {
+            "model_path": server_args.model_path or tm.model_dir,
+            "tokenizer_path": server_args.tokenizer_path or tm.model_dir,
+            "served_model_name": model_name,
+            "is_generation": True,
+            "context_length": tm.context_len,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        info = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
+        info.update(dataclasses.asdict(tm.ready) if tm.ready else {})
+        info["version"] = SRT_VERSION
+        return info
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        try:
+            out = await tm.flush_cache()
+        except (TimeoutError, ServerUnavailableError) as e:
+            msg = str(e) or "the scheduler did not answer"
+            return OpenAIError(
+                msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE
+            ).to_response()
+        if not out.success:
+            return OpenAIError(out.message or "cache not flushed: requests are running").to_response()
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        found = tm.abort_request(body.rid)
+        return {"success": found}
+
+    if server_args.metrics_enabled:
+        from srt.metrics.collector import instrument_http_app, make_metrics_asgi_app
+
+        instrument_http_app(app, {"model_name": model_name})
+        app.router.routes.append(Route("/metrics", endpoint=make_metrics_asgi_app()))
+    if server_args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
+    return app

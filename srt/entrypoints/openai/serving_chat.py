@@ -1,0 +1,162 @@
+"""`POST /v1/chat/completions`: chat template, sampling, and OpenAI's response and chunk shapes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from srt.entrypoints.openai.protocol import ChatCompletionRequest
+from srt.entrypoints.openai.serving_common import (
+    ChoiceAcc,
+    check_model,
+    collect,
+    sse,
+    stream_with_errors,
+    to_openai_error,
+    token_text,
+    usage,
+)
+from srt.managers.tokenizer_manager import ClientDisconnected, GenerateInput, ReqOutput, TokenizerManager
+
+
+def _logprob_entry(tm: TokenizerManager, token_id: int, logprob: float) -> dict:
+    text = token_text(tm, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(
+    tm: TokenizerManager,
+    ids: list[int],
+    logprobs: list[float] | None,
+    tops: list[list[tuple[int, float]]] | None,
+) -> dict | None:
+    """OpenAI's chat `logprobs.content`: one entry per output token with its top alternatives."""
+    if not logprobs:
+        return None
+    content = []
+    for k, (token_id, lp) in enumerate(zip(ids, logprobs, strict=False)):
+        entry = _logprob_entry(tm, token_id, lp)
+        top = tops[k] if tops and k < len(tops) else []
+        entry["top_logprobs"] = [_logprob_entry(tm, t, v) for t, v in top]
+        content.append(entry)
+    return {"content": content}
+
+
+class ChatHandler:
+    def __init__(self, tm: TokenizerManager, model_name: str):
+        self.tm = tm
+        self.model_name = model_name
+
+    def _build(self, req: ChatCompletionRequest) -> GenerateInput:
+        check_model(req.model, self.model_name)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = self.tm.apply_chat_template(messages)
+        max_new = req.max_new_tokens()
+        params = req.to_sampling_params(max_new or 1, req.num_top_logprobs())
+        obj = GenerateInput(
+            prompts=[ids],
+            sampling_params=params,
+            n=req.n,
+            stream=req.stream,
+            rid=req.rid or uuid.uuid4().hex,
+            fill_max_new_tokens=max_new is None,
+        )
+        self.tm.check(obj)
+        return obj
+
+    async def handle(self, req: ChatCompletionRequest, request):
+        try:
+            obj = self._build(req)
+        except Exception as e:
+            return to_openai_error(e).to_response()
+        rid = f"chatcmpl-{obj.rid}"
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, obj, request, rid, created), media_type="text/event-stream"
+            )
+        try:
+            choices = await collect(self.tm, obj, request)
+        except ClientDisconnected:
+            return JSONResponse({}, status_code=499)
+        except Exception as e:
+            return to_openai_error(e).to_response()
+        return JSONResponse(self._response(req, choices, rid, created))
+
+    def _response(self, req: ChatCompletionRequest, choices: list[ChoiceAcc], rid: str, created: int) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            logprobs = (
+                chat_logprobs(self.tm, c.output_ids, c.token_logprobs, c.top_logprobs)
+                if req.logprobs
+                else None
+            )
+            out.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason.to_openai() if c.finish_reason else None,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": out,
+            "usage": usage(choices, req.n),
+        }
+
+    def _stream(self, req: ChatCompletionRequest, obj: GenerateInput, request, rid: str, created: int):
+        accs = [ChoiceAcc() for _ in range(req.n)]
+        started = [False] * req.n
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [choice],
+                    **extra,
+                }
+            )
+
+        def on_output(out: ReqOutput) -> list[str]:
+            accs[out.index].add(out)
+            chunks = []
+            if not started[out.index]:
+                started[out.index] = True
+                chunks.append(chunk(out.index, {"role": "assistant", "content": ""}))
+            logprobs = None
+            if req.logprobs and out.token_logprobs:
+                logprobs = chat_logprobs(self.tm, out.output_ids, out.token_logprobs, out.top_logprobs)
+            if out.text or logprobs:
+                chunks.append(chunk(out.index, {"content": out.text}, logprobs=logprobs))
+            if out.finish_reason is not None:
+                chunks.append(chunk(out.index, {}, finish=out.finish_reason.to_openai()))
+            return chunks
+
+        def on_end() -> list[str]:
+            if not req.include_usage:
+                return []
+            return [
+                sse(
+                    {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage(accs, req.n),
+                    }
+                )
+            ]
+
+        return stream_with_errors(self.tm, obj, request, on_output, on_end)

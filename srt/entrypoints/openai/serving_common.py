@@ -1,0 +1,139 @@
+"""Pieces shared by the chat, completions and native handlers: model-name check, error mapping, SSE
+framing, per-choice accumulation and usage."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from srt.entrypoints.openai.errors import SERVICE_UNAVAILABLE, OpenAIError
+from srt.managers.io_struct import FinishReason
+from srt.managers.tokenizer_manager import (
+    ClientDisconnected,
+    GenerateInput,
+    InvalidRequestError,
+    ReqOutput,
+    ServerUnavailableError,
+    TokenizerManager,
+)
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """Accept the served name (or no name); anything else is OpenAI's 404 `model_not_found`."""
+    if requested and requested != served:
+        raise OpenAIError(
+            f"The model `{requested}` does not exist. This server serves `{served}`.",
+            status=HTTPStatus.NOT_FOUND,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def to_openai_error(exc: Exception) -> OpenAIError:
+    """Map the TokenizerManager's exceptions to HTTP errors."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return OpenAIError(str(exc), param=exc.param)
+    if isinstance(exc, ServerUnavailableError):
+        return OpenAIError(str(exc), status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE)
+    raise exc
+
+
+def error_finish(reason: FinishReason, tm: TokenizerManager) -> OpenAIError:
+    """A request that ended with an error: 503 if the server is going down, else the scheduler refused it."""
+    message = reason.message or "the request failed"
+    if tm.dead_reason is not None:
+        return OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE)
+    return OpenAIError(message)
+
+
+@dataclass
+class ChoiceAcc:
+    """Accumulates one choice's deltas into its final value (non-streaming responses and usage)."""
+
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: ReqOutput) -> None:
+        self.text += out.text
+        self.output_ids.extend(out.output_ids)
+        if out.token_logprobs:
+            self.token_logprobs.extend(out.token_logprobs)
+        if out.top_logprobs:
+            self.top_logprobs.extend(out.top_logprobs)
+        self.finish_reason = out.finish_reason or self.finish_reason
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
+
+
+def usage(choices: list[ChoiceAcc], n: int) -> dict:
+    """OpenAI usage: the prompt counted once per prompt (not per sample), completions and cache hits summed."""
+    prompt = sum(c.prompt_tokens for c in choices[::n])
+    completion = sum(c.completion_tokens for c in choices)
+    cached = sum(c.cached_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def collect(tm: TokenizerManager, obj: GenerateInput, request) -> list[ChoiceAcc]:
+    """Run a request to completion; raises OpenAIError if any choice failed."""
+    choices = [ChoiceAcc() for _ in range(len(obj.prompts) * obj.n)]
+    async for out in tm.generate(obj, request):
+        choices[out.index].add(out)
+        if out.finish_reason is not None and out.finish_reason.type == "error":
+            raise error_finish(out.finish_reason, tm)
+    return choices
+
+
+async def stream_with_errors(
+    tm: TokenizerManager,
+    obj: GenerateInput,
+    request,
+    on_output: Callable[[ReqOutput], list[str]],
+    on_end: Callable[[], list[str]],
+) -> AsyncIterator[str]:
+    """SSE body: `on_output` turns each output into chunks, `on_end` adds the closing chunks; an error
+    mid-stream becomes an OpenAI error event, and the stream always ends with `data: [DONE]`."""
+    try:
+        async for out in tm.generate(obj, request):
+            if out.finish_reason is not None and out.finish_reason.type == "error":
+                yield sse(error_finish(out.finish_reason, tm).to_dict())
+                yield SSE_DONE
+                return
+            for chunk in on_output(out):
+                yield chunk
+        for chunk in on_end():
+            yield chunk
+    except ClientDisconnected:
+        logger.info("client disconnected from a stream; request aborted")
+        return
+    except (InvalidRequestError, ServerUnavailableError) as e:
+        yield sse(to_openai_error(e).to_dict())
+    yield SSE_DONE
+
+
+def token_text(tm: TokenizerManager, token_id: int) -> str:
+    return tm.tokenizer.decode([token_id])

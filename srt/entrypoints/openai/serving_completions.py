@@ -1,0 +1,176 @@
+"""`POST /v1/completions`: raw prompts (text or token ids, one or several), OpenAI's shapes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from srt.entrypoints.openai.protocol import CompletionRequest
+from srt.entrypoints.openai.serving_common import (
+    ChoiceAcc,
+    check_model,
+    collect,
+    sse,
+    stream_with_errors,
+    to_openai_error,
+    token_text,
+    usage,
+)
+from srt.managers.tokenizer_manager import (
+    ClientDisconnected,
+    GenerateInput,
+    InvalidRequestError,
+    ReqOutput,
+    TokenizerManager,
+)
+
+
+def completion_logprobs(
+    tm: TokenizerManager,
+    ids: list[int],
+    logprobs: list[float] | None,
+    tops: list[list[tuple[int, float]]] | None,
+    offset: int = 0,
+) -> dict | None:
+    """OpenAI's legacy completions logprobs: parallel lists, top alternatives as {token: logprob}."""
+    if logprobs is None:
+        return None
+    tokens, offsets = [], []
+    for token_id in ids[: len(logprobs)]:
+        text = token_text(tm, token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    top = [{token_text(tm, t): v for t, v in row} for row in tops] if tops else None
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+class CompletionHandler:
+    def __init__(self, tm: TokenizerManager, model_name: str):
+        self.tm = tm
+        self.model_name = model_name
+
+    def _build(self, req: CompletionRequest) -> tuple[GenerateInput, list[str]]:
+        check_model(req.model, self.model_name)
+        prompts = req.prompts()
+        if not prompts:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        ids = [self.tm.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
+        params = req.to_sampling_params(req.max_tokens, req.logprobs)
+        obj = GenerateInput(
+            prompts=ids,
+            sampling_params=params,
+            n=req.n,
+            stream=req.stream,
+            rid=req.rid or uuid.uuid4().hex,
+            input_texts=texts,
+        )
+        self.tm.check(obj)
+        return obj, texts
+
+    async def handle(self, req: CompletionRequest, request):
+        try:
+            obj, texts = self._build(req)
+        except Exception as e:
+            return to_openai_error(e).to_response()
+        rid = f"cmpl-{obj.rid}"
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, obj, texts, request, rid, created), media_type="text/event-stream"
+            )
+        try:
+            choices = await collect(self.tm, obj, request)
+        except ClientDisconnected:
+            return JSONResponse({}, status_code=499)
+        except Exception as e:
+            return to_openai_error(e).to_response()
+        return JSONResponse(self._response(req, choices, texts, rid, created))
+
+    def _response(
+        self, req: CompletionRequest, choices: list[ChoiceAcc], texts: list[str], rid: str, created: int
+    ):
+        out = []
+        for i, c in enumerate(choices):
+            prefix = texts[i // req.n] if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(
+                    self.tm, c.output_ids, c.token_logprobs, c.top_logprobs, len(prefix)
+                )
+            out.append(
+                {
+                    "index": i,
+                    "text": prefix + c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason.to_openai() if c.finish_reason else None,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": out,
+            "usage": usage(choices, req.n),
+        }
+
+    def _stream(
+        self, req: CompletionRequest, obj: GenerateInput, texts: list[str], request, rid: str, created: int
+    ):
+        total = len(obj.prompts) * req.n
+        accs = [ChoiceAcc() for _ in range(total)]
+        offsets = [len(texts[i // req.n]) if req.echo else 0 for i in range(total)]
+        echoed = [not req.echo] * total
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [choice],
+                    **extra,
+                }
+            )
+
+        def on_output(out: ReqOutput) -> list[str]:
+            accs[out.index].add(out)
+            text = out.text
+            if not echoed[out.index]:
+                echoed[out.index] = True
+                text = texts[out.index // req.n] + text
+            logprobs = None
+            if req.logprobs is not None and out.token_logprobs:
+                logprobs = completion_logprobs(
+                    self.tm, out.output_ids, out.token_logprobs, out.top_logprobs, offsets[out.index]
+                )
+                offsets[out.index] += sum(len(t) for t in logprobs["tokens"])
+            finish = out.finish_reason.to_openai() if out.finish_reason else None
+            if not text and finish is None and logprobs is None:
+                return []
+            return [chunk(out.index, text, finish, logprobs)]
+
+        def on_end() -> list[str]:
+            if not req.include_usage:
+                return []
+            return [
+                sse(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage(accs, req.n),
+                    }
+                )
+            ]
+
+        return stream_with_errors(self.tm, obj, request, on_output, on_end)

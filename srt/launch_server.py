@@ -1,0 +1,243 @@
+"""`python -m srt.launch_server`: start the scheduler and detokenizer processes, then serve HTTP.
+
+Start-up order matters: the metrics directory is set up before anything imports prometheus_client and
+before any child is spawned (children inherit `PROMETHEUS_MULTIPROC_DIR`); the HTTP server accepts traffic
+only after every child reported ready. A watchdog thread turns the death of any child into an unhealthy
+`/health`, failed in-flight requests and a non-zero exit of the whole tree within a few seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import configure_logging, kill_process_tree
+
+logger = logging.getLogger("srt.launch_server")
+
+SCHEDULER_TARGET = ("srt.managers.scheduler_process", "run_scheduler_process")
+DETOKENIZER_TARGET = ("srt.managers.detokenizer_manager", "run_detokenizer_process")
+# How often the start-up wait and the watchdog look at the children.
+POLL_SECONDS = 0.2
+# uvicorn waits this long for open connections after a shutdown request before cancelling them.
+GRACEFUL_SHUTDOWN_SECONDS = 3
+# After a child died, the launcher is gone within this many seconds even if the HTTP server hangs.
+HARD_EXIT_SECONDS = 8.0
+EXIT_CHILD_FAILED = 1
+
+
+def _run_child(module: str, func: str, *args) -> None:
+    """Spawn target that imports the child's module only in the child, so the main process never imports
+    the scheduler's modules (and with them torch)."""
+    getattr(importlib.import_module(module), func)(*args)
+
+
+@dataclass
+class Child:
+    name: str
+    process: mp.process.BaseProcess
+    ready_reader: multiprocessing.connection.Connection
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Launcher:
+    """Owns the child processes and the HTTP server of one srt instance."""
+
+    def __init__(self, server_args: ServerArgs):
+        self.args = server_args
+        self.port_args = PortArgs.create()
+        self.children: list[Child] = []
+        self.exit_code = 0
+        self.server = None
+        self.tokenizer_manager = None
+        self.stopping = threading.Event()
+
+    # ---- start-up ----
+    def _spawn(self, name: str, target: tuple[str, str], *args) -> Child:
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_run_child, args=(*target, *args, writer), name=f"srt-{name}")
+        proc.start()
+        writer.close()  # only the child holds the write end: EOF on the reader means the child is gone
+        child = Child(name, proc, reader)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, child: Child):
+        """Block until `child` reports ready; raise StartupError with its message if it fails instead."""
+        while True:
+            if child.ready_reader.poll(POLL_SECONDS):
+                try:
+                    msg = child.ready_reader.recv()
+                except EOFError:
+                    child.process.join(POLL_SECONDS)
+                    raise StartupError(
+                        f"{child.name} process exited during start-up (exit code {child.process.exitcode})"
+                    ) from None
+                if isinstance(msg, str):
+                    raise StartupError(msg)
+                return msg
+            if not child.process.is_alive():
+                raise StartupError(
+                    f"{child.name} process exited during start-up (exit code {child.process.exitcode})"
+                )
+
+    def _start_children(self, model_dir: str):
+        a, p = self.args, self.port_args
+        scheduler = self._spawn("scheduler", SCHEDULER_TARGET, a, p, model_dir)
+        detokenizer = self._spawn("detokenizer", DETOKENIZER_TARGET, a, p, model_dir)
+        from srt.managers.tokenizer_manager import TokenizerManager
+
+        # Loading the tokenizer here overlaps with the children's start-up.
+        self.tokenizer_manager = TokenizerManager(a, p, model_dir)
+        ready = self._wait_ready(scheduler)
+        self._wait_ready(detokenizer)
+        logger.info(
+            "scheduler ready: KV capacity %d tokens, max input %d tokens, context %d, attention %s",
+            ready.max_total_num_tokens,
+            ready.max_req_input_len,
+            ready.context_len,
+            ready.attention_backend,
+        )
+        self.tokenizer_manager.set_ready(ready)
+
+    def run(self) -> int:
+        try:
+            return self._run()
+        except StartupError as e:
+            logger.error("start-up failed: %s", e)
+            return EXIT_CHILD_FAILED
+        finally:
+            self.shutdown()
+
+    def _run(self) -> int:
+        from srt.model_source import resolve_model_dir
+
+        try:
+            model_dir = resolve_model_dir(self.args.model_path)
+        except (OSError, RuntimeError) as e:
+            raise StartupError(f"cannot load model {self.args.model_path or '(embedded)'}: {e}") from e
+        self._start_children(model_dir)
+
+        import uvicorn
+
+        from srt.entrypoints.http_server import create_app
+
+        if self.args.metrics_enabled:
+            from srt.metrics.collector import start_process_metrics
+
+            start_process_metrics("tokenizer", {"model_name": self.args.model_name})
+        app = create_app(self.tokenizer_manager, self.args)
+        config = uvicorn.Config(
+            app,
+            host=self.args.host,
+            port=self.args.port,
+            loop="uvloop",
+            log_level=self.args.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        )
+        self.server = uvicorn.Server(config)
+        threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
+        self.server.run()
+        return self.exit_code
+
+    # ---- faults ----
+    def _watchdog(self) -> None:
+        """Announce the server once it listens; on any child's death fail everything and exit."""
+        announced = False
+        by_sentinel = {c.process.sentinel: c for c in self.children}
+        while not self.stopping.is_set():
+            dead = multiprocessing.connection.wait(list(by_sentinel), timeout=POLL_SECONDS)
+            if not announced and self.server is not None and self.server.started:
+                announced = True
+                logger.info(
+                    "srt server listening at %s, serving model %s", self.args.url, self.args.model_name
+                )
+            if dead and not self.stopping.is_set():
+                self._on_child_death(by_sentinel[dead[0]])
+                return
+
+    def _on_child_death(self, child: Child) -> None:
+        child.process.join(POLL_SECONDS)
+        reason = (
+            f"{child.name} process (pid {child.process.pid}) died with exit code {child.process.exitcode}"
+        )
+        logger.error("%s; shutting down", reason)
+        self.exit_code = EXIT_CHILD_FAILED
+        tm = self.tokenizer_manager
+        loop = getattr(tm, "loop", None)
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(tm.fail_all, reason)
+        else:
+            tm.dead_reason = reason
+        if self.server is not None:
+            self.server.should_exit = True
+        # Should the HTTP server not stop in time, the launcher still must not outlive its child.
+        deadline = time.monotonic() + HARD_EXIT_SECONDS
+        while time.monotonic() < deadline:
+            if self.stopping.is_set():
+                return
+            time.sleep(POLL_SECONDS)
+        logger.error("HTTP server did not stop in %.0f s; exiting hard", HARD_EXIT_SECONDS)
+        self.shutdown()
+        os._exit(EXIT_CHILD_FAILED)
+
+    # ---- shutdown ----
+    def shutdown(self) -> None:
+        """Stop every child (SIGTERM, then SIGKILL), drop their live gauges, remove the temp dirs."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        if threading.current_thread() is threading.main_thread():
+            # A second Ctrl-C must not interrupt the clean-up half way.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for child in self.children:
+            if child.process.pid is not None:
+                kill_process_tree(child.process.pid)
+                child.process.join(POLL_SECONDS)
+        if self.args.metrics_enabled:
+            from srt.metrics.multiprocess import cleanup_multiprocess_dir, mark_process_dead
+
+            for child in self.children:
+                if child.process.pid is not None:
+                    mark_process_dead(child.process.pid)
+            cleanup_multiprocess_dir()
+        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+        logger.info("shut down")
+
+
+def _exit_on_signal(signum, frame) -> None:
+    """Before uvicorn runs (and after it re-raises the signal it caught), SIGTERM/SIGINT mean: unwind
+    through the launcher's `finally`, which stops the children and removes the temp dirs."""
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    server_args = ServerArgs.parse(argv)
+    configure_logging(server_args.log_level, "main")
+    if server_args.metrics_enabled:
+        from srt.metrics.multiprocess import setup_multiprocess_dir
+
+        setup_multiprocess_dir()
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    return Launcher(server_args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""TokenizerManager: the main process's side of the ZMQ ring.
+
+It tokenizes requests, sends them to the scheduler, and routes the detokenizer's batched outputs back to
+the waiting HTTP handlers (one asyncio queue per HTTP request, shared by its `n` samples). It also writes
+every request-level metric, on the main process's clock (METRICS.md "Events").
+
+A request with `n > 1` (or several prompts) becomes one internal request per sample, each with its own rid;
+they share the prompt, so the scheduler's prefix cache computes it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FinishReason,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from srt.sampling.sampling_params import SamplingParams, SamplingParamsError
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import get_zmq_socket
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting handler checks whether its HTTP client went away.
+DISCONNECT_POLL_SECONDS = 0.5
+# How long /flush_cache waits for the scheduler's reply.
+FLUSH_CACHE_TIMEOUT_SECONDS = 30.0
+
+
+class InvalidRequestError(ValueError):
+    """The client asked for something this server cannot do (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ServerUnavailableError(RuntimeError):
+    """A child process died: the server cannot serve requests any more (HTTP 503)."""
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away while its request ran; the request was aborted."""
+
+
+@dataclass
+class GenerateInput:
+    """One HTTP request as the TokenizerManager sees it: prompts (token ids) times `n` samples."""
+
+    prompts: list[list[int]]
+    sampling_params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    rid: str | None = None
+    # True when the client set no output limit: each prompt may then fill the rest of the context.
+    fill_max_new_tokens: bool = False
+    input_texts: list[str | None] | None = None
+    arrival_ts: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class ReqOutput:
+    """What a handler receives for one internal request per batch: deltas plus running totals."""
+
+    index: int
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class ReqState:
+    """Per internal request: where its outputs go and the main-process stamps its metrics need."""
+
+    rid: str
+    index: int
+    queue: asyncio.Queue
+    arrival_ts: float
+    prompt_tokens: int
+    max_new_tokens: int
+    n: int
+    first_token_recv_ts: float | None = None
+    last_token_ts: float | None = None  # scheduler clock
+    abandoned: bool = False  # the handler is gone; outputs are only counted, not delivered
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, model_dir: str, tokenizer=None):
+        self.server_args = server_args
+        self.port_args = port_args
+        self.model_dir = model_dir
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or model_dir)
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.ready: SchedulerReady | None = None
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.group_rids: dict[str, list[str]] = {}
+        self.dead_reason: str | None = None
+        self.metrics = None
+        self._flush_waiters: deque[asyncio.Future] = deque()
+        self._recv_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, for the launcher's watchdog
+        # Sending is synchronous (unbounded HWM, never blocks) so an abort can be sent from a `finally`
+        # that runs while the handler is being cancelled.
+        self._sync_ctx = zmq.Context()
+        self.send_sock = get_zmq_socket(self._sync_ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
+        self._async_ctx: zmq.asyncio.Context | None = None
+        self.recv_sock = None
+
+    # ---- lifecycle ----
+    def set_ready(self, ready: SchedulerReady) -> None:
+        """Record the scheduler's limits and create the request-level metrics (needs the context length)."""
+        self.ready = ready
+        if self.server_args.metrics_enabled:
+            from srt.metrics.collector import TokenizerMetricsCollector
+
+            a = self.server_args
+            self.metrics = TokenizerMetricsCollector(
+                {"model_name": a.model_name},
+                ready.context_len,
+                a.bucket_time_to_first_token,
+                a.bucket_inter_token_latency,
+                a.bucket_e2e_request_latency,
+            )
+
+    async def start(self) -> None:
+        """Bind the PULL socket and start the output dispatcher; call inside the server's event loop."""
+        self.loop = asyncio.get_running_loop()
+        self._async_ctx = zmq.asyncio.Context()
+        self.recv_sock = get_zmq_socket(self._async_ctx, zmq.PULL, self.port_args.tokenizer_input, bind=True)
+        self._recv_task = asyncio.create_task(self._recv_loop(), name="tokenizer-recv")
+
+    async def stop(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        if self.recv_sock is not None:
+            self.recv_sock.close()
+        self.send_sock.close()
+
+    @property
+    def context_len(self) -> int:
+        assert self.ready is not None, "set_ready() must run before requests are served"
+        return self.ready.context_len
+
+    # ---- tokenization ----
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template may reject role orders (e.g. two system messages)
+            raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # ---- requests ----
+    def check(self, obj: GenerateInput) -> list[SamplingParams]:
+        """Validate every prompt against the scheduler's limits and return each prompt's sampling params.
+        Handlers call it before they commit to a (streaming) response, so bad input gets a 400 status."""
+        if self.dead_reason is not None:
+            raise ServerUnavailableError(self.dead_reason)
+        assert self.ready is not None
+        out = []
+        for ids in obj.prompts:
+            if not ids:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", "prompt")
+            if len(ids) > self.ready.max_req_input_len:
+                raise InvalidRequestError(
+                    f"the prompt has {len(ids)} tokens, more than this server's maximum input length of "
+                    f"{self.ready.max_req_input_len} tokens",
+                    "messages" if obj.input_texts is None else "prompt",
+                )
+            params = obj.sampling_params
+            room = self.context_len - len(ids)
+            if obj.fill_max_new_tokens:
+                params = dataclasses.replace(params, max_new_tokens=max(1, room))
+            elif params.max_new_tokens > room:
+                raise InvalidRequestError(
+                    f"max_tokens ({params.max_new_tokens}) plus the prompt's {len(ids)} tokens exceed the "
+                    f"model's context length of {self.context_len} tokens",
+                    "max_tokens",
+                )
+            if params.max_new_tokens < 1:
+                raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
+            try:
+                params.verify()
+            except SamplingParamsError as e:
+                raise InvalidRequestError(str(e), e.param) from e
+            out.append(params)
+        return out
+
+    async def generate(self, obj: GenerateInput, request=None) -> AsyncIterator[ReqOutput]:
+        """Send the request(s) and yield outputs as they arrive, tagged with their choice index.
+
+        `request` (a Starlette Request) is polled for a disconnect; a disconnect, a cancellation or an
+        early close of this generator aborts every unfinished internal request in the scheduler."""
+        per_prompt = self.check(obj)
+        group = obj.rid or uuid.uuid4().hex
+        if group in self.group_rids:
+            raise InvalidRequestError(f"a request with rid {group!r} is already running", "rid")
+        queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        total = len(obj.prompts) * obj.n
+        rids = [group] if total == 1 else [f"{group}-{i}" for i in range(total)]
+        self.group_rids[group] = rids
+        for i, rid in enumerate(rids):
+            p = i // obj.n
+            ids, params = obj.prompts[p], per_prompt[p]
+            self.rid_to_state[rid] = ReqState(
+                rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n
+            )
+            text = obj.input_texts[p] if obj.input_texts else None
+            self.send_sock.send_pyobj(TokenizedGenerateReqInput(rid, ids, params, obj.stream, text))
+        unfinished = set(rids)
+        try:
+            while unfinished:
+                item = await self._next(queue, request)
+                if item.finish_reason is not None:
+                    unfinished.discard(item.rid)
+                yield item
+        finally:
+            self.group_rids.pop(group, None)
+            for rid in unfinished:
+                self._abandon(rid)
+
+    async def _next(self, queue: asyncio.Queue, request) -> ReqOutput:
+        if not queue.empty() or request is None:
+            return await queue.get()
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientDisconnected() from None
+
+    def _abandon(self, rid: str) -> None:
+        """The handler stopped listening: abort in the scheduler; keep the state until the final entry
+        arrives so the request is still counted (as aborted) in the metrics."""
+        st = self.rid_to_state.get(rid)
+        if st is None:
+            return
+        st.abandoned = True
+        if self.dead_reason is None:
+            logger.info("aborting request %s (client gone)", rid)
+            self.send_sock.send_pyobj(AbortReq(rid))
+
+    def abort_request(self, rid: str) -> bool:
+        """Abort a request by the rid the client knows (all its samples), or every request for ""."""
+        if rid == "":
+            self.send_sock.send_pyobj(AbortReq(""))
+            return True
+        rids = self.group_rids.get(rid, [rid] if rid in self.rid_to_state else [])
+        for r in rids:
+            self.send_sock.send_pyobj(AbortReq(r))
+        return bool(rids)
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        if self.dead_reason is not None:
+            raise ServerUnavailableError(self.dead_reason)
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        self.send_sock.send_pyobj(FlushCacheReq())
+        return await asyncio.wait_for(fut, FLUSH_CACHE_TIMEOUT_SECONDS)
+
+    def fail_all(self, reason: str) -> None:
+        """A child died: fail every in-flight request at once instead of letting it hang."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        for st in list(self.rid_to_state.values()):
+            if not st.abandoned:
+                st.queue.put_nowait(
+                    ReqOutput(
+                        st.index,
+                        st.rid,
+                        "",
+                        [],
+                        FinishReason("error", message=reason),
+                        st.prompt_tokens,
+                        0,
+                        0,
+                    )
+                )
+        self.rid_to_state.clear()
+        while self._flush_waiters:
+            fut = self._flush_waiters.popleft()
+            if not fut.done():
+                fut.set_exception(ServerUnavailableError(reason))
+
+    # ---- outputs ----
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.recv_sock.recv_pyobj()
+            try:
+                if isinstance(msg, BatchStrOut):
+                    self._handle_batch(msg)
+                elif isinstance(msg, FlushCacheReqOutput):
+                    self._handle_flush(msg)
+                else:
+                    logger.warning("unexpected message %s", type(msg).__name__)
+            except Exception:  # one bad message must not stop every future request's outputs
+                logger.exception("failed to dispatch %s", type(msg).__name__)
+
+    def _handle_flush(self, msg: FlushCacheReqOutput) -> None:
+        while self._flush_waiters:
+            fut = self._flush_waiters.popleft()
+            if not fut.done():
+                fut.set_result(msg)
+                return
+
+    def _handle_batch(self, b: BatchStrOut) -> None:
+        now = time.monotonic()
+        for i, rid in enumerate(b.rids):
+            st = self.rid_to_state.get(rid)
+            if st is None:
+                continue
+            new_ids = b.output_ids[i]
+            reason = b.finished_reasons[i]
+            self._observe_tokens(st, b.token_ts[i], bool(new_ids), now)
+            if not st.abandoned:
+                st.queue.put_nowait(
+                    ReqOutput(
+                        index=st.index,
+                        rid=rid,
+                        text=b.output_strs[i],
+                        output_ids=new_ids,
+                        finish_reason=reason,
+                        prompt_tokens=b.prompt_tokens[i],
+                        completion_tokens=b.completion_tokens[i],
+                        cached_tokens=b.cached_tokens[i],
+                        token_logprobs=b.output_token_logprobs[i] if b.output_token_logprobs else None,
+                        top_logprobs=b.output_top_logprobs[i] if b.output_top_logprobs else None,
+                    )
+                )
+            if reason is not None:
+                self._finish(st, b, i, reason, now)
+
+    def _observe_tokens(self, st: ReqState, token_ts: list[float], has_tokens: bool, now: float) -> None:
+        if has_tokens and st.first_token_recv_ts is None:
+            st.first_token_recv_ts = now
+            if self.metrics is not None:
+                self.metrics.observe_time_to_first_token(now - st.arrival_ts)
+        if token_ts:
+            if self.metrics is not None:
+                from srt.metrics.request_stats import inter_token_latencies
+
+                itl = inter_token_latencies(st.last_token_ts, token_ts)
+                if itl:
+                    self.metrics.observe_inter_token_latencies(itl)
+            st.last_token_ts = token_ts[-1]
+
+    def _finish(self, st: ReqState, b: BatchStrOut, i: int, reason: FinishReason, now: float) -> None:
+        del self.rid_to_state[st.rid]
+        if reason.type == "stop" and isinstance(reason.matched, str):
+            # The detokenizer ended it on a stop string; the scheduler is still generating for it.
+            self.send_sock.send_pyobj(AbortReq(st.rid, silent=True))
+        if self.metrics is None:
+            return
+        from srt.metrics.request_stats import FinishedRequestStats
+
+        if reason.type == "abort":
+            self.metrics.inc_aborted_requests()
+        self.metrics.observe_finished_request(
+            FinishedRequestStats(
+                prompt_tokens=b.prompt_tokens[i],
+                generation_tokens=b.completion_tokens[i],
+                cached_tokens=b.cached_tokens[i],
+                finished_reason=reason.type,
+                arrival_ts=st.arrival_ts,
+                first_token_recv_ts=st.first_token_recv_ts,
+                finish_recv_ts=now,
+                queued_ts=b.queued_ts[i] or None,
+                scheduled_ts=b.scheduled_ts[i] or None,
+                first_token_ts=b.first_token_ts[i] or None,
+                last_token_ts=st.last_token_ts,
+                num_retractions=b.num_retractions[i],
+                max_tokens_param=st.max_new_tokens,
+                n_param=st.n,
+            )
+        )

@@ -1,0 +1,172 @@
+"""ModelRunner: loads the weights, sizes and allocates the KV pools, and runs one forward step.
+
+It does not know who schedules it (no imports from srt.managers): the caller builds a `ForwardBatch`, having
+already written this step's KV slots into `req_to_token`, and gets back fp32 logits of the last new token
+of each sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from transformers import AutoConfig, GenerationConfig
+
+from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt.model_executor.attention.registry import backend_class, resolve_backend_name
+from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.model_loader import load_model
+from srt.model_source import resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+# Largest decode batch by default: beyond this the CPU's step time grows linearly with the batch, so more
+# concurrent requests only add latency; on a GPU it bounds the req_to_token table (rows x context_len).
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+# Every running request holds at least two KV slots (one prompt token and one generated token), so more
+# running requests than capacity / 2 could never be resident at once.
+MIN_KV_SLOTS_PER_REQUEST = 2
+# Extra req_to_token rows beyond max_running_requests: a chunked-prefill request and requests finishing in
+# the same step hold a row while the running batch is full.
+REQ_POOL_HEADROOM = 4
+# The KV pool never exceeds this many full-length contexts: a memory fraction of a large host would
+# otherwise allocate (and zero) gigabytes no batch this runner serves can fill.
+MAX_CONTEXTS_IN_KV_POOL = 64
+MIN_KV_TOKENS = 16
+MEMINFO_PATH = "/proc/meminfo"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto` is fp32 on CPU (fp32 matmuls are ~100x faster than bf16 on AVX2 CPUs), bf16 on GPU."""
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory the KV pool may take a fraction of: device memory on GPU, MemAvailable on CPU."""
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    with open(MEMINFO_PATH) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"MemAvailable not found in {MEMINFO_PATH}")
+
+
+def eos_token_ids_of(model_dir: str, hf_config) -> list[int]:
+    """EOS ids from generation_config.json (which may list several) and config.json, in order, deduplicated."""
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    try:
+        sources.insert(0, GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return ids
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float = 0.1,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        attention_backend: str | None = None,
+        random_seed: int = 0,
+    ):
+        torch.manual_seed(random_seed)
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        self.model_dir = resolve_model_dir(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.context_len = context_length or self.hf_config.max_position_embeddings
+        self.vocab_size = self.hf_config.vocab_size
+        self.eos_token_ids = eos_token_ids_of(self.model_dir, self.hf_config)
+
+        start = time.monotonic()
+        max_positions = max(self.context_len, self.hf_config.max_position_embeddings)
+        self.model = load_model(self.model_dir, self.hf_config, max_positions, self.dtype, self.device)
+        self.load_weights_seconds = time.monotonic() - start
+
+        attn = self.model.model.layers[0].self_attn
+        self.max_total_num_tokens = self._kv_capacity(attn, max_total_tokens, mem_fraction_static)
+        self.max_running_requests = max_running_requests or min(
+            DEFAULT_MAX_RUNNING_REQUESTS, max(1, self.max_total_num_tokens // MIN_KV_SLOTS_PER_REQUEST)
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + REQ_POOL_HEADROOM, self.context_len, device=self.device
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, device=self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens,
+            self.dtype,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.hf_config.num_hidden_layers,
+            device=self.device,
+        )
+        self.attention_backend_name = resolve_backend_name(attention_backend, self.device)
+        self.model.attn_backend = backend_class(self.attention_backend_name)(
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.head_dim**-0.5,
+            self.device,
+        )
+        logger.info(
+            "model ready: %s on %s/%s in %.2f s; KV capacity %d tokens, max running requests %d, context %d, "
+            "attention %s",
+            self.hf_config.architectures,
+            self.device,
+            self.dtype,
+            self.load_weights_seconds,
+            self.max_total_num_tokens,
+            self.max_running_requests,
+            self.context_len,
+            self.attention_backend_name,
+        )
+
+    def _kv_capacity(self, attn, max_total_tokens: int | None, mem_fraction_static: float) -> int:
+        if max_total_tokens is not None:
+            return max_total_tokens
+        per_token = MHATokenToKVPool.bytes_per_token(
+            self.dtype, attn.num_kv_heads, attn.head_dim, self.hf_config.num_hidden_layers
+        )
+        budget = int(available_memory_bytes(self.device) * mem_fraction_static)
+        capacity = min(budget // per_token, MAX_CONTEXTS_IN_KV_POOL * self.context_len)
+        if capacity < MIN_KV_TOKENS:
+            raise RuntimeError(
+                f"KV pool would hold only {capacity} tokens ({budget} bytes at {per_token} bytes/token); "
+                "raise --mem-fraction-static or set --max-total-tokens"
+            )
+        return capacity
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits [batch_size, vocab] of each sequence's last token in this step."""
+        self.model.attn_backend.init_forward_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, batch)

@@ -1,0 +1,99 @@
+"""A minimal stand-in for the scheduler, for model tests: it owns the pools' bookkeeping (request rows, KV
+slots, the req_to_token invariant of `ForwardBatch`) and runs extend/decode steps through a ModelRunner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+
+
+@dataclass
+class Seq:
+    row: int  # req_to_token row
+    kv_len: int = 0  # tokens whose KV is in the pool
+    owned_slots: list[torch.Tensor] = field(default_factory=list)  # slots this sequence allocated
+
+
+@dataclass
+class GreedyTrace:
+    tokens: list[int]
+    top2_gaps: list[float]  # top-1 minus top-2 logit at each step: small = a near-tie
+
+
+class PagedDriver:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def new_seq(self) -> Seq:
+        rows = self.runner.req_to_token_pool.alloc(1)
+        assert rows is not None, "no free request rows"
+        return Seq(row=rows[0])
+
+    def share_prefix(self, dst: Seq, src: Seq, length: int) -> None:
+        """Point dst's first `length` tokens at src's KV slots, as a radix-cache hit does."""
+        table = self.runner.req_to_token_pool.req_to_token
+        table[dst.row, :length] = table[src.row, :length]
+        dst.kv_len = length
+
+    def release(self, seq: Seq) -> None:
+        for slots in seq.owned_slots:
+            self.runner.token_to_kv_pool_allocator.free(slots)
+        self.runner.req_to_token_pool.free(seq.row)
+
+    def extend(self, seqs: list[Seq], new_tokens: list[list[int]]) -> torch.Tensor:
+        return self._step(ForwardMode.EXTEND, seqs, new_tokens)
+
+    def decode(self, seqs: list[Seq], tokens: list[int]) -> torch.Tensor:
+        return self._step(ForwardMode.DECODE, seqs, [[t] for t in tokens])
+
+    def _step(self, mode: ForwardMode, seqs: list[Seq], new_tokens: list[list[int]]) -> torch.Tensor:
+        counts = [len(t) for t in new_tokens]
+        slots = self.runner.token_to_kv_pool_allocator.alloc(sum(counts))
+        assert slots is not None, "KV pool exhausted"
+        table = self.runner.req_to_token_pool.req_to_token
+        positions, offset = [], 0
+        for seq, n in zip(seqs, counts, strict=True):
+            table[seq.row, seq.kv_len : seq.kv_len + n] = slots[offset : offset + n]
+            seq.owned_slots.append(slots[offset : offset + n])
+            positions.extend(range(seq.kv_len, seq.kv_len + n))
+            offset += n
+        prefix_lens = [s.kv_len for s in seqs]
+        seq_lens = [p + n for p, n in zip(prefix_lens, counts, strict=True)]
+        batch = ForwardBatch(
+            mode=mode,
+            batch_size=len(seqs),
+            input_ids=torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            out_cache_loc=slots,
+            req_pool_indices=torch.tensor([s.row for s in seqs], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens if mode is ForwardMode.EXTEND else None,
+            extend_seq_lens_cpu=counts if mode is ForwardMode.EXTEND else None,
+        )
+        logits = self.runner.forward(batch)
+        for seq, n in zip(seqs, counts, strict=True):
+            seq.kv_len += n
+        return logits
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[GreedyTrace]:
+        """Greedy-decode all prompts together: one extend step, then batched decode steps."""
+        seqs = [self.new_seq() for _ in prompts]
+        traces = [GreedyTrace([], []) for _ in prompts]
+        logits = self.extend(seqs, prompts)
+        for _ in range(max_new_tokens):
+            top2 = logits.topk(2, dim=-1)
+            next_ids = top2.indices[:, 0].tolist()
+            for trace, token, values in zip(traces, next_ids, top2.values.tolist(), strict=True):
+                trace.tokens.append(token)
+                trace.top2_gaps.append(values[0] - values[1])
+            if len(traces[0].tokens) == max_new_tokens:
+                break
+            logits = self.decode(seqs, next_ids)
+        for seq in seqs:
+            self.release(seq)
+        return traces

@@ -95,8 +95,12 @@ def main() -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
     model_dir = resolve_model_dir(args.model_path)
-    server_args = ServerArgs(model_path=args.model_path, max_total_tokens=64 * (DECODE_PROMPT_LEN + args.decode_tokens) + 1024,
-                             max_running_requests=64, chunked_prefill_size=-1)
+    server_args = ServerArgs(
+        model_path=args.model_path,
+        max_total_tokens=64 * (DECODE_PROMPT_LEN + args.decode_tokens) + 1024,
+        max_running_requests=64,
+        chunked_prefill_size=-1,
+    )
     runner = ModelRunner(model_dir, max_total_tokens=server_args.max_total_tokens, max_running_requests=64)
     sched = Scheduler(server_args, runner)
     vocab = runner.vocab_size
@@ -114,7 +118,9 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         rows["prefill 512 (tok/s)"].append(hf_prefill_rate(model, prefill_prompt))
         for b in BATCHES:
-            rows[f"decode bs={b} (tok/s)"].append(hf_decode_rate(model, decode_prompts[b], args.decode_tokens))
+            rows[f"decode bs={b} (tok/s)"].append(
+                hf_decode_rate(model, decode_prompts[b], args.decode_tokens)
+            )
 
     print(f"\n{'figure':<24}{'srt':>10}{'transformers':>14}{'ratio':>8}")
     for name, vals in rows.items():

@@ -29,7 +29,9 @@ def fill_sequences(runner: ModelRunner, bs: int, context: int) -> tuple[list[int
     runner.token_to_kv_pool_allocator.clear()
     rows = runner.req_to_token_pool.alloc(bs)
     for row in rows:
-        runner.req_to_token_pool.req_to_token[row, :context] = runner.token_to_kv_pool_allocator.alloc(context)
+        runner.req_to_token_pool.req_to_token[row, :context] = runner.token_to_kv_pool_allocator.alloc(
+            context
+        )
     return rows, torch.tensor(rows, dtype=torch.int64)
 
 
@@ -92,13 +94,21 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
-    runner = ModelRunner(resolve_model_dir(args.model_path), max_total_tokens=80_000, max_running_requests=128)
-    logger.info("runner ready in %.2f s (weights %.2f s)", time.monotonic() - start, runner.load_weights_seconds)
+    runner = ModelRunner(
+        resolve_model_dir(args.model_path), max_total_tokens=80_000, max_running_requests=128
+    )
+    logger.info(
+        "runner ready in %.2f s (weights %.2f s)", time.monotonic() - start, runner.load_weights_seconds
+    )
     for bs in args.batch_sizes:
         step = time_decode(runner, bs, args.context, args.steps)
-        logger.info("decode bs=%3d context=%d: %6.1f ms/step  %7.1f tok/s", bs, args.context, step * 1e3, bs / step)
+        logger.info(
+            "decode bs=%3d context=%d: %6.1f ms/step  %7.1f tok/s", bs, args.context, step * 1e3, bs / step
+        )
     seconds = time_prefill(runner, args.prefill, repeats=3)
-    logger.info("prefill %d tokens: %6.1f ms  %7.1f tok/s", args.prefill, seconds * 1e3, args.prefill / seconds)
+    logger.info(
+        "prefill %d tokens: %6.1f ms  %7.1f tok/s", args.prefill, seconds * 1e3, args.prefill / seconds
+    )
 
 
 if __name__ == "__main__":

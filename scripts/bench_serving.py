@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=DEFAULT_BASE_URL)
     p.add_argument("--backend", choices=BACKENDS, default="srt", help="srt: native /generate; openai: /v1/*")
-    p.add_argument("--endpoint", choices=ENDPOINTS, default="chat", help="OpenAI endpoint for --backend openai")
+    p.add_argument(
+        "--endpoint", choices=ENDPOINTS, default="chat", help="OpenAI endpoint for --backend openai"
+    )
     p.add_argument("--model", default=None, help="the `model` field; omitted when unset")
     p.add_argument(
         "--fixed-output",

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logging, kill_process_tree
+from srt.utils import configure_logging, kill_process_tree, set_process_name
 
 logger = logging.getLogger("srt.launch_server")
 
@@ -36,9 +36,10 @@ HARD_EXIT_SECONDS = 8.0
 EXIT_CHILD_FAILED = 1
 
 
-def _run_child(module: str, func: str, *args) -> None:
+def _run_child(name: str, module: str, func: str, *args) -> None:
     """Spawn target that imports the child's module only in the child, so the main process never imports
     the scheduler's modules (and with them torch)."""
+    set_process_name(name)
     getattr(importlib.import_module(module), func)(*args)
 
 
@@ -69,7 +70,9 @@ class Launcher:
     def _spawn(self, name: str, target: tuple[str, str], *args) -> Child:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_run_child, args=(*target, *args, writer), name=f"srt-{name}")
+        proc = ctx.Process(
+            target=_run_child, args=(f"srt-{name}", *target, *args, writer), name=f"srt-{name}"
+        )
         proc.start()
         writer.close()  # only the child holds the write end: EOF on the reader means the child is gone
         child = Child(name, proc, reader)
@@ -97,12 +100,16 @@ class Launcher:
 
     def _start_children(self, model_dir: str):
         a, p = self.args, self.port_args
+        logger.info("IPC directory: %s", p.ipc_dir)
         scheduler = self._spawn("scheduler", SCHEDULER_TARGET, a, p, model_dir)
         detokenizer = self._spawn("detokenizer", DETOKENIZER_TARGET, a, p, model_dir)
         from srt.managers.tokenizer_manager import TokenizerManager
 
         # Loading the tokenizer here overlaps with the children's start-up.
-        self.tokenizer_manager = TokenizerManager(a, p, model_dir)
+        try:
+            self.tokenizer_manager = TokenizerManager(a, p, model_dir)
+        except Exception as e:
+            raise StartupError(f"cannot load the tokenizer from {a.tokenizer_path or model_dir}: {e}") from e
         ready = self._wait_ready(scheduler)
         self._wait_ready(detokenizer)
         logger.info(

@@ -26,7 +26,9 @@ def _f(default, help: str, **meta):
 @dataclass(frozen=True)
 class ServerArgs:
     # Model
-    model_path: str | None = _f(None, "HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    model_path: str | None = _f(
+        None, "HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct"
+    )
     tokenizer_path: str | None = _f(None, "tokenizer directory; default: the model's")
     served_model_name: str | None = _f(None, "name reported in /v1/models and the model_name metric label")
     dtype: str = _f("auto", "weight/activation dtype; auto = float32 on CPU", choices=DTYPES)
@@ -36,30 +38,50 @@ class ServerArgs:
     # HTTP
     host: str = _f("127.0.0.1", "address the HTTP server binds")
     port: int = _f(30000, "HTTP port")
-    api_key: str | None = _f(None, "require 'Authorization: Bearer <key>' on every route but /health and /metrics")
+    api_key: str | None = _f(
+        None, "require 'Authorization: Bearer <key>' on every route but /health and /metrics"
+    )
     # Scheduling and memory
-    max_running_requests: int | None = _f(None, "most requests decoded at once; default derived from the KV pool")
-    max_total_tokens: int | None = _f(None, "KV pool capacity in tokens; default derived from --mem-fraction-static")
-    mem_fraction_static: float = _f(0.1, "fraction of available memory given to the KV pool when --max-total-tokens is unset")
+    max_running_requests: int | None = _f(
+        None, "most requests decoded at once; default derived from the KV pool"
+    )
+    max_total_tokens: int | None = _f(
+        None, "KV pool capacity in tokens; default derived from --mem-fraction-static"
+    )
+    mem_fraction_static: float = _f(
+        0.1, "fraction of available memory given to the KV pool when --max-total-tokens is unset"
+    )
     max_prefill_tokens: int = _f(8192, "token budget of one prefill batch")
     chunked_prefill_size: int = _f(2048, "longest prompt piece prefilled in one step; -1 disables chunking")
     schedule_policy: str = _f("fcfs", "order of the waiting queue", choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = _f(False, "never share prompt prefixes between requests")
-    stream_interval: int = _f(1, "send streamed tokens every N decode steps (the first token is always sent at once)")
-    attention_backend: str | None = _f(None, "default: flashinfer on CUDA when installed, else torch_native", choices=ATTENTION_BACKENDS)
+    stream_interval: int = _f(
+        1, "send streamed tokens every N decode steps (the first token is always sent at once)"
+    )
+    attention_backend: str | None = _f(
+        None, "default: flashinfer on CUDA when installed, else torch_native", choices=ATTENTION_BACKENDS
+    )
     tp_size: int = _f(1, "tensor parallel ranks")
     dp_size: int = _f(1, "data parallel scheduler replicas")
-    load_balance_method: str = _f("round_robin", "how requests are routed to data parallel replicas", choices=LOAD_BALANCE_METHODS)
+    load_balance_method: str = _f(
+        "round_robin", "how requests are routed to data parallel replicas", choices=LOAD_BALANCE_METHODS
+    )
     # Logging
     log_level: str = _f("info", "logging level", choices=LOG_LEVELS)
     decode_log_interval: int = _f(40, "write a 'Decode batch' log line every N decode steps")
     log_stats_interval: float = _f(10.0, "seconds between summary log lines while not idle")
     # Metrics (on by default: a metric that must be switched on is rarely there when it is needed)
-    enable_metrics: bool = _f(False, "accepted for SGLang command lines; metrics are on unless --disable-metrics")
+    enable_metrics: bool = _f(
+        False, "accepted for SGLang command lines; metrics are on unless --disable-metrics"
+    )
     disable_metrics: bool = _f(False, "record nothing; /metrics answers 404")
     bucket_time_to_first_token: list[float] | None = _f(None, "TTFT histogram buckets (seconds)", nargs="+")
-    bucket_inter_token_latency: list[float] | None = _f(None, "inter-token latency histogram buckets (seconds)", nargs="+")
-    bucket_e2e_request_latency: list[float] | None = _f(None, "end-to-end latency histogram buckets (seconds)", nargs="+")
+    bucket_inter_token_latency: list[float] | None = _f(
+        None, "inter-token latency histogram buckets (seconds)", nargs="+"
+    )
+    bucket_e2e_request_latency: list[float] | None = _f(
+        None, "end-to-end latency histogram buckets (seconds)", nargs="+"
+    )
     kv_cache_metrics: bool = _f(False, "track KV residency histograms of a sample of radix-cache nodes")
     kv_cache_metrics_sample: float = _f(0.01, "fraction of radix-cache nodes tracked by --kv-cache-metrics")
 
@@ -91,10 +113,16 @@ class ServerArgs:
             problems.append("--enable-metrics and --disable-metrics contradict each other")
         if not (0 < self.kv_cache_metrics_sample <= 1):
             problems.append("--kv-cache-metrics-sample must be in (0, 1]")
-        for name in ("bucket_time_to_first_token", "bucket_inter_token_latency", "bucket_e2e_request_latency"):
+        for name in (
+            "bucket_time_to_first_token",
+            "bucket_inter_token_latency",
+            "bucket_e2e_request_latency",
+        ):
             buckets = getattr(self, name)
             if buckets is not None and (not buckets or sorted(buckets) != list(buckets) or buckets[0] < 0):
-                problems.append(f"--{name.replace('_', '-')} must be a non-empty ascending list of seconds >= 0")
+                problems.append(
+                    f"--{name.replace('_', '-')} must be a non-empty ascending list of seconds >= 0"
+                )
         if self.model_path is not None and not os.path.exists(self.model_path):
             problems.append(f"--model-path {self.model_path!r} does not exist")
         if problems:
@@ -129,8 +157,12 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
-            kind = {"int": int, "int | None": int, "float": float, "list[float] | None": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)", **meta)
+            kind = {"int": int, "int | None": int, "float": float, "list[float] | None": float}.get(
+                str(f.type), str
+            )
+            parser.add_argument(
+                flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)", **meta
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -138,7 +170,9 @@ class ServerArgs:
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> ServerArgs:
-        parser = argparse.ArgumentParser(prog="python -m srt.launch_server", description="Start the srt server.")
+        parser = argparse.ArgumentParser(
+            prog="python -m srt.launch_server", description="Start the srt server."
+        )
         cls.add_cli_args(parser)
         args = parser.parse_args(argv)
         try:
@@ -155,6 +189,10 @@ class PortArgs:
     scheduler_input: str
     detokenizer_input: str
     tokenizer_input: str
+
+    def scheduler_input_for(self, dp_rank: int) -> str:
+        """Each data-parallel scheduler has its own input socket."""
+        return self.scheduler_input if dp_rank == 0 else f"{self.scheduler_input}-dp{dp_rank}"
 
     @classmethod
     def create(cls) -> PortArgs:

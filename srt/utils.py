@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s [%(process_label)s] %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+# prctl option that sets the thread name shown in /proc/<pid>/comm, ps and top (15 bytes at most).
+PR_SET_NAME = 15
+PROCESS_NAME_MAX_BYTES = 15
 # prctl option that makes the kernel signal a child when its parent dies (Linux only).
 PR_SET_PDEATHSIG = 1
 # How often a child checks that its parent is still alive, as a fallback where prctl is unavailable.
@@ -72,6 +75,25 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         libc.prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
         logger.debug("prctl(PR_SET_PDEATHSIG) unavailable")
+
+
+def set_process_name(name: str) -> None:
+    """Name this process (`srt-scheduler`, `srt-detokenizer`) so ps, top and tests can tell the children
+    apart; spawned children otherwise all look like `python -c from multiprocessing.spawn ...`."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_NAME, name.encode()[:PROCESS_NAME_MAX_BYTES], 0, 0, 0)
+    except OSError:
+        logger.debug("prctl(PR_SET_NAME) unavailable")
+
+
+def process_name(pid: int) -> str | None:
+    """The kernel's name of `pid` (/proc/<pid>/comm), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def watch_parent_process(interval: float = PARENT_POLL_SECONDS) -> None:

@@ -47,7 +47,9 @@ class Target:
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if self.fixed_output not in FIXED_OUTPUT_MODES:
-            raise ValueError(f"fixed output mode must be one of {FIXED_OUTPUT_MODES}, got {self.fixed_output!r}")
+            raise ValueError(
+                f"fixed output mode must be one of {FIXED_OUTPUT_MODES}, got {self.fixed_output!r}"
+            )
 
     @property
     def chat(self) -> bool:

@@ -75,7 +75,10 @@ def _text_of_length(tokenizer, rng: random.Random, vocab: list[int], target: int
 def prompt_token_count(tokenizer, prompt: str, chat: bool) -> int:
     if chat:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
         return len(ids)
     return len(tokenizer.encode(prompt, add_special_tokens=False))

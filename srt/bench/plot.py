@@ -43,8 +43,9 @@ def plot_cdfs(runs: list[RunResult], out_dir: str, label: str = "") -> list[str]
             values = sorted(_latency_values(run, name))
             if not values:
                 continue
-            fractions = [(i + 1) / len(values) for i in range(len(values))]
-            ax.step(values, fractions, where="post", label=f"concurrency {run.max_concurrency or 'inf'}")
+            fractions = [0.0] + [(i + 1) / len(values) for i in range(len(values))]
+            label_text = f"concurrency {run.max_concurrency or 'inf'}"
+            ax.step([values[0], *values], fractions, where="post", label=label_text)
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of observations")
         ax.set_title(f"{LATENCY_TITLES[name]} CDF {label}".strip())

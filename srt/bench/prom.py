@@ -1,4 +1,4 @@
-""""What the server says": snapshots of a Prometheus `/metrics` page and the server-side view of one run.
+""" "What the server says": snapshots of a Prometheus `/metrics` page and the server-side view of one run.
 
 A run's figures are differences of two scrapes (after minus before), so earlier traffic on a long-lived
 server does not leak into them. Samples are summed over label sets (model, rank, ...): the benchmark wants

@@ -120,7 +120,9 @@ async def run_benchmark(
                 server = ServerView.from_delta(delta(before, after))
     failed = [r for r in results if not r.success]
     if failed:
-        logger.warning("%d of %d requests failed; first error: %s", len(failed), len(results), failed[0].error)
+        logger.warning(
+            "%d of %d requests failed; first error: %s", len(failed), len(results), failed[0].error
+        )
     return RunResult(max_concurrency, request_rate, results, summarize(results, duration), server)
 
 

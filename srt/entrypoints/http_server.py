@@ -70,6 +70,23 @@ class ApiKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+class JsonBodyMiddleware:
+    """Every POST route takes JSON, but `curl -d '{...}'` labels its body as a form: read it as JSON anyway
+    (as OpenAI-compatible servers commonly do) instead of failing with a confusing validation error."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = dict(scope.get("headers") or [])
+            ctype = headers.get(b"content-type", b"")
+            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
+                others = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                scope = dict(scope, headers=[*others, (b"content-type", b"application/json")])
+        return await self.app(scope, receive, send)
+
+
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     """Build the app around a TokenizerManager whose scheduler already reported ready."""
     model_name = server_args.model_name
@@ -193,6 +210,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
         instrument_http_app(app, {"model_name": model_name})
         app.router.routes.append(Route("/metrics", endpoint=make_metrics_asgi_app()))
+    app.add_middleware(JsonBodyMiddleware)
     if server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
     return app

@@ -36,7 +36,9 @@ RETRACT_DECODE_STEPS = 20
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner, reporter: StepReporter | None = None):
+    def __init__(
+        self, server_args: ServerArgs, model_runner: ModelRunner, reporter: StepReporter | None = None
+    ):
         self.args = server_args
         self.runner = model_runner
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -48,7 +50,9 @@ class Scheduler:
             self.tree_cache = RadixCache(
                 self.req_to_token_pool, self.allocator, residency_observer=self.reporter.residency_observer
             )
-        self.sampler = Sampler(model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device)
+        self.sampler = Sampler(
+            model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device
+        )
         self.default_generator = torch.Generator(device="cpu").manual_seed(server_args.random_seed)
         self.eos_token_ids = frozenset(model_runner.eos_token_ids)
         self.context_len = model_runner.context_len
@@ -64,12 +68,15 @@ class Scheduler:
     # ---- inputs ----
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
         params = recv.sampling_params
-        req = Req(recv.rid, recv.input_ids, params, recv.stream, make_generator(params.seed, self.default_generator))
+        req = Req(
+            recv.rid, recv.input_ids, params, recv.stream, make_generator(params.seed, self.default_generator)
+        )
         if not recv.input_ids:
             req.finished_reason = FinishReason("error", message="the prompt is empty")
         elif len(recv.input_ids) > self.max_req_input_len:
             req.finished_reason = FinishReason(
-                "error", message=f"prompt of {len(recv.input_ids)} tokens exceeds the limit of {self.max_req_input_len}"
+                "error",
+                message=f"prompt of {len(recv.input_ids)} tokens exceeds the limit of {self.max_req_input_len}",
             )
         elif params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length")
@@ -185,7 +192,9 @@ class Scheduler:
         offset = 0
         for req in reqs:
             start, end = req.kv_len, req.kv_len + req.extend_len
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] = loc[offset : offset + req.extend_len]
+            self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] = loc[
+                offset : offset + req.extend_len
+            ]
             input_ids.extend(req.fill_ids[start:end])
             positions.append(torch.arange(start, end, dtype=torch.int64))
             offset += req.extend_len
@@ -219,8 +228,13 @@ class Scheduler:
             if not req.finished:
                 self.running.append(req)
         self.reporter.on_prefill(
-            self, new_seqs=new_seqs, new_tokens=total, cached_tokens=hits, prefix_queries=queries,
-            prefix_hits=hits, forward_seconds=forward_seconds,
+            self,
+            new_seqs=new_seqs,
+            new_tokens=total,
+            cached_tokens=hits,
+            prefix_queries=queries,
+            prefix_hits=hits,
+            forward_seconds=forward_seconds,
         )
         return reqs
 
@@ -265,7 +279,11 @@ class Scheduler:
         )
         step_ts = time.monotonic()
         for i, req in enumerate(reqs):
-            lp = out.token_logprobs[i] if out.token_logprobs is not None and req.sampling_params.logprobs is not None else None
+            lp = (
+                out.token_logprobs[i]
+                if out.token_logprobs is not None and req.sampling_params.logprobs is not None
+                else None
+            )
             top = out.top_logprobs[i] if lp is not None and out.top_logprobs is not None else None
             req.append_token(out.next_token_ids[i], step_ts, lp, top)
             req.check_finished(self.eos_token_ids, self.context_len)
@@ -285,6 +303,7 @@ class Scheduler:
 
         The retracted are those with the least output (least work lost), longest prompt first among equals;
         they keep their output and return to the front of the waiting queue."""
+
         def room() -> int:
             return self.allocator.available_size() + self.tree_cache.evictable_size()
 
@@ -321,9 +340,19 @@ class Scheduler:
             return None
         want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
         out = BatchTokenIDOut(
-            rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
-            cached_tokens=[], queued_ts=[], scheduled_ts=[], first_token_ts=[], token_ts=[], num_retractions=[],
-            output_token_logprobs=[] if want_logprobs else None, output_top_logprobs=[] if want_logprobs else None,
+            rids=[],
+            output_ids=[],
+            finished_reasons=[],
+            prompt_tokens=[],
+            completion_tokens=[],
+            cached_tokens=[],
+            queued_ts=[],
+            scheduled_ts=[],
+            first_token_ts=[],
+            token_ts=[],
+            num_retractions=[],
+            output_token_logprobs=[] if want_logprobs else None,
+            output_top_logprobs=[] if want_logprobs else None,
         )
         for req in reqs:
             out.rids.append(req.rid)

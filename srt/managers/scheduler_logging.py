@@ -42,25 +42,40 @@ class SchedulerReporter(StepReporter):
         self.residency_observer = residency_observer
         self.summary = stat_logger.StatsSummaryLogger(args.log_stats_interval)
         self.decode_steps = 0
-        self.decode_tokens_since_log = 0
-        self.last_decode_log = time.monotonic()
+        self.throughput_meter = stat_logger.GenThroughputMeter()
         self.gen_throughput = 0.0
         self.last_hit_rate = 0.0
         self.last_flush = time.monotonic()
 
     # ---- per step ----
-    def on_prefill(self, sched: Scheduler, *, new_seqs, new_tokens, cached_tokens, prefix_queries, prefix_hits,
-                   forward_seconds) -> None:
+    def on_prefill(
+        self,
+        sched: Scheduler,
+        *,
+        new_seqs,
+        new_tokens,
+        cached_tokens,
+        prefix_queries,
+        prefix_hits,
+        forward_seconds,
+    ) -> None:
         if prefix_queries:
             self.last_hit_rate = prefix_hits / prefix_queries
         if self.collector is not None:
-            self.collector.on_prefill_batch(new_seqs, new_tokens, cached_tokens, prefix_queries, prefix_hits,
-                                            forward_seconds)
-        self.summary.on_prefill(new_tokens, prefix_queries, prefix_hits)
-        logger.info(stat_logger.format_prefill_line(
-            new_seq=new_seqs, new_token=new_tokens, cached_token=cached_tokens,
-            token_usage=sched.num_used_tokens / self.capacity, running_req=len(sched.running),
-            queue_req=len(sched.waiting)))
+            self.collector.on_prefill_batch(
+                new_seqs, new_tokens, cached_tokens, prefix_queries, prefix_hits, forward_seconds
+            )
+        self.summary.on_prefill(new_tokens, prefix_queries, prefix_hits, num_requests=new_seqs)
+        logger.info(
+            stat_logger.format_prefill_line(
+                new_seq=new_seqs,
+                new_token=new_tokens,
+                cached_token=cached_tokens,
+                token_usage=sched.num_used_tokens / self.capacity,
+                running_req=len(sched.running),
+                queue_req=len(sched.waiting),
+            )
+        )
         self.flush(sched)
 
     def on_decode(self, sched: Scheduler, *, num_tokens, forward_seconds) -> None:
@@ -68,15 +83,19 @@ class SchedulerReporter(StepReporter):
             self.collector.on_decode_batch(num_tokens, forward_seconds)
         self.summary.on_decode(num_tokens)
         self.decode_steps += 1
-        self.decode_tokens_since_log += num_tokens
+        self.throughput_meter.add(num_tokens)
         if self.decode_steps % self.args.decode_log_interval == 0:
-            now = time.monotonic()
-            self.gen_throughput = self.decode_tokens_since_log / max(now - self.last_decode_log, 1e-9)
-            self.last_decode_log, self.decode_tokens_since_log = now, 0
+            self.gen_throughput = self.throughput_meter.take()
             used = sched.num_used_tokens
-            logger.info(stat_logger.format_decode_line(
-                running_req=len(sched.running), token=used, token_usage=used / self.capacity,
-                gen_throughput=self.gen_throughput, queue_req=len(sched.waiting)))
+            logger.info(
+                stat_logger.format_decode_line(
+                    running_req=len(sched.running),
+                    token=used,
+                    token_usage=used / self.capacity,
+                    gen_throughput=self.gen_throughput,
+                    queue_req=len(sched.waiting),
+                )
+            )
             self.flush(sched)
 
     def on_retraction(self, sched: Scheduler, n: int) -> None:
@@ -85,19 +104,25 @@ class SchedulerReporter(StepReporter):
 
     def on_finished(self, req: Req) -> None:
         if self.collector is not None:
-            self.collector.on_finished_request(len(req.origin_input_ids), len(req.output_ids), req.cached_tokens)
+            self.collector.on_finished_request(
+                len(req.origin_input_ids), len(req.output_ids), req.cached_tokens
+            )
 
     def on_idle(self, sched: Scheduler) -> None:
         self.gen_throughput = 0.0
-        self.decode_tokens_since_log = 0
+        self.throughput_meter.take()
         self.flush(sched)
 
     def on_tick(self, sched: Scheduler) -> None:
         now = time.monotonic()
         if now - self.last_flush >= FLUSH_PERIOD and not sched.is_idle:
             self.flush(sched)
-        line = self.summary.maybe_log(now, running=len(sched.running), waiting=len(sched.waiting),
-                                      kv_usage=sched.num_used_tokens / self.capacity)
+        line = self.summary.maybe_log(
+            now,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_usage=sched.num_used_tokens / self.capacity,
+        )
         if line:
             logger.info(line)
 
@@ -109,19 +134,23 @@ class SchedulerReporter(StepReporter):
         from srt.metrics.scheduler_collector import SchedulerStats
 
         used = sched.num_used_tokens
-        self.collector.flush(SchedulerStats(
-            num_running_reqs=len(sched.running) + (sched.chunked_req is not None),
-            num_queue_reqs=len(sched.waiting),
-            num_used_tokens=used,
-            token_usage=used / self.capacity,
-            gen_throughput=self.gen_throughput,
-            cache_hit_rate=self.last_hit_rate,
-            new_token_ratio=sched.new_token_ratio,
-            kv_headroom_tokens=sched.allocator.available_size() + sched.tree_cache.evictable_size(),
-        ))
+        self.collector.flush(
+            SchedulerStats(
+                num_running_reqs=len(sched.running) + (sched.chunked_req is not None),
+                num_queue_reqs=len(sched.waiting),
+                num_used_tokens=used,
+                token_usage=used / self.capacity,
+                gen_throughput=self.gen_throughput,
+                cache_hit_rate=self.last_hit_rate,
+                new_token_ratio=sched.new_token_ratio,
+                kv_headroom_tokens=sched.allocator.available_size() + sched.tree_cache.evictable_size(),
+            )
+        )
 
 
-def build_reporter(args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float) -> SchedulerReporter:
+def build_reporter(
+    args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float
+) -> SchedulerReporter:
     collector = observer = None
     if args.metrics_enabled:
         from srt.metrics.collector import SchedulerMetricsCollector, start_process_metrics
@@ -131,12 +160,18 @@ def build_reporter(args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_
         if args.dp_size > 1:
             labels["dp_rank"] = str(dp_rank)
         cache_config = make_cache_config(
-            page_size=1, max_total_num_tokens=runner.max_total_num_tokens,
-            max_running_requests=runner.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-            prefix_caching=not args.disable_radix_cache, kv_cache_dtype=str(runner.dtype).removeprefix("torch."),
-            attention_backend=runner.attention_backend_name, context_len=runner.context_len)
-        collector = SchedulerMetricsCollector(labels, cache_config, runner.max_total_num_tokens,
-                                              context_len=runner.context_len)
+            page_size=1,
+            max_total_num_tokens=runner.max_total_num_tokens,
+            max_running_requests=runner.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            prefix_caching=not args.disable_radix_cache,
+            kv_cache_dtype=str(runner.dtype).removeprefix("torch."),
+            attention_backend=runner.attention_backend_name,
+            context_len=runner.context_len,
+        )
+        collector = SchedulerMetricsCollector(
+            labels, cache_config, runner.max_total_num_tokens, context_len=runner.context_len
+        )
         collector.set_startup_times(startup_seconds, runner.load_weights_seconds)
         start_process_metrics("scheduler", {"model_name": args.model_name})
         if args.kv_cache_metrics:

@@ -27,18 +27,15 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
 
 
-def scheduler_input_endpoint(port_args: PortArgs, dp_rank: int) -> str:
-    """Each data-parallel scheduler has its own input socket."""
-    return port_args.scheduler_input if dp_rank == 0 else f"{port_args.scheduler_input}-dp{dp_rank}"
-
-
 def run_scheduler_process(
     server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer: Connection, dp_rank: int = 0
 ) -> None:
     from srt.managers.scheduler_logging import build_reporter, configure_process_logging
+    from srt.metrics.stat_logger import rank_tag
 
-    rank_tag = f"DP{dp_rank} TP0" if server_args.dp_size > 1 else "TP0"
-    configure_process_logging(server_args.log_level, rank_tag)
+    configure_process_logging(
+        server_args.log_level, rank_tag(0, dp_rank if server_args.dp_size > 1 else None)
+    )
     try:
         start = time.monotonic()
         from srt.model_executor.model_runner import ModelRunner
@@ -58,7 +55,7 @@ def run_scheduler_process(
         scheduler = Scheduler(server_args, runner, reporter)
         ctx = zmq.Context()
         recv_sock = ctx.socket(zmq.PULL)
-        recv_sock.bind(scheduler_input_endpoint(port_args, dp_rank))
+        recv_sock.bind(port_args.scheduler_input_for(dp_rank))
         send_sock = ctx.socket(zmq.PUSH)
         send_sock.connect(port_args.detokenizer_input)
     except Exception:
@@ -66,7 +63,9 @@ def run_scheduler_process(
         raise
     logger.info(
         "Scheduler ready: KV capacity %d tokens, max running requests %d, attention backend %s",
-        runner.max_total_num_tokens, runner.max_running_requests, runner.attention_backend_name,
+        runner.max_total_num_tokens,
+        runner.max_running_requests,
+        runner.attention_backend_name,
     )
     ready_writer.send(
         SchedulerReady(

@@ -7,8 +7,6 @@ The scheduler calls one hook per step with plain numbers; everything costlier th
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,8 +19,17 @@ class StepReporter:
 
     residency_observer = None
 
-    def on_prefill(self, sched: Scheduler, *, new_seqs: int, new_tokens: int, cached_tokens: int,
-                   prefix_queries: int, prefix_hits: int, forward_seconds: float) -> None: ...
+    def on_prefill(
+        self,
+        sched: Scheduler,
+        *,
+        new_seqs: int,
+        new_tokens: int,
+        cached_tokens: int,
+        prefix_queries: int,
+        prefix_hits: int,
+        forward_seconds: float,
+    ) -> None: ...
 
     def on_decode(self, sched: Scheduler, *, num_tokens: int, forward_seconds: float) -> None: ...
 

@@ -26,7 +26,9 @@ class Req(Protocol):
     """What the cache reads and writes on a scheduler request (the scheduler's Req satisfies it)."""
 
     req_pool_idx: int  # its row in ReqToTokenPool
-    kv_token_ids: list[int]  # tokens whose KV is written: slots req_to_token[req_pool_idx, :len(kv_token_ids)]
+    kv_token_ids: list[
+        int
+    ]  # tokens whose KV is written: slots req_to_token[req_pool_idx, :len(kv_token_ids)]
     prefix_indices: torch.Tensor  # KV slots of the prefix it holds a lock on (set by the cache)
     last_node: Any  # the locked node (set by the cache; None for caches without nodes)
 

@@ -38,7 +38,9 @@ class ChunkCache(BasePrefixCache):
 
     def cache_finished_req(self, req: Req) -> None:
         row = req.req_pool_idx
-        self.token_to_kv_pool_allocator.free(self.req_to_token_pool.req_to_token[row, : len(req.kv_token_ids)])
+        self.token_to_kv_pool_allocator.free(
+            self.req_to_token_pool.req_to_token[row, : len(req.kv_token_ids)]
+        )
         self.req_to_token_pool.free(row)
 
     def cache_unfinished_req(self, req: Req) -> None:

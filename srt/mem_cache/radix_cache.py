@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import time
 from typing import Protocol
 
@@ -20,8 +19,6 @@ import torch
 
 from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, Req, held_prefix_len
 from srt.mem_cache.memory_pool import INDEX_DTYPE, ReqToTokenPool, TokenToKVPoolAllocator
-
-logger = logging.getLogger(__name__)
 
 ROOT_NODE_ID = 0
 
@@ -37,7 +34,9 @@ class ResidencyObserver(Protocol):
 class TreeNode:
     __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time", "created_at")
 
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, now: float):
+    def __init__(
+        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, now: float
+    ):
         self.id = node_id
         self.key = key
         self.value = value

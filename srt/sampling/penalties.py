@@ -16,7 +16,11 @@ NO_REPETITION_PENALTY = 1.0
 
 
 def uses_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != NO_REPETITION_PENALTY or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    return (
+        p.repetition_penalty != NO_REPETITION_PENALTY
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+    )
 
 
 def min_new_tokens_active(p: SamplingParams, num_output: int) -> bool:
@@ -34,7 +38,9 @@ def _token_index(
     return row_ids[in_vocab], tokens[in_vocab]
 
 
-def _unique_pairs(rows: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _unique_pairs(
+    rows: torch.Tensor, tokens: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     flat = torch.unique(rows * vocab_size + tokens)
     return flat // vocab_size, flat % vocab_size
 
@@ -58,7 +64,9 @@ def apply_penalties(
     if rep_rows:
         seen = [input_ids[i] + output_ids[i] for i in rep_rows]
         rows, tokens = _unique_pairs(*_token_index(rep_rows, seen, vocab_size, device), vocab_size)
-        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[rows]
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[
+            rows
+        ]
         values = logits[rows, tokens]
         logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
 

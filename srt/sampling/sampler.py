@@ -14,14 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.sampling.penalties import apply_min_new_tokens, apply_penalties, min_new_tokens_active, uses_penalties
+from srt.sampling.penalties import (
+    apply_min_new_tokens,
+    apply_penalties,
+    min_new_tokens_active,
+    uses_penalties,
+)
 from srt.sampling.sampling_params import SamplingParams
 
 TOP_K_DISABLED = -1
 TOP_P_DISABLED = 1.0
-# Best tokens searched for the top-p cut-off before falling back to a full sort of the row; a model's
-# next-token distribution almost always puts top_p of its mass well inside this many tokens.
-TOP_P_CANDIDATES = 1024
+# How many best tokens to search for the top-p cut-off, widening per row before a full sort: a model's
+# next-token distribution almost always puts top_p of its mass inside the first few hundred tokens.
+TOP_P_CANDIDATES = (128, 2048)
 
 
 @dataclass
@@ -63,18 +68,22 @@ class Sampler:
             return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = logits.clone()
+        if penalized or min_new:
+            logits = logits.clone()  # the caller's tensor stays as the model produced it
         if penalized:
             apply_penalties(logits, params, input_ids, output_ids)
         if min_new:
             apply_min_new_tokens(logits, params, output_ids, self.eos_token_ids)
 
-        next_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]
-        if greedy_rows:
+        if not random_rows:
+            next_ids = logits.argmax(dim=-1)
+        elif not greedy_rows:
+            next_ids = self._sample_rows(logits, params, generators)
+        else:
+            next_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
             next_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        if random_rows:
             next_ids[random_rows] = self._sample_rows(
                 logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
             )
@@ -111,7 +120,9 @@ class Sampler:
         return token_logprobs, top
 
 
-def filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
     """Softmax of temperature-scaled logits with top-k, then top-p, then min-p applied per row.
 
     Masked tokens get probability exactly 0 and the rest are not renormalized (sampling scales by the
@@ -138,17 +149,24 @@ def _apply_top_k(probs: torch.Tensor, top_k: list[int]) -> None:
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: list[float]) -> None:
-    """Find each row's cut-off among its TOP_P_CANDIDATES best tokens; fully sort only rows whose
-    candidates do not reach top_p (a flat distribution)."""
+    """Find each row's cut-off among its best few tokens, widening the search (up to a full sort)
+    only for the rows whose candidates do not reach top_p (flat distributions)."""
     rows = [i for i, p in enumerate(top_p) if p < TOP_P_DISABLED]
-    sub = probs[rows]
+    all_rows = len(rows) == probs.shape[0]
+    sub = probs if all_rows else probs[rows]
     share = torch.tensor([top_p[i] for i in rows], dtype=probs.dtype, device=probs.device)
     target = share.unsqueeze(1) * sub.sum(dim=-1, keepdim=True)
-    cutoff = _top_p_cutoff(sub, target, min(TOP_P_CANDIDATES, sub.shape[-1]))
-    short = torch.isnan(cutoff.squeeze(1)).nonzero().flatten()
-    if short.numel() > 0:
-        cutoff[short] = _top_p_cutoff(sub[short], target[short], sub.shape[-1])
-    probs[rows] = sub.masked_fill_(sub < cutoff, 0.0)
+    cutoff = torch.full_like(target, float("nan"))
+    pending = torch.arange(len(rows), device=probs.device)
+    for candidates in (*TOP_P_CANDIDATES, sub.shape[-1]):
+        candidates = min(candidates, sub.shape[-1])
+        cutoff[pending] = _top_p_cutoff(sub[pending], target[pending], candidates)
+        pending = pending[torch.isnan(cutoff[pending].squeeze(1))]
+        if pending.numel() == 0 or candidates == sub.shape[-1]:
+            break
+    sub.masked_fill_(sub < cutoff, 0.0)
+    if not all_rows:
+        probs[rows] = sub
 
 
 def _top_p_cutoff(probs: torch.Tensor, target: torch.Tensor, candidates: int) -> torch.Tensor:
@@ -156,7 +174,7 @@ def _top_p_cutoff(probs: torch.Tensor, target: torch.Tensor, candidates: int) ->
     best = probs.topk(candidates, dim=-1).values
     mass_before = torch.cumsum(best, dim=-1) - best
     num_kept = (mass_before < target).sum(dim=-1, keepdim=True)
-    cutoff = best.gather(1, num_kept.clamp(max=candidates) - 1)
+    cutoff = best.gather(1, num_kept - 1)
     reached = (mass_before[:, -1:] + best[:, -1:]) >= target
     return cutoff.masked_fill(~reached, float("nan"))
 
@@ -166,8 +184,11 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     cdf = torch.cumsum(probs, dim=-1)
     point = uniforms.unsqueeze(1) * cdf[:, -1:]
     chosen = torch.searchsorted(cdf, point, right=True).squeeze(1)
-    # Rounding can put the point at the very end of the CDF; the most likely token is a safe landing.
-    return torch.where(chosen < probs.shape[-1], chosen, probs.argmax(dim=-1))
+    overshoot = chosen >= probs.shape[-1]
+    if overshoot.any():
+        # Rounding put the point at the very end of the CDF; the most likely token is a safe landing.
+        chosen[overshoot] = probs[overshoot].argmax(dim=-1)
+    return chosen
 
 
 def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:

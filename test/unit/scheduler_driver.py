@@ -28,8 +28,12 @@ def greedy(max_new_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def request(rid: str, input_ids: list[int], params: SamplingParams, stream: bool = False) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid=rid, input_ids=list(input_ids), sampling_params=params, stream=stream)
+def request(
+    rid: str, input_ids: list[int], params: SamplingParams, stream: bool = False
+) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(
+        rid=rid, input_ids=list(input_ids), sampling_params=params, stream=stream
+    )
 
 
 def drive(

@@ -57,10 +57,11 @@ def test_stop_string_is_cut_with_everything_after_it(tokenizer):
     ids = tokenizer.encode(text)
     detok = IncrementalDetokenizer(tokenizer)
     steps = []
-    for i, t in enumerate(ids):
+    for t in ids:
         steps.append(detok.step("r", [t], None, ["STOP"], True))
         if steps[-1] is not None and steps[-1][2] is not None:
             break
+    i = len(steps) - 1
     out = "".join(s[0] for s in steps)
     assert out == "The answer is 42. "
     assert steps[-1][2] == FinishReason("stop", matched="STOP")
@@ -136,7 +137,9 @@ def test_manager_convert_cuts_meta_at_the_stop_token(tokenizer):
     mgr = DetokenizerManager(tokenizer, None, None)
     a = tokenizer.encode("x = 1; END; y = 2")
     b = tokenizer.encode("plain text")
-    out = mgr.convert(_batch(["a", "b"], [a, b], [None, FinishReason("length")], [["END"], []], [len(a), len(b)]))
+    out = mgr.convert(
+        _batch(["a", "b"], [a, b], [None, FinishReason("length")], [["END"], []], [len(a), len(b)])
+    )
     assert isinstance(out, BatchStrOut)
     assert out.rids == ["a", "b"]
     assert out.output_strs == ["x = 1; ", "plain text"]

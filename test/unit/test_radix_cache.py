@@ -111,7 +111,10 @@ def test_insert_returns_length_already_present_and_splits_on_divergence(cache):
     assert head.key == [1, 2]
     assert sorted(head.children) == [3, 5]
     assert head.children[5].value.tolist() == second[2:].tolist()
-    assert cache.match_prefix([1, 2, 5, 6, 7]).device_indices.tolist() == first[:2].tolist() + second[2:].tolist()
+    assert (
+        cache.match_prefix([1, 2, 5, 6, 7]).device_indices.tolist()
+        == first[:2].tolist() + second[2:].tolist()
+    )
     assert cache.total_size() == 7
 
 

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
+from srt.sampling import sampler as sampler_module
 from srt.sampling.penalties import apply_min_new_tokens, apply_penalties
-from srt.sampling.sampler import Sampler, filtered_probs, make_generator
+from srt.sampling.sampler import Sampler, filtered_probs, make_generator, sample_from_probs
 from srt.sampling.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -46,7 +47,11 @@ def test_greedy_is_argmax(sampler):
 
 def test_greedy_rows_stay_argmax_next_to_sampled_rows(sampler):
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+    ]
     out = run(sampler, logits, params)
     assert out.next_token_ids[0] == logits[0].argmax().item()
     assert out.next_token_ids[2] == logits[2].argmax().item()
@@ -67,7 +72,8 @@ def test_top_k_keeps_exactly_the_k_best(k, expected):
 
 
 @pytest.mark.parametrize(
-    "p, expected", [(0.4, [0]), (0.5, [0]), (0.7, [0, 1]), (0.9, [0, 1, 2]), (0.99, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])]
+    "p, expected",
+    [(0.4, [0]), (0.5, [0]), (0.7, [0, 1]), (0.9, [0, 1, 2]), (0.99, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
 )
 def test_top_p_keeps_the_smallest_set_reaching_p(p, expected):
     assert kept(filtered_probs(logits_of(PROBS), top_k=[-1], top_p=[p], min_p=[0.0])) == expected
@@ -87,6 +93,26 @@ def test_masks_are_per_row():
     logits = torch.cat([logits_of(PROBS), logits_of(PROBS)])
     probs = filtered_probs(logits, top_k=[1, -1], top_p=[1.0, 1.0], min_p=[0.0, 0.0])
     assert (probs[0] > 0).sum() == 1 and (probs[1] > 0).sum() == 4
+
+
+def test_top_p_widens_its_search_when_the_first_candidates_fall_short(monkeypatch):
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", (1, 2))
+    logits = torch.cat([logits_of(PROBS)] * 3)
+    probs = filtered_probs(logits, top_k=[-1] * 3, top_p=[0.4, 0.7, 0.9], min_p=[0.0] * 3)
+    assert [torch.nonzero(row > 0).flatten().tolist() for row in probs] == [[0], [0, 1], [0, 1, 2]]
+
+
+def test_top_p_leaves_rows_without_it_untouched():
+    logits = torch.cat([logits_of(PROBS), logits_of(PROBS)])
+    probs = filtered_probs(logits, top_k=[-1, -1], top_p=[1.0, 0.5], min_p=[0.0, 0.0])
+    assert torch.allclose(probs[0], torch.tensor(PROBS))
+    assert (probs[1] > 0).sum() == 1
+
+
+def test_inverse_cdf_never_lands_on_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    chosen = sample_from_probs(probs, torch.tensor([0.0, 0.49, 0.51, 1.0]))
+    assert chosen.tolist() == [1, 1, 3, 1]
 
 
 def test_sampled_tokens_respect_masks_and_follow_the_distribution(sampler):
@@ -227,6 +253,14 @@ def test_logprobs_are_of_the_raw_distribution_and_top_lists_have_the_asked_lengt
     assert [t for t, _ in out.top_logprobs[0]] == best.indices.tolist()
     assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(best.values.tolist(), abs=1e-6)
     assert out.top_logprobs[1] == [] and out.top_logprobs[2] == []
+
+
+def test_sampling_does_not_modify_the_callers_logits(sampler):
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(2))
+    before = logits.clone()
+    params = [SamplingParams(repetition_penalty=1.5, min_new_tokens=3), SamplingParams(frequency_penalty=1.0)]
+    run(sampler, logits, params, inputs=[[1, 2], [3]], outputs=[[4], [5]])
+    assert torch.equal(logits, before)
 
 
 def test_logits_wider_than_the_vocab_never_yield_padding_tokens(sampler):

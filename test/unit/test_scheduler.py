@@ -51,10 +51,12 @@ def alone_outputs(tiny_model_dir):
 def test_continuous_batching_matches_running_alone(tiny_model_dir, alone_outputs):
     sched = make_scheduler(tiny_model_dir)
     ps = prompts(6)
-    arrivals = {0: [request("r0", ps[0], greedy(12)), request("r1", ps[1], greedy(12))],
-                3: [request("r2", ps[2], greedy(12))],
-                5: [request("r3", ps[3], greedy(12)), request("r4", ps[4], greedy(12))],
-                9: [request("r5", ps[5], greedy(12))]}
+    arrivals = {
+        0: [request("r0", ps[0], greedy(12)), request("r1", ps[1], greedy(12))],
+        3: [request("r2", ps[2], greedy(12))],
+        5: [request("r3", ps[3], greedy(12)), request("r4", ps[4], greedy(12))],
+        9: [request("r5", ps[5], greedy(12))],
+    }
     res = drive(sched, arrivals)
     for rid, ref in alone_outputs.items():
         assert res[rid].output_ids == ref, rid
@@ -81,11 +83,16 @@ def test_max_running_requests_is_respected(tiny_model_dir):
 
 def test_chunked_prefill_gives_same_tokens(tiny_model_dir):
     long_prompt = prompts(1, low=150, high=150, seed=3)[0]
-    plain = drive(make_scheduler(tiny_model_dir, chunked_prefill_size=-1), {0: [request("a", long_prompt, greedy(8))]})
+    plain = drive(
+        make_scheduler(tiny_model_dir, chunked_prefill_size=-1), {0: [request("a", long_prompt, greedy(8))]}
+    )
     sched = make_scheduler(tiny_model_dir, chunked_prefill_size=32)
     prefill_steps = []
-    res = drive(sched, {0: [request("a", long_prompt, greedy(8))]},
-                on_step=lambda step, s: prefill_steps.append(s.chunked_req is not None))
+    res = drive(
+        sched,
+        {0: [request("a", long_prompt, greedy(8))]},
+        on_step=lambda step, s: prefill_steps.append(s.chunked_req is not None),
+    )
     assert sum(prefill_steps) == 150 // 32  # steps that left a chunk pending
     assert res["a"].output_ids == plain["a"].output_ids
     assert_pool_whole(sched)
@@ -96,7 +103,10 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir):
     sched = make_scheduler(tiny_model_dir)
     first = drive(sched, {0: [request("a", shared + [11, 12], greedy(8))]})
     second = drive(sched, {0: [request("b", shared + [11, 12], greedy(8))]})
-    cold = drive(make_scheduler(tiny_model_dir, disable_radix_cache=True), {0: [request("c", shared + [11, 12], greedy(8))]})
+    cold = drive(
+        make_scheduler(tiny_model_dir, disable_radix_cache=True),
+        {0: [request("c", shared + [11, 12], greedy(8))]},
+    )
     assert first["a"].cached_tokens == 0
     assert second["b"].cached_tokens == len(shared) + 1  # everything but the last prompt token
     assert cold["c"].cached_tokens == 0
@@ -107,7 +117,10 @@ def test_retraction_resumes_with_identical_output(tiny_model_dir):
     # 8 requests of 30 prompt + 40 output tokens need 560 slots; the pool has 300.
     ps = prompts(8, low=30, high=30, seed=7)
     ref_sched = make_scheduler(tiny_model_dir)
-    refs = {f"r{i}": drive(ref_sched, {0: [request(f"r{i}", p, greedy(40))]})[f"r{i}"].output_ids for i, p in enumerate(ps)}
+    refs = {
+        f"r{i}": drive(ref_sched, {0: [request(f"r{i}", p, greedy(40))]})[f"r{i}"].output_ids
+        for i, p in enumerate(ps)
+    }
     sched = make_scheduler(tiny_model_dir, max_total_tokens=300)
     res = drive(sched, {0: [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps)]})
     assert sum(r.num_retractions for r in res.values()) > 0
@@ -132,7 +145,11 @@ def test_abort_frees_memory_everywhere(tiny_model_dir):
     sched.abort_request(AbortReq(rid="r0"))
     sched.abort_request(AbortReq(rid="r3"))
     out = sched.step()
-    aborted = {rid for rid, f in zip(out.rids, out.finished_reasons) if f is not None and f.type == "abort"}
+    aborted = {
+        rid
+        for rid, f in zip(out.rids, out.finished_reasons, strict=True)
+        if f is not None and f.type == "abort"
+    }
     assert aborted == {"r0", "r3"}
     sched.abort_request(AbortReq(rid=""))
     sched.step()
@@ -141,8 +158,15 @@ def test_abort_frees_memory_everywhere(tiny_model_dir):
 
 def test_streaming_sends_first_token_at_once_and_every_interval(tiny_model_dir):
     sched = make_scheduler(tiny_model_dir, stream_interval=4)
-    res = drive(sched, {0: [request("s", prompts(1)[0], greedy(9), stream=True),
-                            request("n", prompts(1, seed=2)[0], greedy(9), stream=False)]})
+    res = drive(
+        sched,
+        {
+            0: [
+                request("s", prompts(1)[0], greedy(9), stream=True),
+                request("n", prompts(1, seed=2)[0], greedy(9), stream=False),
+            ]
+        },
+    )
     assert res["s"].messages == 1 + 2  # first token, then tokens 2-5 and 6-9 (the last carries the finish)
     assert res["n"].messages == 2  # first token at once (for TTFT), the rest on finish
     assert len(res["s"].token_ts) == 9
@@ -153,10 +177,17 @@ def test_stop_conditions(tiny_model_dir, alone_outputs):
     p = prompts(6)[0]
     target = alone_outputs["r0"][3]
     stop_at = alone_outputs["r0"].index(target)
-    res = drive(sched, {0: [request("stop", p, greedy(12, stop_token_ids=[target])),
-                            request("zero", p, greedy(0)),
-                            request("empty", [], greedy(4)),
-                            request("min", p, greedy(12, stop_token_ids=[target], min_new_tokens=stop_at + 2))]})
+    res = drive(
+        sched,
+        {
+            0: [
+                request("stop", p, greedy(12, stop_token_ids=[target])),
+                request("zero", p, greedy(0)),
+                request("empty", [], greedy(4)),
+                request("min", p, greedy(12, stop_token_ids=[target], min_new_tokens=stop_at + 2)),
+            ]
+        },
+    )
     assert res["stop"].finish.type == "stop" and res["stop"].output_ids == alone_outputs["r0"][: stop_at + 1]
     assert res["zero"].finish.type == "length" and res["zero"].output_ids == []
     assert res["empty"].finish.type == "error"

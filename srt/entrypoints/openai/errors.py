@@ -52,6 +52,8 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return OpenAIError(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    if not loc and first.get("type") == "model_attributes_type":
+        return OpenAIError("the request body must be a JSON object", code="invalid_value")
     field = ".".join(loc)
     message = (
         f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg", "invalid request")

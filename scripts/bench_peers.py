@@ -1,0 +1,158 @@
+"""srt against the servers a user could run instead, on the same machine and the same embedded SmolLM2.
+
+Starts, one after another: srt (`python -m srt.launch_server`), `transformers serve --continuous-batching`
+(fp32; extra `transformers[serving]`) and llama.cpp's server from `llama-cpp-python[server]` on the GGUF
+(skipped with a message when not installed). Each gets the same greedy workloads with fixed lengths
+(input 256, output 64 tokens) at concurrency 1, 16 and 64, and one table compares them, with srt's ratio to
+each peer. Slow by nature (tens of minutes on 2 cores): a benchmark, never part of the test suite.
+
+    python scripts/bench_peers.py                                   # all peers, the issue's workloads
+    python scripts/bench_peers.py --peers srt,llama.cpp --plot /tmp/peers --output-file peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+
+from srt.bench.dataset import load_tokenizer, random_requests
+from srt.bench.peers import (
+    RunningServer,
+    comparison_table,
+    llama_cpp_peer,
+    machine_description,
+    srt_peer,
+    transformers_peer,
+)
+from srt.bench.plot import plot_sweep
+from srt.bench.report import format_server_comparison
+from srt.bench.runner import RunResult, run_benchmark, warmup
+from srt.model_source import default_gguf_path, resolve_model_dir
+
+logger = logging.getLogger("bench_peers")
+
+PEER_FACTORIES = {"srt": srt_peer, "transformers": transformers_peer, "llama.cpp": llama_cpp_peer}
+BASE_PORT = 30100
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peers", default=",".join(PEER_FACTORIES), help="comma-separated subset, run in order")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
+    p.add_argument("--num-prompts", default="8,32,64", help="requests per level, one number per level")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--base-port", type=int, default=BASE_PORT)
+    p.add_argument("--log-dir", default=None, help="server logs; default: a temporary directory")
+    p.add_argument("--output-file", default=None, help="JSON with every run's summary and request timings")
+    p.add_argument("--plot", default=None, metavar="DIR", help="throughput / p99 vs concurrency charts")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+async def bench_peer(peer, levels, counts, dataset, count_tokens, log_dir, show_progress) -> list[RunResult]:
+    """Start one server, warm it up with one full-size request, run every level, stop it."""
+    log_path = os.path.join(log_dir, f"{peer.name}.log")
+    with RunningServer(peer, log_path) as server:
+        ready_s = await server.wait_ready(count_tokens)
+        logger.info("%s ready after %.1f s", peer.name, ready_s)
+        warm = await warmup(peer.target, dataset[0], count_tokens)
+        if not warm.success:
+            raise RuntimeError(f"{peer.name} warm-up failed: {warm.error}")
+        runs, offset = [], 1
+        for level, count in zip(levels, counts, strict=True):
+            requests = dataset[offset : offset + count]
+            offset += count
+            run = await run_benchmark(
+                peer.target, requests, count_tokens, max_concurrency=level, show_progress=show_progress
+            )
+            s = run.summary
+            logger.info(
+                "%s conc %d: %d ok, %d failed, %.1f output tok/s, TTFT p50 %.2f s",
+                peer.name,
+                level,
+                s.completed,
+                s.failed,
+                s.output_throughput,
+                s.ttft.median_ms / 1000,
+            )
+            runs.append(run)
+        return runs
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
+    levels, counts = _ints(args.concurrency), _ints(args.num_prompts)
+    if len(levels) != len(counts):
+        raise SystemExit("--num-prompts needs one count per --concurrency level")
+    model_dir = resolve_model_dir(None)
+    tokenizer = load_tokenizer(model_dir)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    # Same prompts for every server, fresh ones for every level (no prefix-cache hits across levels).
+    dataset = random_requests(
+        tokenizer, 1 + sum(counts), args.input_len, args.output_len, 1.0, args.seed, True
+    )
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_peers_")
+    os.makedirs(log_dir, exist_ok=True)
+    results: dict[str, list[RunResult]] = {}
+    for i, name in enumerate(args.peers.split(",")):
+        if name not in PEER_FACTORIES:
+            raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEER_FACTORIES)}")
+        source = default_gguf_path() if name == "llama.cpp" else model_dir
+        peer = PEER_FACTORIES[name](args.base_port + i, source)
+        if peer.missing:
+            logger.warning("%s", peer.missing)
+            continue
+        try:
+            results[name] = await bench_peer(
+                peer, levels, counts, dataset, count_tokens, log_dir, not args.disable_tqdm
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            logger.error("%s could not be benchmarked: %s", name, exc)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    results = asyncio.run(main_async(args))
+    if not results:
+        logger.error("no server could be benchmarked")
+        return 1
+    print(f"\nMachine: {machine_description()}")
+    print(
+        f"Workload: input {args.input_len} / output {args.output_len} tokens, greedy, fixed output length, "
+        f"chat endpoint; prompts per level {args.num_prompts}\n"
+    )
+    print(comparison_table(results))
+    for name, runs in results.items():
+        for run in runs:
+            if run.server is not None:
+                print(f"\n{name}, concurrency {run.max_concurrency}:\n{format_server_comparison(run)}")
+    if args.output_file:
+        payload = {
+            "machine": machine_description(),
+            "args": vars(args),
+            "results": {name: [run.to_json() for run in runs] for name, runs in results.items()},
+        }
+        with open(args.output_file, "w") as f:
+            json.dump(payload, f, indent=1)
+    if args.plot:
+        plot_sweep(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The peer comparison's pure parts: how each peer is started and talked to, and the ratio table."""
+
+import math
+
+import pytest
+
+from srt.bench.peers import comparison_table, llama_cpp_peer, srt_peer, transformers_peer
+from srt.bench.runner import RunResult
+from srt.bench.stats import RequestResult, summarize
+
+
+def run_at(concurrency, output_tokens, ttft):
+    result = RequestResult(10, output_tokens, success=True, ttft=ttft, e2e=ttft + 1.0, itl=[0.01])
+    return RunResult(concurrency, math.inf, [result], summarize([result], 2.0), None)
+
+
+def test_table_has_a_row_per_server_and_level_and_srt_ratio_rows():
+    table = comparison_table(
+        {
+            "srt": [run_at(1, 40, 0.5), run_at(16, 120, 1.0)],
+            "llama.cpp": [run_at(1, 20, 2.0), run_at(16, 30, 4.0)],
+        }
+    )
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
+    cells = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
+    assert cells[("srt", "1")][0] == "20.0"  # 40 tokens over 2 s
+    # throughput ratio above 1 and latency ratio below 1 both mean srt is better
+    assert cells[("srt ÷ llama.cpp", "1")][:2] == ["2.00x", "0.25x"]
+    assert cells[("srt ÷ llama.cpp", "16")][0] == "4.00x"
+    assert len(rows) == 6
+
+
+def test_table_without_srt_has_no_ratio_rows():
+    table = comparison_table({"llama.cpp": [run_at(1, 20, 2.0)]})
+    assert "÷" not in table
+
+
+@pytest.mark.parametrize(
+    ("factory", "fixed_output", "flag"),
+    [
+        (srt_peer, "ignore_eos", "srt.launch_server"),
+        (transformers_peer, "generation_config", "--continuous-batching"),
+        (llama_cpp_peer, "min_tokens", "--interrupt_requests"),
+    ],
+)
+def test_each_peer_gets_its_own_way_of_fixing_the_output_length(factory, fixed_output, flag):
+    peer = factory(31234, "/models/x")
+    assert peer.target.fixed_output == fixed_output
+    assert peer.target.base_url == "http://127.0.0.1:31234"
+    assert flag in peer.command and "31234" in peer.command
+    assert peer.target.model is None  # transformers serve rejects a model name other than its own

@@ -1,0 +1,129 @@
+"""Weight loading and the Llama-family switches: for Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm), random
+checkpoints saved by transformers give the same logits through srt as through transformers itself."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from srt.model_executor.model_loader import iter_checkpoint, load_weights
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.models.llama import LlamaForCausalLM, rope_inv_freq
+from srt.model_executor.models.registry import get_model_class
+from test.unit.model_driver import PagedDriver
+
+ATOL = 1e-4
+PROMPT = [5, 901, 77, 3021, 14, 250, 8, 4096, 33]
+SMALL = dict(
+    vocab_size=5000,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+
+
+def save_random(tmp_path, model_type: str, arch: str, **extra) -> str:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, architectures=[arch], **SMALL, **extra)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():  # random biases/norm weights are zero/one at init: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.normal_(0, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return str(tmp_path)
+
+
+def hf_last_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def srt_prompt_then_decode(model_dir: str, ids: list[int]) -> torch.Tensor:
+    """Logits after ids[:-1] as an extend step and ids[-1] as a decode step."""
+    runner = ModelRunner(model_dir, max_total_tokens=256, max_running_requests=2)
+    driver = PagedDriver(runner)
+    seq = driver.new_seq()
+    driver.extend([seq], [ids[:-1]])
+    return driver.decode([seq], [ids[-1]])[0]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "arch", "extra"),
+    [
+        ("llama", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+        ("llama", "LlamaForCausalLM", {"tie_word_embeddings": True, "attention_bias": True}),
+        ("mistral", "MistralForCausalLM", {"sliding_window": None}),
+        ("qwen2", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+        ("qwen3", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),
+    ],
+)
+def test_logits_match_transformers(tmp_path, model_type, arch, extra):
+    model_dir = save_random(tmp_path, model_type, arch, **extra)
+    torch.testing.assert_close(
+        srt_prompt_then_decode(model_dir, PROMPT), hf_last_logits(model_dir, PROMPT), atol=ATOL, rtol=0
+    )
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = AutoConfig.for_model("llama", head_dim=64, hidden_size=512, num_attention_heads=8, rope_parameters=rope)
+    ours, scaling = rope_inv_freq(config, 64)
+    theirs, their_scaling = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    torch.testing.assert_close(ours, theirs.float())
+    assert scaling == their_scaling
+    plain, _ = rope_inv_freq(AutoConfig.for_model("llama", rope_parameters={"rope_theta": 500000.0}), 64)
+    assert not torch.allclose(ours, plain)  # the scaling did something
+
+
+def test_a_missing_checkpoint_tensor_is_an_error(tiny_model_dir, tmp_path):
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(f"{tiny_model_dir}/{f}", tmp_path / f)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, "LlamaForCausalLM", 64, torch.float32, "cpu")
+    model = model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj.weight"):
+        load_weights(model, iter_checkpoint(str(tmp_path)))
+
+
+def test_fused_qkv_holds_the_checkpoint_slices_in_order(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, max_total_tokens=64, max_running_requests=1)
+    ckpt = dict(iter_checkpoint(tiny_model_dir))
+    attn = runner.model.model.layers[0].self_attn
+    q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+    assert torch.equal(q, ckpt["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(k, ckpt["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(v, ckpt["model.layers.0.self_attn.v_proj.weight"])
+    gate, up = runner.model.model.layers[0].mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(up, ckpt["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(gate, ckpt["model.layers.0.mlp.gate_proj.weight"])
+    assert runner.model.lm_head is None  # tied: the head is the embedding
+
+
+def test_unknown_architecture_is_rejected():
+    with pytest.raises(ValueError, match="unsupported architectures"):
+        get_model_class(["GPT2LMHeadModel"])
+    assert get_model_class(None)[0] == "LlamaForCausalLM"

@@ -21,6 +21,7 @@ logger = logging.getLogger("bench_model_forward")
 
 TOKEN_ID = 1000  # any ordinary token; the content does not change the cost
 WARMUP_STEPS = 2
+BENCH_KV_TOKENS = 50_000  # enough for 64 sequences of 512 cached tokens plus the timed steps
 
 
 def fill_sequences(runner: ModelRunner, bs: int, context: int) -> tuple[list[int], torch.Tensor]:
@@ -91,11 +92,12 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the runner's choice)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
     runner = ModelRunner(
-        resolve_model_dir(args.model_path), max_total_tokens=80_000, max_running_requests=128
+        resolve_model_dir(args.model_path), max_total_tokens=BENCH_KV_TOKENS, max_running_requests=max(args.batch_sizes)
     )
     logger.info(
         "runner ready in %.2f s (weights %.2f s)", time.monotonic() - start, runner.load_weights_seconds

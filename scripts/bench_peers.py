@@ -36,7 +36,8 @@ from srt.model_source import default_gguf_path, resolve_model_dir
 
 logger = logging.getLogger("bench_peers")
 
-PEER_FACTORIES = {"srt": srt_peer, "transformers": transformers_peer, "llama.cpp": llama_cpp_peer}
+# llama.cpp before transformers: the slowest peer last, so a cut-short run still compares most of them.
+PEER_FACTORIES = {"srt": srt_peer, "llama.cpp": llama_cpp_peer, "transformers": transformers_peer}
 BASE_PORT = 30100
 
 

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 TINY_SEED = 1234
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 # Small but exercising every code path: several layers, grouped-query attention (4 query heads per 2 KV
 # heads), tied embeddings, the real vocabulary so the real tokenizer's ids are valid.
 TINY_LLAMA = dict(

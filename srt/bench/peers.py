@@ -86,7 +86,8 @@ def llama_cpp_peer(port: int, gguf_path: str) -> Peer:
         str(port),
     ]
     cmd += ["--interrupt_requests", "False", "--n_ctx", str(LLAMA_CPP_CONTEXT)]
-    cmd += ["--n_threads", str(os.cpu_count() or 1)]
+    threads = str(os.cpu_count() or 1)
+    cmd += ["--n_threads", threads, "--n_threads_batch", threads]
     target = Target(f"http://{HOST}:{port}", backend="openai", endpoint="chat", fixed_output="min_tokens")
     missing = None
     if _missing_modules("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings"):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-from tqdm.asyncio import tqdm
+from tqdm import tqdm
 
 from srt.bench.backends import Target, send_request
 from srt.bench.dataset import BenchRequest

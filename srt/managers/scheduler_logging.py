@@ -173,7 +173,7 @@ def build_reporter(
             labels, cache_config, runner.max_total_num_tokens, context_len=runner.context_len
         )
         collector.set_startup_times(startup_seconds, runner.load_weights_seconds)
-        start_process_metrics("scheduler", {"model_name": args.model_name})
+        start_process_metrics("scheduler", labels)
         if args.kv_cache_metrics:
             from srt.metrics.kv_residency import KVResidencyObserver
 

@@ -21,7 +21,9 @@ class ForwardBatch:
 
     mode: ForwardMode
     batch_size: int
-    input_ids: torch.Tensor  # int64 [num_tokens] (extend: new tokens of each seq, concatenated; decode: one per seq)
+    input_ids: (
+        torch.Tensor
+    )  # int64 [num_tokens] (extend: new tokens of each seq, concatenated; decode: one per seq)
     positions: torch.Tensor  # int64 [num_tokens]
     out_cache_loc: torch.Tensor  # int64 [num_tokens] KV slots where this step's K/V are written
     req_pool_indices: torch.Tensor  # int64 [bs]

@@ -67,7 +67,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         loaded[name].add(shard)
     missing = [name for name, shards in expected.items() if loaded[name] != shards]
     if missing:
-        raise ValueError(f"parameters not found in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"parameters not found in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
 
 
 def _map_name(ckpt_name: str) -> tuple[str, str | None]:

@@ -118,7 +118,9 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + REQ_POOL_HEADROOM, self.context_len, device=self.device
         )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, device=self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, device=self.device
+        )
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
             self.dtype,

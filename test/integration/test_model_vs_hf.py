@@ -43,8 +43,11 @@ def hf_outputs(embedded_model_dir, prompts) -> list[tuple[list[int], list[float]
     model.generation_config.eos_token_id = None
     results = []
     for ids in prompts:
+        input_ids = torch.tensor([ids])
         out = model.generate(
-            torch.tensor([ids]),
+            input_ids,
+            # explicit: with EOS unset, generate would infer a mask that hides the prompt's <|im_end|> (= pad)
+            attention_mask=torch.ones_like(input_ids),
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
             output_scores=True,
@@ -63,7 +66,9 @@ def test_greedy_tokens_match_transformers(embedded_model_dir, prompts, hf_output
     exact = 0
     for trace, (hf_tokens, hf_gaps) in zip(traces, hf_outputs, strict=True):
         assert len(hf_tokens) == len(trace.tokens) == NEW_TOKENS
-        diverged = next((i for i, (a, b) in enumerate(zip(trace.tokens, hf_tokens)) if a != b), None)
+        diverged = next(
+            (i for i, (a, b) in enumerate(zip(trace.tokens, hf_tokens, strict=True)) if a != b), None
+        )
         if diverged is None:
             exact += 1
             continue

@@ -86,7 +86,9 @@ def test_llama3_rope_scaling_matches_transformers():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    config = AutoConfig.for_model("llama", head_dim=64, hidden_size=512, num_attention_heads=8, rope_parameters=rope)
+    config = AutoConfig.for_model(
+        "llama", head_dim=64, hidden_size=512, num_attention_heads=8, rope_parameters=rope
+    )
     ours, scaling = rope_inv_freq(config, 64)
     theirs, their_scaling = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     torch.testing.assert_close(ours, theirs.float())

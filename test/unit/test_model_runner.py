@@ -89,7 +89,9 @@ def test_mixed_extend_batch_with_and_without_prefix(driver):
     warm, cold = driver.new_seq(), driver.new_seq()
     driver.share_prefix(warm, owner, len(prefix))
     logits = driver.extend([warm, cold], [suffix, other])
-    torch.testing.assert_close(logits[0], driver.extend([driver.new_seq()], [prefix + suffix])[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[0], driver.extend([driver.new_seq()], [prefix + suffix])[0], atol=ATOL, rtol=0
+    )
     torch.testing.assert_close(logits[1], driver.extend([driver.new_seq()], [other])[0], atol=ATOL, rtol=0)
 
 

@@ -58,7 +58,8 @@ def test_concurrent_resolves_convert_once(tmp_path, monkeypatch):
     monkeypatch.setattr(model_source, "_convert_in_subprocess", fake_convert)
     results = []
     threads = [
-        threading.Thread(target=lambda: results.append(model_source.resolve_model_dir(str(gguf)))) for _ in range(3)
+        threading.Thread(target=lambda: results.append(model_source.resolve_model_dir(str(gguf))))
+        for _ in range(3)
     ]
     for t in threads:
         t.start()

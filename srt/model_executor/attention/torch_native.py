@@ -89,7 +89,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scaling)
         return out.reshape(bs, self.num_heads * self.head_dim)
 
-    def _forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def _forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
         for seq in self._extend:

@@ -195,16 +195,16 @@ class LlamaForCausalLM(nn.Module):
         "Qwen3ForCausalLM": (False, True),
     }
 
-    def __init__(
-        self, config, arch: str, max_positions: int, dtype: torch.dtype, device: str
-    ):
+    def __init__(self, config, arch: str, max_positions: int, dtype: torch.dtype, device: str):
         super().__init__()
         qkv_bias, qk_norm = self.ARCH_SWITCHES[arch]
         qkv_bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.config = config
         self.model = LlamaModel(config, qkv_bias, qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         # set by the model runner once the KV pool exists (the pool is sized after the weights are loaded)
         self.attn_backend: AttentionBackend | None = None
         head_dim = self.model.layers[0].self_attn.head_dim

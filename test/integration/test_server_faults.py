@@ -1,0 +1,115 @@
+"""Faults: a dying child takes the whole server down fast and loudly; signals shut it down cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from srt.utils import pid_alive
+from test.integration.conftest import launch_server, session_pids
+
+pytestmark = pytest.mark.slow
+
+# The launcher must be gone this soon after a child dies (it promises "a few seconds").
+EXIT_AFTER_CHILD_DEATH_SECONDS = 15.0
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+def logged_dir(log: str, label: str) -> str:
+    match = re.search(rf"{label}: (\S+)", log)
+    assert match, f"no '{label}' line in the log"
+    return match.group(1)
+
+
+def test_killing_the_scheduler_fails_requests_and_exits_non_zero():
+    server = launch_server()
+    try:
+        children = server.child_pids()
+        assert set(children) == {"srt-scheduler", "srt-detokenizer"}
+        tree = [server.proc.pid, *children.values()]
+        events: list[str] = []
+        stream_done = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "Tell me a long story.", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+            try:
+                with httpx.stream(
+                    "POST", f"{server.openai_base_url}/completions", json=body, timeout=60
+                ) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            events.append(line)
+            except httpx.HTTPError as e:  # a dropped connection is also an acceptable failure
+                events.append(f"transport error: {e}")
+            finally:
+                stream_done.set()
+
+        threading.Thread(target=stream, daemon=True).start()
+        deadline = time.monotonic() + 120
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(events) >= 3, "the stream never started"
+
+        killed_at = time.monotonic()
+        os.kill(children["srt-scheduler"], signal.SIGKILL)
+        assert stream_done.wait(EXIT_AFTER_CHILD_DEATH_SECONDS), "the in-flight request hung"
+        last = events[-1]
+        assert last == "data: [DONE]" or last.startswith("transport error")
+        if last == "data: [DONE]":
+            assert "error" in json.loads(events[-2][len("data: ") :])
+        try:
+            health = httpx.get(f"{server.base_url}/health", timeout=2).status_code
+        except httpx.HTTPError:
+            health = None  # already shut down
+        assert health in (503, None)
+
+        server.proc.wait(EXIT_AFTER_CHILD_DEATH_SECONDS)
+        assert time.monotonic() - killed_at < EXIT_AFTER_CHILD_DEATH_SECONDS
+        assert server.proc.returncode not in (0, None)
+        assert wait_gone(tree, 5) == []
+        assert session_pids(server.proc.pid) == []
+        assert "scheduler process" in server.logs() and "died" in server.logs()
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_shuts_down_cleanly(sig):
+    server = launch_server()
+    try:
+        tree = [server.proc.pid, *server.child_pids().values()]
+        assert len(tree) == 3
+        log = server.logs()
+        ipc_dir, metrics_dir = logged_dir(log, "IPC directory"), logged_dir(log, "metrics directory")
+        assert os.path.isdir(ipc_dir) and os.path.isdir(metrics_dir)
+        server.proc.send_signal(sig)
+        assert server.proc.wait(30) == 0
+        assert wait_gone(tree, 5) == []
+        assert session_pids(server.proc.pid) == []
+        assert not os.path.exists(ipc_dir) and not os.path.exists(metrics_dir)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_a_child_that_cannot_start_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
+    server = launch_server("--model-path", str(tmp_path), wait=False)
+    try:
+        assert server.proc.wait(180) != 0
+        assert "start-up failed" in server.logs()
+        assert session_pids(server.proc.pid) == []
+    finally:
+        server.stop(signal.SIGKILL)

@@ -85,6 +85,33 @@ def time_prefill(runner: ModelRunner, length: int, repeats: int) -> float:
     return min(times)
 
 
+def time_hf_decode(model, bs: int, context: int, steps: int) -> float:
+    """Seconds per decode step of transformers on the same weights (DynamicCache), same shapes."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(torch.full((bs, context), TOKEN_ID), past_key_values=cache, use_cache=True)
+        times = []
+        for _ in range(WARMUP_STEPS + steps):
+            start = time.perf_counter()
+            model(torch.full((bs, 1), TOKEN_ID), past_key_values=cache, use_cache=True).logits[:, -1].argmax(
+                -1
+            )
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[WARMUP_STEPS:])
+
+
+def time_hf_prefill(model, length: int, repeats: int) -> float:
+    with torch.inference_mode():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(torch.full((1, length), TOKEN_ID), use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=None)
@@ -92,25 +119,46 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the runner's choice)")
+    parser.add_argument(
+        "--compare-hf", action="store_true", help="also time transformers on the same weights"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the runner's choice)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
     runner = ModelRunner(
-        resolve_model_dir(args.model_path), max_total_tokens=BENCH_KV_TOKENS, max_running_requests=max(args.batch_sizes)
+        resolve_model_dir(args.model_path),
+        max_total_tokens=BENCH_KV_TOKENS,
+        max_running_requests=max(args.batch_sizes),
     )
     logger.info(
         "runner ready in %.2f s (weights %.2f s)", time.monotonic() - start, runner.load_weights_seconds
     )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logger.info("torch threads: %d", torch.get_num_threads())
+    hf = None
+    if args.compare_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32).eval()
     for bs in args.batch_sizes:
         step = time_decode(runner, bs, args.context, args.steps)
-        logger.info(
-            "decode bs=%3d context=%d: %6.1f ms/step  %7.1f tok/s", bs, args.context, step * 1e3, bs / step
-        )
+        line = f"decode bs={bs:3d} context={args.context}: {step * 1e3:7.1f} ms/step {bs / step:7.1f} tok/s"
+        if hf is not None:  # measured right after ours so both see the same machine load
+            hf_step = time_hf_decode(hf, bs, args.context, args.steps)
+            line += (
+                f" | hf {hf_step * 1e3:7.1f} ms/step {bs / hf_step:7.1f} tok/s | srt/hf {hf_step / step:.2f}x"
+            )
+        logger.info(line)
     seconds = time_prefill(runner, args.prefill, repeats=3)
-    logger.info(
-        "prefill %d tokens: %6.1f ms  %7.1f tok/s", args.prefill, seconds * 1e3, args.prefill / seconds
-    )
+    line = f"prefill {args.prefill} tokens: {seconds * 1e3:7.1f} ms {args.prefill / seconds:7.1f} tok/s"
+    if hf is not None:
+        hf_seconds = time_hf_prefill(hf, args.prefill, repeats=3)
+        line += f" | hf {args.prefill / hf_seconds:7.1f} tok/s | srt/hf {hf_seconds / seconds:.2f}x"
+    logger.info(line)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -61,8 +62,9 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-async def bench_peer(peer, levels, counts, dataset, count_tokens, log_dir, show_progress) -> list[RunResult]:
-    """Start one server, warm it up with one full-size request, run every level, stop it."""
+async def bench_peer(peer, levels, counts, dataset, count_tokens, log_dir, show_progress, runs) -> None:
+    """Start one server, warm it up with one full-size request, run every level into `runs`, stop it.
+    Appending as it goes keeps the finished levels when the run is interrupted."""
     log_path = os.path.join(log_dir, f"{peer.name}.log")
     with RunningServer(peer, log_path) as server:
         ready_s = await server.wait_ready(count_tokens)
@@ -70,7 +72,7 @@ async def bench_peer(peer, levels, counts, dataset, count_tokens, log_dir, show_
         warm = await warmup(peer.target, dataset[0], count_tokens)
         if not warm.success:
             raise RuntimeError(f"{peer.name} warm-up failed: {warm.error}")
-        runs, offset = [], 1
+        offset = 1
         for level, count in zip(levels, counts, strict=True):
             requests = dataset[offset : offset + count]
             offset += count
@@ -79,16 +81,11 @@ async def bench_peer(peer, levels, counts, dataset, count_tokens, log_dir, show_
             )
             s = run.summary
             logger.info(
-                "%s conc %d: %d ok, %d failed, %.1f output tok/s, TTFT p50 %.2f s",
-                peer.name,
-                level,
-                s.completed,
-                s.failed,
-                s.output_throughput,
-                s.ttft.median_ms / 1000,
-            )
+                "%s conc %d: %d ok, %d failed, %.1f output tok/s, TTFT p50 %.2f s, ITL p50 %.0f ms",
+                peer.name, level, s.completed, s.failed, s.output_throughput, s.ttft.median_ms / 1000,
+                s.itl.median_ms,
+            )  # fmt: skip
             runs.append(run)
-        return runs
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
@@ -108,6 +105,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_peers_")
     os.makedirs(log_dir, exist_ok=True)
     results: dict[str, list[RunResult]] = {}
+    # Ctrl-C or SIGTERM stops the current server cleanly and still prints what was measured.
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
     for i, name in enumerate(args.peers.split(",")):
         if name not in PEER_FACTORIES:
             raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEER_FACTORIES)}")
@@ -116,12 +117,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
         if peer.missing:
             logger.warning("%s", peer.missing)
             continue
+        runs = results.setdefault(name, [])
         try:
-            results[name] = await bench_peer(
-                peer, levels, counts, dataset, count_tokens, log_dir, not args.disable_tqdm
+            await bench_peer(
+                peer, levels, counts, dataset, count_tokens, log_dir, not args.disable_tqdm, runs
             )
         except (RuntimeError, TimeoutError) as exc:
             logger.error("%s could not be benchmarked: %s", name, exc)
+        except asyncio.CancelledError:
+            logger.warning("interrupted during %s: reporting what was measured so far", name)
+            break
+    results = {name: runs for name, runs in results.items() if runs}
     return results
 
 

@@ -21,7 +21,13 @@ import time
 from dataclasses import dataclass
 
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logging, kill_process_tree, set_process_name
+from srt.utils import (
+    configure_logging,
+    kill_process_tree,
+    set_parent_death_signal,
+    set_process_name,
+    watch_parent_process,
+)
 
 logger = logging.getLogger("srt.launch_server")
 
@@ -40,6 +46,10 @@ def _run_child(name: str, module: str, func: str, *args) -> None:
     """Spawn target that imports the child's module only in the child, so the main process never imports
     the scheduler's modules (and with them torch)."""
     set_process_name(name)
+    set_parent_death_signal()  # a launcher killed with SIGKILL must not leave this child behind
+    watch_parent_process()
+    # Ctrl-C reaches the whole process group; the launcher alone decides when children stop (SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     getattr(importlib.import_module(module), func)(*args)
 
 
@@ -132,6 +142,10 @@ class Launcher:
 
     def _run(self) -> int:
         from srt.model_source import resolve_model_dir
+
+        if self.args.dp_size > 1:
+            # Needs request routing over one scheduler input per rank; not wired yet.
+            raise StartupError("--dp-size > 1 is not supported yet")
 
         try:
             model_dir = resolve_model_dir(self.args.model_path)

@@ -13,14 +13,13 @@ Invariants of the text it emits (per request, the concatenation of all deltas):
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import dataclass, field, fields
 
 import zmq
 
 from srt.managers.io_struct import BatchOutMeta, BatchStrOut, BatchTokenIDOut, FinishReason
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logging, get_zmq_socket, set_parent_death_signal, watch_parent_process
+from srt.utils import configure_logging, get_zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -200,10 +199,6 @@ def run_detokenizer_process(
 ) -> None:
     """Entry point of the spawned detokenizer: load the tokenizer, report ready (True or an error string)."""
     configure_logging(server_args.log_level, "detokenizer")
-    set_parent_death_signal()
-    watch_parent_process()
-    # Ctrl-C reaches the whole process group; the launcher decides when this process stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from transformers import AutoTokenizer
 

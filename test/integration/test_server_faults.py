@@ -28,6 +28,15 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
+def wait_session_empty(sid: int, timeout: float = 5.0) -> list[int]:
+    """Processes of the server's session still alive after `timeout` (multiprocessing's resource tracker
+    exits on its own once the launcher is gone, a moment later)."""
+    deadline = time.monotonic() + timeout
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def logged_dir(log: str, label: str) -> str:
     match = re.search(rf"{label}: (\S+)", log)
     assert match, f"no '{label}' line in the log"
@@ -80,7 +89,7 @@ def test_killing_the_scheduler_fails_requests_and_exits_non_zero():
         assert time.monotonic() - killed_at < EXIT_AFTER_CHILD_DEATH_SECONDS
         assert server.proc.returncode not in (0, None)
         assert wait_gone(tree, 5) == []
-        assert session_pids(server.proc.pid) == []
+        assert wait_session_empty(server.proc.pid) == []
         assert "scheduler process" in server.logs() and "died" in server.logs()
     finally:
         server.stop(signal.SIGKILL)
@@ -98,7 +107,7 @@ def test_signal_shuts_down_cleanly(sig):
         server.proc.send_signal(sig)
         assert server.proc.wait(30) == 0
         assert wait_gone(tree, 5) == []
-        assert session_pids(server.proc.pid) == []
+        assert wait_session_empty(server.proc.pid) == []
         assert not os.path.exists(ipc_dir) and not os.path.exists(metrics_dir)
     finally:
         server.stop(signal.SIGKILL)
@@ -110,6 +119,6 @@ def test_a_child_that_cannot_start_is_a_clear_error(tmp_path):
     try:
         assert server.proc.wait(180) != 0
         assert "start-up failed" in server.logs()
-        assert session_pids(server.proc.pid) == []
+        assert wait_session_empty(server.proc.pid) == []
     finally:
         server.stop(signal.SIGKILL)

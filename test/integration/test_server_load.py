@@ -28,6 +28,7 @@ OVERLOAD_TIMEOUT_SECONDS = 1800
 # Token ids of ordinary word pieces in SmolLM2's vocabulary (no special tokens).
 FIRST_PLAIN_TOKEN, LAST_PLAIN_TOKEN = 1000, 40000
 ABANDONED_PROMPT = 400
+CLIENT_GIVES_UP_SECONDS = 3.0
 # Seconds the scheduler may take to notice a disconnect and report idle.
 ABORT_SETTLE_SECONDS = 15.0
 
@@ -101,14 +102,7 @@ def test_disconnected_stream_frees_its_kv(small_server):
         for n, _line in enumerate(r.iter_lines()):
             if n >= 4:
                 break  # leave mid-stream: closing the response drops the connection
-    deadline = time.monotonic() + ABORT_SETTLE_SECONDS
-    while True:
-        text = scrape(small_server)
-        idle = metric(text, "sglang:num_running_reqs") == 0 and metric(text, "sglang:num_used_tokens") == 0
-        if idle and metric(text, "sglang:num_aborted_requests_total") == aborted0 + 1:
-            break
-        assert time.monotonic() < deadline, "the disconnected request was not aborted"
-        time.sleep(0.5)
+    text = wait_aborted_and_idle(small_server, aborted0)
     # A request needing almost the whole pool now runs without preempting anything.
     retracted = metric(text, "sglang:num_retracted_requests_total")
     big = {"prompt": random_ids(KV_TOKENS - 32, 2), "max_tokens": 16, **GREEDY}
@@ -116,3 +110,22 @@ def test_disconnected_stream_frees_its_kv(small_server):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert metric(scrape(small_server), "sglang:num_retracted_requests_total") == retracted
+
+
+def wait_aborted_and_idle(server, aborted_before: float) -> str:
+    deadline = time.monotonic() + ABORT_SETTLE_SECONDS
+    while True:
+        text = scrape(server)
+        idle = metric(text, "sglang:num_running_reqs") == 0 and metric(text, "sglang:num_used_tokens") == 0
+        if idle and metric(text, "sglang:num_aborted_requests_total") == aborted_before + 1:
+            return text
+        assert time.monotonic() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.5)
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(small_server):
+    aborted0 = metric(scrape(small_server), "sglang:num_aborted_requests_total")
+    body = {"prompt": random_ids(64, 3), "max_tokens": 400, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{small_server.openai_base_url}/completions", json=body, timeout=CLIENT_GIVES_UP_SECONDS)
+    wait_aborted_and_idle(small_server, aborted0)

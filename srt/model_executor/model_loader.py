@@ -2,8 +2,9 @@
 
 The model is constructed on the `meta` device (no random initialisation of ~100M parameters that are
 overwritten at once), materialised empty on the target device, then every parameter is copied from the
-checkpoint through the model's declarative `STACKED_PARAMS` mapping. A parameter (or fused shard) that no
-checkpoint tensor filled is an error, never silently random.
+checkpoint through the model's declarative `STACKED_PARAMS` mapping. A tensor-parallel layer picks this
+rank's slice of each tensor (`checkpoint_slice`); other parameters are replicated whole. A parameter (or
+fused shard) that no checkpoint tensor filled is an error, never silently random.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from srt.model_executor.models.llama import STACKED_PARAMS, FusedLinear
+from srt.model_executor.layers.linear import ColumnParallelLinear
+from srt.model_executor.models.llama import STACKED_PARAMS
 from srt.model_executor.models.registry import get_model_class
+from srt.model_executor.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,8 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into `model`, mapping q/k/v and gate/up onto their fused slices."""
+    """Copy checkpoint tensors into `model`, mapping q/k/v and gate/up onto their fused slices and taking
+    this rank's slice for tensor-parallel layers."""
     params = dict(model.named_parameters())
     expected = {name: _shards_of(model, name) for name in params}
     loaded: dict[str, set[str | None]] = {name: set() for name in params}
@@ -58,9 +62,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         name, shard = _map_name(ckpt_name)
         if name not in params:
             raise KeyError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
+        module_name, param = name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
         target = params[name].data
-        if shard is not None:
-            target = model.get_submodule(name.rsplit(".", 1)[0]).shard_view(target, shard)
+        if hasattr(module, "checkpoint_slice"):
+            target, tensor = module.checkpoint_slice(param, shard, tensor)
         if target.shape != tensor.shape:
             raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         target.copy_(tensor)
@@ -81,7 +87,7 @@ def _map_name(ckpt_name: str) -> tuple[str, str | None]:
 
 def _shards_of(model: nn.Module, param_name: str) -> set[str | None]:
     module = model.get_submodule(param_name.rsplit(".", 1)[0])
-    return set(module.shard_offsets) if isinstance(module, FusedLinear) else {None}
+    return set(module.shard_offsets) if isinstance(module, ColumnParallelLinear) else {None}
 
 
 def load_model(
@@ -90,10 +96,11 @@ def load_model(
     max_positions: int,
     dtype: torch.dtype,
     device: str,
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
     arch, model_class = get_model_class(hf_config.architectures)
     with torch.device("meta"), _default_dtype(dtype):
-        model = model_class(hf_config, arch, max_positions, dtype, device)
+        model = model_class(hf_config, arch, max_positions, dtype, device, tp)
     model = model.to_empty(device=device)
     load_weights(model, iter_checkpoint(model_dir))
     model.eval().requires_grad_(False)

@@ -3,6 +3,11 @@
 It does not know who schedules it (no imports from srt.managers): the caller builds a `ForwardBatch`, having
 already written this step's KV slots into `req_to_token`, and gets back fp32 logits of the last new token
 of each sequence.
+
+With tensor parallelism each rank runs its own ModelRunner over its share of the heads and of the MLP; its
+KV pool holds only its KV heads. Every rank must be given the same batches in the same order (the
+collectives inside `forward` pair up across ranks), and all ranks agree on one KV capacity, so the same
+scheduling decisions fit on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToK
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.model_loader import load_model
+from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_source import resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -39,10 +45,31 @@ MEMINFO_PATH = "/proc/meminfo"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """`auto` is CUDA when available; each tensor-parallel rank takes its own GPU."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and tp_size > 1:
+        device = f"cuda:{tp_rank}"
+        torch.cuda.set_device(device)
     return device
+
+
+def check_tp_divides(hf_config, tp_size: int) -> None:
+    """Fail before loading anything when the heads (or the MLP) cannot be split evenly over the ranks."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": hf_config.intermediate_size,
+    }
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % tp_size != 0]
+    if bad:
+        raise ValueError(
+            f"--tp-size {tp_size} does not divide this model's {', '.join(bad)}; "
+            f"choose a tp size dividing {heads} attention heads and {kv_heads} KV heads"
+        )
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -94,24 +121,34 @@ class ModelRunner:
         context_length: int | None = None,
         attention_backend: str | None = None,
         random_seed: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dist_init_method: str | None = None,
     ):
         torch.manual_seed(random_seed)
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        # on a CPU the ranks share the cores: oversubscribed threads would only contend
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
         self.model_dir = resolve_model_dir(model_dir)
-        self.device = resolve_device(device)
+        self.device = resolve_device(device, tp_rank, tp_size)
         self.dtype = resolve_dtype(dtype, self.device)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        check_tp_divides(self.hf_config, tp_size)
+        self.tp = TensorParallelGroup.create(tp_rank, tp_size, dist_init_method, self.device)
         self.context_len = context_length or self.hf_config.max_position_embeddings
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids_of(self.model_dir, self.hf_config)
 
         start = time.monotonic()
         max_positions = max(self.context_len, self.hf_config.max_position_embeddings)
-        self.model = load_model(self.model_dir, self.hf_config, max_positions, self.dtype, self.device)
+        self.model = load_model(
+            self.model_dir, self.hf_config, max_positions, self.dtype, self.device, self.tp
+        )
         self.load_weights_seconds = time.monotonic() - start
 
         attn = self.model.model.layers[0].self_attn
-        self.max_total_num_tokens = self._kv_capacity(attn, max_total_tokens, mem_fraction_static)
+        self.max_total_num_tokens = self.tp.min_across_ranks(
+            self._kv_capacity(attn, max_total_tokens, mem_fraction_static)
+        )
         self.max_running_requests = max_running_requests or min(
             DEFAULT_MAX_RUNNING_REQUESTS, max(1, self.max_total_num_tokens // MIN_KV_SLOTS_PER_REQUEST)
         )
@@ -140,9 +177,11 @@ class ModelRunner:
             self.device,
         )
         logger.info(
-            "model ready: %s on %s/%s in %.2f s; KV capacity %d tokens, max running requests %d, context %d, "
-            "attention %s",
+            "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
+            "max running requests %d, context %d, attention %s",
             self.hf_config.architectures,
+            self.tp.rank,
+            self.tp.size,
             self.device,
             self.dtype,
             self.load_weights_seconds,
@@ -159,6 +198,8 @@ class ModelRunner:
             self.dtype, attn.num_kv_heads, attn.head_dim, self.hf_config.num_hidden_layers
         )
         budget = int(available_memory_bytes(self.device) * mem_fraction_static)
+        if not self.device.startswith("cuda"):
+            budget //= self.tp.size  # the ranks share the host's memory; each GPU rank has its own
         capacity = min(budget // per_token, MAX_CONTEXTS_IN_KV_POOL * self.context_len)
         if capacity < MIN_KV_TOKENS:
             raise RuntimeError(

@@ -4,6 +4,7 @@ served by the real FastAPI app around a TokenizerManager whose generation is scr
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from fastapi.testclient import TestClient
@@ -49,11 +50,13 @@ class ScriptedTokenizerManager(TokenizerManager):
 
 @pytest.fixture(scope="module")
 def make_client(embedded_model_dir):
-    clients = []
+    clients, ipc_dirs = [], []
 
     def make(**server_kw) -> TestClient:
         args = ServerArgs(disable_metrics=True, **server_kw)
-        tm = ScriptedTokenizerManager(args, PortArgs.create(), embedded_model_dir)
+        ports = PortArgs.create()
+        ipc_dirs.append(ports.ipc_dir)
+        tm = ScriptedTokenizerManager(args, ports, embedded_model_dir)
         tm.set_ready(SchedulerReady(4096, CONTEXT - 1, CONTEXT, 8, "torch_native"))
         client = TestClient(create_app(tm, args))
         client.__enter__()
@@ -63,6 +66,8 @@ def make_client(embedded_model_dir):
     yield make
     for c in clients:
         c.__exit__(None, None, None)
+    for d in ipc_dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,12 @@ the q/k/v projections, Qwen3 RMS-normalizes q and k per head before the rotary e
 tie the output head to the input embedding. q/k/v and gate/up are fused into one matmul each; the
 checkpoint's separate tensors are copied into their slices by the declarative mapping `STACKED_PARAMS`.
 The numerics follow Hugging Face's implementation op for op, so greedy outputs match it.
+
+Tensor parallelism splits attention by heads (qkv column-parallel, o_proj row-parallel) and the MLP by
+intermediate features (gate_up column-parallel, down_proj row-parallel): two all-reduces per layer. The
+embedding and the output head stay replicated: for the small models this runtime serves on a CPU, the
+vocabulary matmul is a small share of a step, and replicated logits need no gather before sampling, so
+every rank samples the same tokens from the same numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from torch import nn
 
 from srt.model_executor.attention.base import AttentionBackend
 from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -33,22 +41,6 @@ STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
 # Checkpoint tensors we recompute instead of loading.
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 DEFAULT_ROPE_THETA = 10000.0
-
-
-class FusedLinear(nn.Linear):
-    """A linear layer whose output rows are the concatenation of several checkpoint layers ("shards")."""
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for shard, size in shard_sizes.items():
-            self.shard_offsets[shard] = (offset, size)
-            offset += size
-
-    def shard_view(self, param: torch.Tensor, shard: str) -> torch.Tensor:
-        offset, size = self.shard_offsets[shard]
-        return param.narrow(0, offset, size)
 
 
 class RMSNorm(nn.Module):
@@ -112,18 +104,23 @@ class RotaryEmbedding:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool):
+    """This rank's heads: `num_heads` and `num_kv_heads` are per rank (the config's totals / tp size)."""
+
+    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.num_heads = split_size(total_heads, tp, "num_attention_heads")
+        self.num_kv_heads = split_size(total_kv_heads, tp, "num_key_value_heads")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=qkv_bias)
+        q_total, kv_total = total_heads * self.head_dim, total_kv_heads * self.head_dim
+        shards = {"q": q_total, "k": kv_total, "v": kv_total}
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, qkv_bias, tp)
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(q_total, config.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
@@ -147,13 +144,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallelGroup):
         super().__init__()
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
-        self.inter = inter
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp)
+        self.inter = split_size(inter, tp, "intermediate_size")  # this rank's share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -161,10 +158,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -174,11 +171,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -195,12 +192,20 @@ class LlamaForCausalLM(nn.Module):
         "Qwen3ForCausalLM": (False, True),
     }
 
-    def __init__(self, config, arch: str, max_positions: int, dtype: torch.dtype, device: str):
+    def __init__(
+        self,
+        config,
+        arch: str,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: str,
+        tp: TensorParallelGroup | None = None,
+    ):
         super().__init__()
         qkv_bias, qk_norm = self.ARCH_SWITCHES[arch]
         qkv_bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.config = config
-        self.model = LlamaModel(config, qkv_bias, qk_norm)
+        self.model = LlamaModel(config, qkv_bias, qk_norm, tp or TensorParallelGroup())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -42,7 +42,7 @@ HARD_EXIT_SECONDS = 8.0
 EXIT_CHILD_FAILED = 1
 
 
-def _run_child(name: str, module: str, func: str, *args) -> None:
+def _run_child(name: str, module: str, func: str, *args, **kwargs) -> None:
     """Spawn target that imports the child's module only in the child, so the main process never imports
     the scheduler's modules (and with them torch)."""
     set_process_name(name)
@@ -50,7 +50,7 @@ def _run_child(name: str, module: str, func: str, *args) -> None:
     watch_parent_process()
     # Ctrl-C reaches the whole process group; the launcher alone decides when children stop (SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    getattr(importlib.import_module(module), func)(*args)
+    getattr(importlib.import_module(module), func)(*args, **kwargs)
 
 
 @dataclass
@@ -77,11 +77,14 @@ class Launcher:
         self.stopping = threading.Event()
 
     # ---- start-up ----
-    def _spawn(self, name: str, target: tuple[str, str], *args) -> Child:
+    def _spawn(self, name: str, target: tuple[str, str], *args, **kwargs) -> Child:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(
-            target=_run_child, args=(f"srt-{name}", *target, *args, writer), name=f"srt-{name}"
+            target=_run_child,
+            args=(f"srt-{name}", *target, *args, writer),
+            kwargs=kwargs,
+            name=f"srt-{name}",
         )
         proc.start()
         writer.close()  # only the child holds the write end: EOF on the reader means the child is gone
@@ -111,7 +114,17 @@ class Launcher:
     def _start_children(self, model_dir: str):
         a, p = self.args, self.port_args
         logger.info("IPC directory: %s", p.ipc_dir)
-        scheduler = self._spawn("scheduler", SCHEDULER_TARGET, a, p, model_dir)
+        schedulers = [
+            self._spawn(
+                "scheduler" if a.dp_size == 1 else f"scheduler{rank}",
+                SCHEDULER_TARGET,
+                a,
+                p,
+                model_dir,
+                dp_rank=rank,
+            )
+            for rank in range(a.dp_size)
+        ]
         detokenizer = self._spawn("detokenizer", DETOKENIZER_TARGET, a, p, model_dir)
         from srt.managers.tokenizer_manager import TokenizerManager
 
@@ -120,7 +133,7 @@ class Launcher:
             self.tokenizer_manager = TokenizerManager(a, p, model_dir)
         except Exception as e:
             raise StartupError(f"cannot load the tokenizer from {a.tokenizer_path or model_dir}: {e}") from e
-        ready = self._wait_ready(scheduler)
+        ready = [self._wait_ready(s) for s in schedulers][0]  # every replica has the same limits
         self._wait_ready(detokenizer)
         logger.info(
             "scheduler ready: KV capacity %d tokens, max input %d tokens, context %d, attention %s",
@@ -142,10 +155,6 @@ class Launcher:
 
     def _run(self) -> int:
         from srt.model_source import resolve_model_dir
-
-        if self.args.dp_size > 1:
-            # Needs request routing over one scheduler input per rank; not wired yet.
-            raise StartupError("--dp-size > 1 is not supported yet")
 
         try:
             model_dir = resolve_model_dir(self.args.model_path)
@@ -194,6 +203,10 @@ class Launcher:
 
     def _on_child_death(self, child: Child) -> None:
         child.process.join(POLL_SECONDS)
+        if self.args.metrics_enabled:
+            from srt.metrics.multiprocess import mark_process_dead
+
+            mark_process_dead(child.process.pid)  # its live gauges leave /metrics at once
         reason = (
             f"{child.name} process (pid {child.process.pid}) died with exit code {child.process.exitcode}"
         )

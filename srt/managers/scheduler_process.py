@@ -1,5 +1,10 @@
 """The scheduler subprocess: loads the model, reports readiness, then turns the loop — drain the input
-socket, run one step, send that step's outputs — until it is killed."""
+socket, run one step, send that step's outputs — until it is killed.
+
+With `--tp-size N` this process is tensor-parallel rank 0: it starts ranks 1..N-1 (`tp_worker.py`), which
+run the same scheduler without sockets, and each iteration broadcasts the messages it drained so that every
+rank applies the same inputs and takes the same step. Only rank 0 talks to the detokenizer and reports.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -19,6 +25,10 @@ from srt.managers.io_struct import (
 )
 from srt.managers.scheduler import Scheduler
 from srt.server_args import PortArgs, ServerArgs
+
+if TYPE_CHECKING:
+    from srt.managers.tp_worker import TpPeers
+    from srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +48,13 @@ def run_scheduler_process(
     )
     try:
         start = time.monotonic()
-        from srt.model_executor.model_runner import ModelRunner
+        peers = dist_init_method = None
+        if server_args.tp_size > 1:
+            from srt.managers.tp_worker import TpPeers, tp_init_method
 
-        runner = ModelRunner(
-            model_dir,
-            dtype=server_args.dtype,
-            device=server_args.device,
-            max_total_tokens=server_args.max_total_tokens,
-            mem_fraction_static=server_args.mem_fraction_static,
-            max_running_requests=server_args.max_running_requests,
-            context_length=server_args.context_length,
-            attention_backend=server_args.attention_backend,
-            random_seed=server_args.random_seed,
-        )
+            dist_init_method = tp_init_method(port_args, dp_rank)
+            peers = TpPeers.start(server_args, model_dir, dp_rank, dist_init_method)
+        runner = build_runner(server_args, model_dir, tp_rank=0, dist_init_method=dist_init_method)
         reporter = build_reporter(server_args, runner, dp_rank, startup_seconds=time.monotonic() - start)
         scheduler = Scheduler(server_args, runner, reporter)
         ctx = zmq.Context()
@@ -77,10 +81,34 @@ def run_scheduler_process(
         )
     )
     ready_writer.close()
-    event_loop(scheduler, recv_sock, send_sock)
+    event_loop(scheduler, recv_sock, send_sock, peers)
 
 
-def event_loop(scheduler: Scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket) -> None:
+def build_runner(
+    server_args: ServerArgs, model_dir: str, tp_rank: int = 0, dist_init_method: str | None = None
+) -> ModelRunner:
+    """This rank's model runner; every TP rank builds it from the same arguments."""
+    from srt.model_executor.model_runner import ModelRunner
+
+    return ModelRunner(
+        model_dir,
+        dtype=server_args.dtype,
+        device=server_args.device,
+        max_total_tokens=server_args.max_total_tokens,
+        mem_fraction_static=server_args.mem_fraction_static,
+        max_running_requests=server_args.max_running_requests,
+        context_length=server_args.context_length,
+        attention_backend=server_args.attention_backend,
+        random_seed=server_args.random_seed,
+        tp_rank=tp_rank,
+        tp_size=server_args.tp_size,
+        dist_init_method=dist_init_method,
+    )
+
+
+def event_loop(
+    scheduler: Scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket, peers: TpPeers | None = None
+) -> None:
     poller = zmq.Poller()
     poller.register(recv_sock, zmq.POLLIN)
     was_busy = False
@@ -90,13 +118,14 @@ def event_loop(scheduler: Scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socke
                 scheduler.reporter.on_idle(scheduler)
                 was_busy = False
             if not poller.poll(IDLE_POLL_MS):
+                if peers is not None:
+                    peers.heartbeat(scheduler.runner.tp)
                 scheduler.reporter.on_tick(scheduler)
                 continue
-        while True:
-            try:
-                msg = recv_sock.recv_pyobj(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        msgs = drain(recv_sock)
+        if peers is not None:
+            peers.share_step(scheduler.runner.tp, msgs)
+        for msg in msgs:
             reply = dispatch(scheduler, msg)
             if reply is not None:
                 send_sock.send_pyobj(reply)
@@ -105,6 +134,16 @@ def event_loop(scheduler: Scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socke
             send_sock.send_pyobj(out)
         was_busy = True
         scheduler.reporter.on_tick(scheduler)
+
+
+def drain(sock: zmq.Socket) -> list:
+    """Every message waiting on `sock`, without blocking."""
+    msgs = []
+    while True:
+        try:
+            msgs.append(sock.recv_pyobj(zmq.NOBLOCK))
+        except zmq.Again:
+            return msgs
 
 
 def dispatch(scheduler: Scheduler, msg) -> object | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from srt.managers.data_parallel_controller import DataParallelRouter
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -128,7 +129,12 @@ class TokenizerManager:
         # Sending is synchronous (unbounded HWM, never blocks) so an abort can be sent from a `finally`
         # that runs while the handler is being cancelled.
         self._sync_ctx = zmq.Context()
-        self.send_sock = get_zmq_socket(self._sync_ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
+        # One input socket per data-parallel scheduler; the router picks one per request.
+        self.send_socks = [
+            get_zmq_socket(self._sync_ctx, zmq.PUSH, port_args.scheduler_input_for(rank), bind=False)
+            for rank in range(server_args.dp_size)
+        ]
+        self.router = DataParallelRouter(server_args.dp_size, server_args.load_balance_method)
         self._async_ctx: zmq.asyncio.Context | None = None
         self.recv_sock = None
 
@@ -160,7 +166,8 @@ class TokenizerManager:
             self._recv_task.cancel()
         if self.recv_sock is not None:
             self.recv_sock.close()
-        self.send_sock.close()
+        for sock in self.send_socks:
+            sock.close()
 
     @property
     def context_len(self) -> int:
@@ -236,7 +243,8 @@ class TokenizerManager:
                 rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n
             )
             text = obj.input_texts[p] if obj.input_texts else None
-            self.send_sock.send_pyobj(TokenizedGenerateReqInput(rid, ids, params, obj.stream, text))
+            rank = self.router.route(rid)
+            self.send_socks[rank].send_pyobj(TokenizedGenerateReqInput(rid, ids, params, obj.stream, text))
         unfinished = set(rids)
         try:
             while unfinished:
@@ -268,25 +276,33 @@ class TokenizerManager:
         st.abandoned = True
         if self.dead_reason is None:
             logger.info("aborting request %s (client gone)", rid)
-            self.send_sock.send_pyobj(AbortReq(rid))
+            self._send_abort(AbortReq(rid))
 
     def abort_request(self, rid: str) -> bool:
         """Abort a request by the rid the client knows (all its samples), or every request for ""."""
         if rid == "":
-            self.send_sock.send_pyobj(AbortReq(""))
+            self._send_abort(AbortReq(""))
             return True
         rids = self.group_rids.get(rid, [rid] if rid in self.rid_to_state else [])
         for r in rids:
-            self.send_sock.send_pyobj(AbortReq(r))
+            self._send_abort(AbortReq(r))
         return bool(rids)
+
+    def _send_abort(self, req: AbortReq) -> None:
+        for rank in self.router.ranks_for_abort(req.rid):
+            self.send_socks[rank].send_pyobj(req)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         if self.dead_reason is not None:
             raise ServerUnavailableError(self.dead_reason)
-        fut = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        self.send_sock.send_pyobj(FlushCacheReq())
-        return await asyncio.wait_for(fut, FLUSH_CACHE_TIMEOUT_SECONDS)
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in self.send_socks]
+        self._flush_waiters.extend(futs)
+        for sock in self.send_socks:
+            sock.send_pyobj(FlushCacheReq())
+        replies = await asyncio.wait_for(asyncio.gather(*futs), FLUSH_CACHE_TIMEOUT_SECONDS)
+        failed = [r for r in replies if not r.success]
+        return failed[0] if failed else replies[0]
 
     def fail_all(self, reason: str) -> None:
         """A child died: fail every in-flight request at once instead of letting it hang."""
@@ -378,7 +394,8 @@ class TokenizerManager:
         del self.rid_to_state[st.rid]
         if reason.type == "stop" and isinstance(reason.matched, str):
             # The detokenizer ended it on a stop string; the scheduler is still generating for it.
-            self.send_sock.send_pyobj(AbortReq(st.rid, silent=True))
+            self._send_abort(AbortReq(st.rid, silent=True))
+        self.router.finished(st.rid)
         if self.metrics is None:
             return
         from srt.metrics.request_stats import FinishedRequestStats

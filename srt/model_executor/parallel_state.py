@@ -42,7 +42,9 @@ class TensorParallelGroup:
         if not 0 <= rank < size:
             raise ValueError(f"tp rank {rank} is outside 0..{size - 1}")
         if init_method is None:
-            raise ValueError("tensor parallelism needs an init method (file:// or tcp://) shared by the ranks")
+            raise ValueError(
+                "tensor parallelism needs an init method (file:// or tcp://) shared by the ranks"
+            )
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a process group; one TP rank per process")
         backend = "nccl" if device.startswith("cuda") else "gloo"

@@ -1,0 +1,211 @@
+"""Tensor parallelism on the CPU (gloo), on the tiny Llama (4 heads, 2 KV heads): two ranks, each holding half
+the heads and half the MLP, compute the logits of one unsplit model, and two schedulers fed the same inputs
+in lockstep produce the tokens a single-rank scheduler produces."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import queue
+import traceback
+
+import pytest
+import torch
+
+from srt.managers.scheduler import Scheduler
+from srt.managers.scheduler_process import dispatch
+from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from test.unit.model_driver import PagedDriver
+from test.unit.scheduler_driver import greedy, request
+
+TP = 2
+ATOL = 1e-4  # fp32: the all-reduce only changes the summation order
+RANK_TIMEOUT_SECONDS = 240  # spawning, importing torch and loading on a busy 2-core machine
+MAX_STEPS = 500
+KV_TOKENS = 1024
+CHUNK = 16  # smaller than the long prompt below, so it is prefilled in pieces
+DECODE_STEPS = 4
+
+
+def prompts() -> dict[str, list[int]]:
+    return {
+        "short": [11, 12, 13, 14, 15],
+        "mid": list(range(100, 123)),
+        "long": [(7 * i) % 180 + 10 for i in range(41)],  # 41 tokens: three chunks of <= 16
+    }
+
+
+def scheduler_args(tp_size: int) -> ServerArgs:
+    return ServerArgs(
+        max_total_tokens=KV_TOKENS, max_running_requests=8, chunked_prefill_size=CHUNK, tp_size=tp_size
+    )
+
+
+def make_runner(model_dir: str, tp_rank: int = 0, tp_size: int = 1, init: str | None = None) -> ModelRunner:
+    return ModelRunner(
+        model_dir,
+        max_total_tokens=KV_TOKENS,
+        max_running_requests=8,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dist_init_method=init,
+    )
+
+
+# ---- the work each rank does (the same code runs the single-rank reference) ----
+def forward_trace(runner: ModelRunner) -> torch.Tensor:
+    """Logits of a batched extend, greedy decode steps, and an extend after a cached prefix, stacked."""
+    driver = PagedDriver(runner)
+    ps = list(prompts().values())
+    seqs = [driver.new_seq() for _ in ps]
+    rows = [driver.extend(seqs, ps)]
+    for _ in range(DECODE_STEPS):
+        rows.append(driver.decode(seqs, rows[-1].argmax(-1).tolist()))
+    rows.append(driver.extend(seqs[:1], [[21, 22, 23]]))  # continues after 5 + DECODE_STEPS cached tokens
+    return torch.cat(rows)
+
+
+def biased_pair_output(tp: TensorParallelGroup) -> torch.Tensor:
+    """A column-parallel fused layer feeding a row-parallel one, both with bias (as Qwen2's attention), with
+    weights loaded from the same seeded full-size tensors on every rank."""
+    gen = torch.Generator().manual_seed(0)
+    full = {name: torch.randn(*shape, generator=gen) for name, shape in PAIR_SHAPES.items()}
+    col = ColumnParallelLinear(8, {"a": 4, "b": 6}, bias=True, tp=tp)
+    row = RowParallelLinear(10, 3, bias=True, tp=tp)
+    a_rows, b_rows = full["col.weight"][:4], full["col.weight"][4:]
+    a_bias, b_bias = full["col.bias"][:4], full["col.bias"][4:]
+    for shard, weight, bias in (("a", a_rows, a_bias), ("b", b_rows, b_bias)):
+        for param, tensor in (("weight", weight), ("bias", bias)):
+            target, source = col.checkpoint_slice(param, shard, tensor)
+            target.copy_(source)
+    for param in ("weight", "bias"):
+        target, source = row.checkpoint_slice(param, None, full[f"row.{param}"])
+        target.copy_(source)
+    with torch.no_grad():
+        return row(col(full["x"]))
+
+
+PAIR_SHAPES = {"col.weight": (10, 8), "col.bias": (10,), "row.weight": (3, 10), "row.bias": (3,), "x": (5, 8)}
+
+
+def lockstep_generate(runner: ModelRunner, tp_size: int) -> dict[str, list[int]]:
+    """Scheduler outputs with inputs arriving over several steps; rank 0 broadcasts each step's messages and
+    every rank dispatches them and steps, as the server's loop does."""
+    sched = Scheduler(scheduler_args(tp_size), runner)
+    ps = prompts()
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, ignore_eos=True)
+    arrivals = {
+        0: [request("short", ps["short"], greedy(8)), request("long", ps["long"], greedy(8))],
+        2: [request("mid", ps["mid"], greedy(8)), request("sampled", ps["mid"], sampled)],
+    }
+    outputs: dict[str, list[int]] = {}
+    for step in range(MAX_STEPS):
+        msgs = runner.tp.broadcast_object(arrivals.get(step, []) if runner.tp.rank == 0 else None)
+        for msg in msgs:
+            dispatch(sched, msg)
+        out = sched.step()
+        for rid, ids in zip(out.rids if out else [], out.output_ids if out else [], strict=True):
+            outputs.setdefault(rid, []).extend(ids)
+        if step > max(arrivals) and sched.is_idle:
+            return outputs
+    raise AssertionError("the scheduler did not finish")
+
+
+def rank_main(tp_rank: int, model_dir: str, init: str, results: mp.Queue) -> None:
+    try:
+        runner = make_runner(model_dir, tp_rank, TP, init)
+        tp = runner.tp
+        k_buf, _ = runner.token_to_kv_pool.get_kv_buffer(0)
+        report = {
+            "rank": tp_rank,
+            "kv_heads": k_buf.shape[1],
+            "capacity": runner.max_total_num_tokens,
+            "gathered": tp.all_gather(torch.full((1, 2), float(tp_rank))),
+            "min": tp.min_across_ranks(10 + tp_rank),
+            "pair": biased_pair_output(tp),
+            "logits": forward_trace(runner),
+        }
+        runner.req_to_token_pool.clear()
+        runner.token_to_kv_pool_allocator.clear()
+        report["generated"] = lockstep_generate(runner, TP)
+        tp.destroy()
+    except BaseException:
+        report = {"rank": tp_rank, "error": traceback.format_exc()}
+    # plain pickle copies tensor data (a Queue would share it through this soon-gone process)
+    results.put(pickle.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def rank_reports(tiny_model_dir, tmp_path_factory) -> dict[int, dict]:
+    init = f"file://{tmp_path_factory.mktemp('tp') / 'init'}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, tiny_model_dir, init, results)) for r in range(TP)]
+    for p in procs:
+        p.start()
+    reports = {}
+    try:
+        for _ in range(TP):
+            report = pickle.loads(results.get(timeout=RANK_TIMEOUT_SECONDS))
+            assert "error" not in report, f"rank {report['rank']} failed:\n{report['error']}"
+            reports[report["rank"]] = report
+    except queue.Empty:
+        pytest.fail(f"tensor-parallel ranks did not finish in {RANK_TIMEOUT_SECONDS} s")
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return reports
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_model_dir) -> dict:
+    runner = make_runner(tiny_model_dir)
+    logits = forward_trace(runner)
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    return {"logits": logits, "generated": lockstep_generate(runner, 1)}
+
+
+def test_each_rank_holds_half_the_kv_heads_and_the_same_capacity(rank_reports):
+    assert [rank_reports[r]["kv_heads"] for r in range(TP)] == [1, 1]  # 2 KV heads over 2 ranks
+    assert rank_reports[0]["capacity"] == rank_reports[1]["capacity"] == KV_TOKENS
+
+
+def test_collectives_combine_every_rank(rank_reports):
+    for r in range(TP):
+        assert torch.equal(rank_reports[r]["gathered"], torch.tensor([[0.0, 0.0, 1.0, 1.0]]))
+        assert rank_reports[r]["min"] == 10
+
+
+def test_parallel_linear_pair_with_bias_equals_the_full_layers(rank_reports):
+    expected = biased_pair_output(TensorParallelGroup())
+    for r in range(TP):
+        torch.testing.assert_close(rank_reports[r]["pair"], expected, atol=ATOL, rtol=0)
+
+
+def test_sharded_forward_gives_the_unsharded_logits(rank_reports, single_rank):
+    reference = single_rank["logits"]
+    for r in range(TP):
+        assert rank_reports[r]["logits"].shape == reference.shape
+        torch.testing.assert_close(rank_reports[r]["logits"], reference, atol=ATOL, rtol=0)
+    # the all-reduce leaves identical bytes on every rank, so the ranks sample identically
+    assert torch.equal(rank_reports[0]["logits"], rank_reports[1]["logits"])
+
+
+def test_lockstep_schedulers_generate_what_one_rank_generates(rank_reports, single_rank):
+    ranks = [rank_reports[r]["generated"] for r in range(TP)]
+    assert ranks[0] == ranks[1]  # including the randomly sampled request: same draws on every rank
+    expected = {rid: ids for rid, ids in single_rank["generated"].items() if rid != "sampled"}
+    assert {rid: ranks[0][rid] for rid in expected} == expected
+    assert all(len(ids) == 8 for ids in ranks[0].values())
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_rejected_before_loading(tiny_model_dir):
+    with pytest.raises(ValueError, match="--tp-size 3 does not divide"):
+        ModelRunner(tiny_model_dir, max_total_tokens=64, tp_size=3, dist_init_method="file:///nonexistent")

@@ -70,26 +70,25 @@ def forward_trace(runner: ModelRunner) -> torch.Tensor:
 
 
 def biased_pair_output(tp: TensorParallelGroup) -> torch.Tensor:
-    """A column-parallel fused layer feeding a row-parallel one, both with bias (as Qwen2's attention), with
-    weights loaded from the same seeded full-size tensors on every rank."""
+    """A fused column-parallel layer (two shards, as gate/up) whose shard product feeds a row-parallel layer,
+    both with bias, loaded from the same seeded full-size tensors on every rank."""
     gen = torch.Generator().manual_seed(0)
     full = {name: torch.randn(*shape, generator=gen) for name, shape in PAIR_SHAPES.items()}
-    col = ColumnParallelLinear(8, {"a": 4, "b": 6}, bias=True, tp=tp)
-    row = RowParallelLinear(10, 3, bias=True, tp=tp)
-    a_rows, b_rows = full["col.weight"][:4], full["col.weight"][4:]
-    a_bias, b_bias = full["col.bias"][:4], full["col.bias"][4:]
-    for shard, weight, bias in (("a", a_rows, a_bias), ("b", b_rows, b_bias)):
-        for param, tensor in (("weight", weight), ("bias", bias)):
-            target, source = col.checkpoint_slice(param, shard, tensor)
+    col = ColumnParallelLinear(8, {"a": 6, "b": 6}, bias=True, tp=tp)
+    row = RowParallelLinear(6, 3, bias=True, tp=tp)
+    for i, shard in enumerate(("a", "b")):
+        for param in ("weight", "bias"):
+            target, source = col.checkpoint_slice(param, shard, full[f"col.{param}"][6 * i : 6 * (i + 1)])
             target.copy_(source)
     for param in ("weight", "bias"):
         target, source = row.checkpoint_slice(param, None, full[f"row.{param}"])
         target.copy_(source)
     with torch.no_grad():
-        return row(col(full["x"]))
+        a, b = col(full["x"]).chunk(2, dim=-1)
+        return row(a * b)
 
 
-PAIR_SHAPES = {"col.weight": (10, 8), "col.bias": (10,), "row.weight": (3, 10), "row.bias": (3,), "x": (5, 8)}
+PAIR_SHAPES = {"col.weight": (12, 8), "col.bias": (12,), "row.weight": (3, 6), "row.bias": (3,), "x": (5, 8)}
 
 
 def lockstep_generate(runner: ModelRunner, tp_size: int) -> dict[str, list[int]]:

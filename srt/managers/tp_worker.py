@@ -42,7 +42,8 @@ def tp_init_method(port_args: PortArgs, dp_rank: int) -> str:
 
 
 def peer_process_name(tp_rank: int) -> str:
-    return f"srt-scheduler-tp{tp_rank}"
+    """Short enough for the kernel's 15-character process name."""
+    return f"srt-sched-tp{tp_rank}"
 
 
 class TpPeers:

@@ -50,8 +50,9 @@ def run_scheduler_process(
         start = time.monotonic()
         peers = dist_init_method = None
         if server_args.tp_size > 1:
-            from srt.managers.tp_worker import TpPeers, tp_init_method
+            from srt.managers.tp_worker import TpPeers, check_tp_size, tp_init_method
 
+            check_tp_size(model_dir, server_args.tp_size)  # before any peer starts: one clear error
             dist_init_method = tp_init_method(port_args, dp_rank)
             peers = TpPeers.start(server_args, model_dir, dp_rank, dist_init_method)
         runner = build_runner(server_args, model_dir, tp_rank=0, dist_init_method=dist_init_method)

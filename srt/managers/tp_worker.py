@@ -41,6 +41,17 @@ def tp_init_method(port_args: PortArgs, dp_rank: int) -> str:
     return f"file://{os.path.join(port_args.ipc_dir, f'tp-init-dp{dp_rank}')}"
 
 
+def check_tp_size(model_dir: str, tp_size: int) -> None:
+    """Raise the model runner's divisibility error in rank 0 alone, before peers exist that would fail
+    with it too (and whose death would race rank 0's error report)."""
+    from transformers import AutoConfig
+
+    from srt.model_executor.model_runner import check_tp_divides
+    from srt.model_source import resolve_model_dir
+
+    check_tp_divides(AutoConfig.from_pretrained(resolve_model_dir(model_dir)), tp_size)
+
+
 def peer_process_name(tp_rank: int) -> str:
     """Short enough for the kernel's 15-character process name."""
     return f"srt-sched-tp{tp_rank}"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import (
     configure_logging,
+    keep_heap_for_children,
     kill_process_tree,
     set_parent_death_signal,
     set_process_name,
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         from srt.metrics.multiprocess import setup_multiprocess_dir
 
         setup_multiprocess_dir()
+    keep_heap_for_children()
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     return Launcher(server_args).run()

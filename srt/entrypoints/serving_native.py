@@ -6,18 +6,18 @@ import dataclasses
 import time
 import uuid
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from srt.entrypoints.openai.errors import OpenAIError
 from srt.entrypoints.openai.protocol import MAX_N, GenerateRequest
 from srt.entrypoints.openai.serving_common import (
     ChoiceAcc,
-    collect,
+    collect_response,
     sse,
     stream_with_errors,
     to_openai_error,
 )
-from srt.managers.tokenizer_manager import ClientDisconnected, GenerateInput, ReqOutput, TokenizerManager
+from srt.managers.tokenizer_manager import GenerateInput, ReqOutput, TokenizerManager
 from srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -109,18 +109,16 @@ class GenerateHandler:
             return to_openai_error(e).to_response()
         if req.stream:
             return StreamingResponse(self._stream(req, obj, request), media_type="text/event-stream")
-        try:
-            choices = await collect(self.tm, obj, request)
-        except ClientDisconnected:
-            return JSONResponse({}, status_code=499)
-        except Exception as e:
-            return to_openai_error(e).to_response()
+        return await collect_response(
+            self.tm, obj, request, lambda choices: self._results(req, obj, choices, batched)
+        )
+
+    def _results(self, req: GenerateRequest, obj: GenerateInput, choices: list[ChoiceAcc], batched: bool):
         rids = [obj.rid] if len(choices) == 1 else [f"{obj.rid}-{i}" for i in range(len(choices))]
         results = [
-            self._result(r, c, obj.arrival_ts, req.return_logprob)
-            for r, c in zip(rids, choices, strict=False)
+            self._result(r, c, obj.arrival_ts, req.return_logprob) for r, c in zip(rids, choices, strict=True)
         ]
-        return JSONResponse(results if batched else results[0])
+        return results if batched else results[0]
 
     def _stream(self, req: GenerateRequest, obj: GenerateInput, request):
         """Each event carries the text and ids so far (SGLang's default, non-incremental stream)."""

@@ -5,20 +5,21 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from srt.entrypoints.openai.protocol import ChatCompletionRequest
 from srt.entrypoints.openai.serving_common import (
     ChoiceAcc,
     check_model,
-    collect,
+    collect_response,
     sse,
+    stream_chunk,
     stream_with_errors,
     to_openai_error,
     token_text,
     usage,
 )
-from srt.managers.tokenizer_manager import ClientDisconnected, GenerateInput, ReqOutput, TokenizerManager
+from srt.managers.tokenizer_manager import GenerateInput, ReqOutput, TokenizerManager
 
 
 def _logprob_entry(tm: TokenizerManager, token_id: int, logprob: float) -> dict:
@@ -77,13 +78,9 @@ class ChatHandler:
             return StreamingResponse(
                 self._stream(req, obj, request, rid, created), media_type="text/event-stream"
             )
-        try:
-            choices = await collect(self.tm, obj, request)
-        except ClientDisconnected:
-            return JSONResponse({}, status_code=499)
-        except Exception as e:
-            return to_openai_error(e).to_response()
-        return JSONResponse(self._response(req, choices, rid, created))
+        return await collect_response(
+            self.tm, obj, request, lambda choices: self._response(req, choices, rid, created)
+        )
 
     def _response(self, req: ChatCompletionRequest, choices: list[ChoiceAcc], rid: str, created: int) -> dict:
         out = []
@@ -117,16 +114,7 @@ class ChatHandler:
 
         def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return sse(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [choice],
-                    **extra,
-                }
-            )
+            return stream_chunk(rid, "chat.completion.chunk", created, self.model_name, choice, extra)
 
         def on_output(out: ReqOutput) -> list[str]:
             accs[out.index].add(out)

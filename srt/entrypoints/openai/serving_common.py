@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+from fastapi.responses import JSONResponse
+
 from srt.entrypoints.openai.errors import SERVICE_UNAVAILABLE, OpenAIError
 from srt.managers.io_struct import FinishReason
 from srt.managers.tokenizer_manager import (
@@ -23,6 +25,8 @@ from srt.managers.tokenizer_manager import (
 logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+# nginx's non-standard status for "client closed the request": nobody reads it, but logs stay honest.
+CLIENT_CLOSED_REQUEST = 499
 
 
 def sse(payload: dict) -> str:
@@ -106,6 +110,23 @@ async def collect(tm: TokenizerManager, obj: GenerateInput, request) -> list[Cho
         if out.finish_reason is not None and out.finish_reason.type == "error":
             raise error_finish(out.finish_reason, tm)
     return choices
+
+
+async def collect_response(tm: TokenizerManager, obj: GenerateInput, request, build) -> JSONResponse:
+    """Non-streaming reply: run the request to completion and answer `build(choices)`, or the OpenAI error
+    (499 with an empty body when the client has already gone)."""
+    try:
+        choices = await collect(tm, obj, request)
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+    except Exception as e:
+        return to_openai_error(e).to_response()
+    return JSONResponse(build(choices))
+
+
+def stream_chunk(rid: str, kind: str, created: int, model: str, choice: dict, extra: dict) -> str:
+    """One SSE chunk in OpenAI's shape: a single choice, plus `usage: null` when usage is streamed last."""
+    return sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], **extra})
 
 
 async def stream_with_errors(

@@ -5,21 +5,21 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from srt.entrypoints.openai.protocol import CompletionRequest
 from srt.entrypoints.openai.serving_common import (
     ChoiceAcc,
     check_model,
-    collect,
+    collect_response,
     sse,
+    stream_chunk,
     stream_with_errors,
     to_openai_error,
     token_text,
     usage,
 )
 from srt.managers.tokenizer_manager import (
-    ClientDisconnected,
     GenerateInput,
     InvalidRequestError,
     ReqOutput,
@@ -82,13 +82,9 @@ class CompletionHandler:
             return StreamingResponse(
                 self._stream(req, obj, texts, request, rid, created), media_type="text/event-stream"
             )
-        try:
-            choices = await collect(self.tm, obj, request)
-        except ClientDisconnected:
-            return JSONResponse({}, status_code=499)
-        except Exception as e:
-            return to_openai_error(e).to_response()
-        return JSONResponse(self._response(req, choices, texts, rid, created))
+        return await collect_response(
+            self.tm, obj, request, lambda choices: self._response(req, choices, texts, rid, created)
+        )
 
     def _response(
         self, req: CompletionRequest, choices: list[ChoiceAcc], texts: list[str], rid: str, created: int
@@ -129,16 +125,7 @@ class CompletionHandler:
 
         def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            return sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [choice],
-                    **extra,
-                }
-            )
+            return stream_chunk(rid, "text_completion", created, self.model_name, choice, extra)
 
         def on_output(out: ReqOutput) -> list[str]:
             accs[out.index].add(out)

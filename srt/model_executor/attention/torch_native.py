@@ -20,6 +20,8 @@ from srt.model_executor.forward_batch_info import ForwardBatch
 
 # KV slot 0 is the allocator's reserved padding slot: padded index positions point there.
 PADDING_SLOT = 0
+# The decode gather buffers grow by at least this factor, so a slowly growing batch reallocates rarely.
+WORKSPACE_GROWTH = 1.5
 
 
 @dataclass
@@ -39,6 +41,24 @@ class _DecodeMeta:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    """Decode gathers into two persistent workspaces instead of fresh tensors: a fresh multi-MB tensor per
+    layer is a fresh mmap whose page faults cost more than the copy itself (measured: 4 ms vs 1.4 ms per
+    gather of 64 x 300 tokens)."""
+
+    _k_workspace: torch.Tensor | None = None
+    _v_workspace: torch.Tensor | None = None
+
+    def _workspaces(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._k_workspace is None or self._k_workspace.shape[0] < rows:
+            k_buf, _ = self.token_to_kv_pool.get_kv_buffer(0)
+            size = max(
+                rows, int(0 if self._k_workspace is None else self._k_workspace.shape[0] * WORKSPACE_GROWTH)
+            )
+            shape = (size, self.num_kv_heads, self.head_dim)
+            self._k_workspace = torch.empty(shape, dtype=k_buf.dtype, device=k_buf.device)
+            self._v_workspace = torch.empty(shape, dtype=k_buf.dtype, device=k_buf.device)
+        return self._k_workspace[:rows], self._v_workspace[:rows]
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             self._decode = self._decode_metadata(batch)
@@ -81,8 +101,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         meta = self._decode
         k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
         shape = (bs, meta.max_len, self.num_kv_heads, self.head_dim)
-        keys = k_buf.index_select(0, meta.kv_indices).view(shape).transpose(1, 2)
-        values = v_buf.index_select(0, meta.kv_indices).view(shape).transpose(1, 2)
+        k_ws, v_ws = self._workspaces(meta.kv_indices.shape[0])
+        keys = torch.index_select(k_buf, 0, meta.kv_indices, out=k_ws).view(shape).transpose(1, 2)
+        values = torch.index_select(v_buf, 0, meta.kv_indices, out=v_ws).view(shape).transpose(1, 2)
         group = self.num_heads // self.num_kv_heads
         # [bs, kv_heads, group, head_dim]: the group's query heads act as query rows of one KV head
         queries = q.view(bs, self.num_kv_heads, group, self.head_dim)

@@ -64,6 +64,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.finished_outside_step: list[Req] = []  # aborts and rejections, reported with the next output
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.last_step_was_prefill = False
 
     # ---- inputs ----
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -127,12 +128,16 @@ class Scheduler:
 
     # ---- one step ----
     def step(self) -> BatchTokenIDOut | None:
+        """Prefill when waiting work fits, else decode — but never two prefill steps in a row while requests
+        are decoding: a burst of arrivals would otherwise stall every running stream until the whole queue
+        is prefilled (inter-token gaps of tens of seconds on a CPU)."""
         stepped: list[Req] = []
-        prefill = self._schedule_prefill()
+        prefill = [] if (self.last_step_was_prefill and self.running) else self._schedule_prefill()
         if prefill:
             stepped = self._run_prefill(prefill)
         elif self.running:
             stepped = self._run_decode()
+        self.last_step_was_prefill = bool(prefill)
         return self._make_output(stepped)
 
     def _schedule_prefill(self) -> list[Req]:

@@ -154,6 +154,7 @@ def running_server(*flags: str, api_key: str | None = None) -> Iterator[ServerHa
         yield handle
     finally:
         handle.stop()
+        handle.log_path.unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -169,6 +170,7 @@ def server_factory():
     yield factory
     for handle in started:
         handle.stop()
+        handle.log_path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

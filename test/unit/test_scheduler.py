@@ -5,6 +5,7 @@ what it would have been alone, and the KV pool is whole again afterwards."""
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -192,3 +193,20 @@ def test_stop_conditions(tiny_model_dir, alone_outputs):
     assert res["zero"].finish.type == "length" and res["zero"].output_ids == []
     assert res["empty"].finish.type == "error"
     assert len(res["min"].output_ids) > stop_at + 1
+
+
+def test_running_requests_are_not_starved_by_a_burst_of_prefills(tiny_model_dir):
+    # One request is decoding when eight more arrive that need four prefill batches between them.
+    sched = make_scheduler(tiny_model_dir, max_prefill_tokens=40, chunked_prefill_size=-1)
+    modes = []
+
+    def record(step, s):
+        modes.append("prefill" if s.last_step_was_prefill else "decode")
+
+    burst = [request(f"b{i}", p, greedy(4)) for i, p in enumerate(prompts(8, low=20, high=20, seed=9))]
+    res = drive(sched, {0: [request("first", prompts(1)[0], greedy(30))], 2: burst}, on_step=record)
+    first_prefill = modes.index("prefill", 1)
+    assert modes.count("prefill") >= 1 + 4
+    # after the burst arrives, no two prefill steps are adjacent while anything decodes
+    assert all(not (a == b == "prefill") for a, b in pairwise(modes[first_prefill:]))
+    assert len(res["first"].output_ids) == 30

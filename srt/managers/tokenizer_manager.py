@@ -32,6 +32,7 @@ from srt.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from srt.managers.request_metrics import RequestMetricsRecorder
 from srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import get_zmq_socket
@@ -122,7 +123,7 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.group_rids: dict[str, list[str]] = {}
         self.dead_reason: str | None = None
-        self.metrics = None
+        self.metrics: RequestMetricsRecorder | None = None
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._recv_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, for the launcher's watchdog
@@ -142,17 +143,7 @@ class TokenizerManager:
     def set_ready(self, ready: SchedulerReady) -> None:
         """Record the scheduler's limits and create the request-level metrics (needs the context length)."""
         self.ready = ready
-        if self.server_args.metrics_enabled:
-            from srt.metrics.collector import TokenizerMetricsCollector
-
-            a = self.server_args
-            self.metrics = TokenizerMetricsCollector(
-                {"model_name": a.model_name},
-                ready.context_len,
-                a.bucket_time_to_first_token,
-                a.bucket_inter_token_latency,
-                a.bucket_e2e_request_latency,
-            )
+        self.metrics = RequestMetricsRecorder(self.server_args, ready.context_len)
 
     async def start(self) -> None:
         """Bind the PULL socket and start the output dispatcher; call inside the server's event loop."""
@@ -357,7 +348,7 @@ class TokenizerManager:
                 continue
             new_ids = b.output_ids[i]
             reason = b.finished_reasons[i]
-            self._observe_tokens(st, b.token_ts[i], bool(new_ids), now)
+            self.metrics.on_tokens(st, b.token_ts[i], bool(new_ids), now)
             if not st.abandoned:
                 st.queue.put_nowait(
                     ReqOutput(
@@ -376,47 +367,10 @@ class TokenizerManager:
             if reason is not None:
                 self._finish(st, b, i, reason, now)
 
-    def _observe_tokens(self, st: ReqState, token_ts: list[float], has_tokens: bool, now: float) -> None:
-        if has_tokens and st.first_token_recv_ts is None:
-            st.first_token_recv_ts = now
-            if self.metrics is not None:
-                self.metrics.observe_time_to_first_token(now - st.arrival_ts)
-        if token_ts:
-            if self.metrics is not None:
-                from srt.metrics.request_stats import inter_token_latencies
-
-                itl = inter_token_latencies(st.last_token_ts, token_ts)
-                if itl:
-                    self.metrics.observe_inter_token_latencies(itl)
-            st.last_token_ts = token_ts[-1]
-
     def _finish(self, st: ReqState, b: BatchStrOut, i: int, reason: FinishReason, now: float) -> None:
         del self.rid_to_state[st.rid]
         if reason.type == "stop" and isinstance(reason.matched, str):
             # The detokenizer ended it on a stop string; the scheduler is still generating for it.
             self._send_abort(AbortReq(st.rid, silent=True))
         self.router.finished(st.rid)
-        if self.metrics is None:
-            return
-        from srt.metrics.request_stats import FinishedRequestStats
-
-        if reason.type == "abort":
-            self.metrics.inc_aborted_requests()
-        self.metrics.observe_finished_request(
-            FinishedRequestStats(
-                prompt_tokens=b.prompt_tokens[i],
-                generation_tokens=b.completion_tokens[i],
-                cached_tokens=b.cached_tokens[i],
-                finished_reason=reason.type,
-                arrival_ts=st.arrival_ts,
-                first_token_recv_ts=st.first_token_recv_ts,
-                finish_recv_ts=now,
-                queued_ts=b.queued_ts[i] or None,
-                scheduled_ts=b.scheduled_ts[i] or None,
-                first_token_ts=b.first_token_ts[i] or None,
-                last_token_ts=st.last_token_ts,
-                num_retractions=b.num_retractions[i],
-                max_tokens_param=st.max_new_tokens,
-                n_param=st.n,
-            )
-        )
+        self.metrics.on_finish(st, b, i, reason, now)

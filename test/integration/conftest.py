@@ -109,17 +109,30 @@ def session_pids(sid: int) -> list[int]:
 
 
 def launch_server(
-    *flags: str, api_key: str | None = None, timeout: float = STARTUP_TIMEOUT_SECONDS, wait: bool = True
+    *flags: str,
+    api_key: str | None = None,
+    timeout: float = STARTUP_TIMEOUT_SECONDS,
+    wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> ServerHandle:
     """Start a server with `flags` on a free port; with `wait`, return once /health answers 200 (raise
-    with the server's log if it exits or does not come up in time)."""
+    with the server's log if it exits or does not come up in time).
+
+    The server inherits the test process's environment with `env` merged over it, except that a
+    PROMETHEUS_MULTIPROC_DIR is never inherited: only an explicit one in `env` reaches the server."""
     port = find_free_port()
     args = [*flags, *(("--api-key", api_key) if api_key else ())]
     cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(port), *args]
+    base_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     log = Path(tempfile.mkstemp(prefix=f"srt-server-{port}-", suffix=".log")[1])
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env={**base_env, **(env or {})},
+            start_new_session=True,
         )
     handle = ServerHandle(proc, port, log, api_key, tuple(flags))
     if wait:

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from srt.metrics.text_format import parse_metrics_text, select, total
-from test.integration.test_metrics_workload import MODEL, SrtServer
+from test.integration.conftest import ServerHandle, launch_server
+from test.integration.test_metrics_workload import MODEL, STARTUP_TIMEOUT, metrics_text
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +33,8 @@ STALE_WRITER = f"""
 """
 
 
-def one_request(server: SrtServer) -> None:
-    r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+def one_request(server: ServerHandle) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})  # fmt: skip
     r.raise_for_status()
 
@@ -53,22 +54,25 @@ def user_dir(tmp_path):
     return d
 
 
-def test_stale_files_ignored_restart_starts_at_zero_and_shutdown_cleans_up(user_dir, tmp_path):
+def test_stale_files_ignored_restart_starts_at_zero_and_shutdown_cleans_up(user_dir):
     env = {"PROMETHEUS_MULTIPROC_DIR": str(user_dir)}
-    for run in range(2):
-        server = SrtServer(tmp_path / f"run{run}.log", SERVER_ARGS, env).wait_ready()
+    for _run in range(2):
+        server = launch_server(*SERVER_ARGS, timeout=STARTUP_TIMEOUT, env=env)
         try:
-            before = parse_metrics_text(server.metrics_text())
-            assert total(before, "sglang:num_requests_total") == 0, "no earlier run's counter leaks in"
-            assert [s.value for s in select(before, "sglang:num_running_reqs")] == [0.0]
-            assert len(run_dirs(user_dir)) == 1
-            one_request(server)
-            assert total(parse_metrics_text(server.metrics_text()), "sglang:num_requests_total") == 1
+            try:
+                before = parse_metrics_text(metrics_text(server))
+                assert total(before, "sglang:num_requests_total") == 0, "no earlier run's counter leaks in"
+                assert [s.value for s in select(before, "sglang:num_running_reqs")] == [0.0]
+                assert len(run_dirs(user_dir)) == 1
+                one_request(server)
+                assert total(parse_metrics_text(metrics_text(server)), "sglang:num_requests_total") == 1
+            finally:
+                code = server.stop(timeout=EXIT_TIMEOUT)
+            assert code == 0
+            assert run_dirs(user_dir) == [], "clean shutdown removes the run's directory"
+            assert "holds 2 .db file(s) from an earlier run" in server.logs()
         finally:
-            code = server.stop()
-        assert code == 0
-        assert run_dirs(user_dir) == [], "clean shutdown removes the run's directory"
-        assert "holds 2 .db file(s) from an earlier run" in server.log()
+            server.log_path.unlink(missing_ok=True)
     assert len(glob.glob(str(user_dir / "*.db"))) == 2, "the user's own files are left alone"
 
 
@@ -84,9 +88,9 @@ def scheduler_pid(metrics_dir: str) -> int:
 def test_killed_scheduler_takes_its_live_gauges_and_the_server_down(tmp_path):
     parent = tmp_path / "prom"
     parent.mkdir()
-    server = SrtServer(
-        tmp_path / "kill.log", SERVER_ARGS, {"PROMETHEUS_MULTIPROC_DIR": str(parent)}
-    ).wait_ready()
+    server = launch_server(
+        *SERVER_ARGS, timeout=STARTUP_TIMEOUT, env={"PROMETHEUS_MULTIPROC_DIR": str(parent)}
+    )
     try:
         (metrics_dir,) = run_dirs(parent)
         pid = scheduler_pid(metrics_dir)
@@ -96,8 +100,8 @@ def test_killed_scheduler_takes_its_live_gauges_and_the_server_down(tmp_path):
         deadline = time.monotonic() + EXIT_TIMEOUT
         while server.proc.poll() is None and time.monotonic() < deadline:
             try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code != 200:
-                    samples = parse_metrics_text(server.metrics_text())
+                if httpx.get(f"{server.base_url}/health", timeout=2).status_code != 200:
+                    samples = parse_metrics_text(metrics_text(server))
                     assert select(samples, "sglang:num_running_reqs") == []
             except httpx.HTTPError:
                 pass
@@ -105,4 +109,5 @@ def test_killed_scheduler_takes_its_live_gauges_and_the_server_down(tmp_path):
         assert server.proc.wait(EXIT_TIMEOUT) != 0, "a dead child makes the whole server exit non-zero"
         assert not os.path.exists(metrics_dir)
     finally:
-        server.stop()
+        server.stop(timeout=EXIT_TIMEOUT)
+        server.log_path.unlink(missing_ok=True)

@@ -4,13 +4,9 @@ exact counts, client vs server, idle, format with promtool and a real Prometheus
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +16,15 @@ import httpx
 import pytest
 
 from srt.metrics.text_format import Sample, parse_metrics_text, select, total
+from srt.utils import find_free_port
+from test.integration.conftest import ServerHandle, launch_server
 from test.unit.test_metrics_collectors import promtool_problems
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT = 300.0
+STOP_TIMEOUT = 30.0
 IDLE_TIMEOUT = 60.0
 REQUEST_TIMEOUT = 120.0
 DECODE_LOG_INTERVAL = 4
@@ -38,66 +37,21 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "srt-
 TIME_RANK = r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] "
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def metrics_text(server: ServerHandle) -> str:
+    r = httpx.get(f"{server.base_url}/metrics", timeout=10)
+    r.raise_for_status()
+    return r.text
 
 
-class SrtServer:
-    """`python -m srt.launch_server` in its own session, its output in a log file."""
-
-    def __init__(self, log_path: Path, args: list[str] = (), env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), *args]
-        base_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**base_env, **(env or {})},
-                                     start_new_session=True)  # fmt: skip
-
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> SrtServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log()[-3000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def scrape(self) -> list[Sample]:
-        return parse_metrics_text(self.metrics_text())
-
-    def metrics_text(self) -> str:
-        r = httpx.get(f"{self.url}/metrics", timeout=10)
-        r.raise_for_status()
-        return r.text
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
+def scrape(server: ServerHandle) -> list[Sample]:
+    return parse_metrics_text(metrics_text(server))
 
 
-def wait_idle(server: SrtServer, finished_total: float, timeout: float = IDLE_TIMEOUT) -> list[Sample]:
+def wait_idle(server: ServerHandle, finished_total: float, timeout: float = IDLE_TIMEOUT) -> list[Sample]:
     """Scrape until `finished_total` requests finished and the scheduler reads idle."""
     deadline = time.monotonic() + timeout
     while True:
-        s = server.scrape()
+        s = scrape(server)
         idle = total(s, "sglang:num_running_reqs") == 0 and total(s, "sglang:num_queue_reqs") == 0
         if idle and total(s, "sglang:num_requests_total") >= finished_total:
             return s
@@ -211,9 +165,10 @@ def run_known_workload(client: Client) -> None:
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = SrtServer(tmp_path_factory.mktemp("srt") / "server.log", SERVER_ARGS).wait_ready()
+    srv = launch_server(*SERVER_ARGS, timeout=STARTUP_TIMEOUT)
     yield srv
-    srv.stop()
+    srv.stop(timeout=STOP_TIMEOUT)
+    srv.log_path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +177,7 @@ def prometheus(server, tmp_path_factory):
     if shutil.which("prometheus") is None:
         pytest.skip("needs the Debian package prometheus")
     d = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
+    port = find_free_port()
     (d / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: srt\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{server.port}']\n"
@@ -249,8 +204,8 @@ def prometheus(server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(server, prometheus):
     """Runs the phases once; each test asserts on what they recorded."""
-    client = Client(server.url)
-    s0 = server.scrape()
+    client = Client(server.base_url)
+    s0 = scrape(server)
     client.abort_by_disconnect()
     s1 = wait_idle(server, total(s0, "sglang:num_requests_total") + 1)
     client.records.clear()
@@ -262,7 +217,7 @@ def run(server, prometheus):
     streamed = [client.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Say {i}."}],
                                                        "max_tokens": 6, "ignore_eos": True}) for i in range(4)]  # fmt: skip
     s3 = wait_idle(server, total(s2, "sglang:num_requests_total") + len(streamed))
-    text = server.metrics_text()
+    text = metrics_text(server)
     return {"s0": s0, "s1": s1, "s2": s2, "s3": s3, "workload": workload, "streamed": streamed, "text": text}
 
 
@@ -361,7 +316,7 @@ def test_promtool_accepts_the_exposition(run):
 
 
 def test_metrics_content_type_and_no_redirect(server):
-    r = httpx.get(f"{server.url}/metrics", follow_redirects=False, timeout=10)
+    r = httpx.get(f"{server.base_url}/metrics", follow_redirects=False, timeout=10)
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
 
@@ -400,7 +355,7 @@ def test_every_dashboard_query_is_accepted_by_prometheus(run, prometheus):
 
 # ---------------------------------------------------------------- log lines
 def test_log_lines_match_their_documented_patterns(run, server):
-    log = server.log().splitlines()
+    log = server.logs().splitlines()
     prefill = re.compile(TIME_RANK + r"Prefill batch\. #new-seq: \d+, #new-token: \d+, #cached-token: \d+, "
                          r"token usage: \d+\.\d\d, #running-req: \d+, #queue-req: \d+$")  # fmt: skip
     decode = re.compile(TIME_RANK + r"Decode batch\. #running-req: \d+, #token: \d+, token usage: \d+\.\d\d, "

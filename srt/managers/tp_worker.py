@@ -84,26 +84,37 @@ class TpPeers:
         """Exit this process as soon as a peer is gone: its collectives would fail or hang, and the launcher
         watches only this process."""
         while True:
-            for proc in self.processes:
-                if not proc.is_alive():
-                    logger.error(
-                        "TP peer %s (pid %d) died with exit code %s; exiting",
-                        proc.name,
-                        proc.pid,
-                        proc.exitcode,
-                    )
-                    for other in self.processes:
-                        if other.is_alive():
-                            other.kill()
-                    os._exit(EXIT_PEER_DIED)
+            self._exit_if_a_peer_died()
             time.sleep(PEER_WATCH_SECONDS)
+
+    def _exit_if_a_peer_died(self) -> None:
+        for proc in self.processes:
+            if not proc.is_alive():
+                logger.error(
+                    "TP peer %s (pid %d) died with exit code %s; exiting", proc.name, proc.pid, proc.exitcode
+                )
+                for other in self.processes:
+                    if other.is_alive():
+                        other.kill()
+                os._exit(EXIT_PEER_DIED)
+
+    def _broadcast(self, tp: TensorParallelGroup, obj) -> None:
+        """A collective fails as soon as a peer's socket closes, often before the watch thread looks: give
+        that failure the same clear exit as the watch thread."""
+        try:
+            tp.broadcast_object(obj)
+        except RuntimeError:
+            for proc in self.processes:
+                proc.join(PEER_WATCH_SECONDS)
+            self._exit_if_a_peer_died()
+            raise
 
     def share_step(self, tp: TensorParallelGroup, msgs: list) -> None:
         """Send this iteration's inputs; every rank then applies them and steps."""
-        tp.broadcast_object(msgs)
+        self._broadcast(tp, msgs)
 
     def heartbeat(self, tp: TensorParallelGroup) -> None:
-        tp.broadcast_object(HEARTBEAT)
+        self._broadcast(tp, HEARTBEAT)
 
 
 def run_tp_peer(

@@ -129,6 +129,13 @@ def stream_chunk(rid: str, kind: str, created: int, model: str, choice: dict, ex
     return sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], **extra})
 
 
+def usage_chunk(rid: str, kind: str, created: int, model: str, usage_dict: dict) -> str:
+    """The closing chunk of `stream_options.include_usage`: no choices, the whole request's usage."""
+    return sse(
+        {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage_dict}
+    )
+
+
 async def stream_with_errors(
     tm: TokenizerManager,
     obj: GenerateInput,

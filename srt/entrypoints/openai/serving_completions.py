@@ -12,12 +12,12 @@ from srt.entrypoints.openai.serving_common import (
     ChoiceAcc,
     check_model,
     collect_response,
-    sse,
     stream_chunk,
     stream_with_errors,
     to_openai_error,
     token_text,
     usage,
+    usage_chunk,
 )
 from srt.managers.tokenizer_manager import (
     GenerateInput,
@@ -147,17 +147,6 @@ class CompletionHandler:
         def on_end() -> list[str]:
             if not req.include_usage:
                 return []
-            return [
-                sse(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": usage(accs, req.n),
-                    }
-                )
-            ]
+            return [usage_chunk(rid, "text_completion", created, self.model_name, usage(accs, req.n))]
 
         return stream_with_errors(self.tm, obj, request, on_output, on_end)

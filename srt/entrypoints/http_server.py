@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from srt.entrypoints.native_protocol import AbortRequest, FlushCacheRequest, GenerateRequest
 from srt.entrypoints.openai.errors import (
     AUTHENTICATION,
     SERVER_ERROR,
@@ -26,12 +27,7 @@ from srt.entrypoints.openai.errors import (
     status_error,
     validation_error,
 )
-from srt.entrypoints.openai.protocol import (
-    AbortRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-)
+from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from srt.entrypoints.openai.serving_chat import ChatHandler
 from srt.entrypoints.openai.serving_completions import CompletionHandler
 from srt.entrypoints.serving_native import GenerateHandler
@@ -156,7 +152,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate():
         obj = GenerateInput(
-            prompts=[tm.encode("ping") or [0]], sampling_params=SamplingParams(max_new_tokens=1)
+            prompts=[await tm.encode("ping") or [0]], sampling_params=SamplingParams(max_new_tokens=1)
         )
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_SECONDS):
@@ -188,7 +184,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return info
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(body: FlushCacheRequest | None = None):
         try:
             out = await tm.flush_cache()
         except (TimeoutError, ServerUnavailableError) as e:
@@ -202,8 +198,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
-        found = tm.abort_request(body.rid)
-        return {"success": found}
+        if body.abort_all:
+            tm.abort_all()
+            return {"success": True}
+        return {"success": tm.abort_request(body.rid)}
 
     if server_args.metrics_enabled:
         from srt.metrics.collector import instrument_http_app, make_metrics_asgi_app

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from srt.entrypoints.native_protocol import GenerateRequest
 from srt.entrypoints.openai.errors import OpenAIError
-from srt.entrypoints.openai.protocol import MAX_N, GenerateRequest
 from srt.entrypoints.openai.serving_common import (
     ChoiceAcc,
     collect_response,
@@ -17,10 +17,8 @@ from srt.entrypoints.openai.serving_common import (
     stream_with_errors,
     to_openai_error,
 )
-from srt.managers.tokenizer_manager import GenerateInput, ReqOutput, TokenizerManager
-from srt.sampling.sampling_params import SamplingParams, SamplingParamsError
-
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+from srt.entrypoints.request_types import MAX_SEQUENCES
+from srt.managers.tokenizer_manager import GenerateInput, InvalidRequestError, ReqOutput, TokenizerManager
 
 
 def _finish_dict(reason) -> dict | None:
@@ -32,59 +30,49 @@ def _finish_dict(reason) -> dict | None:
     return out
 
 
+# The TokenizerManager names OpenAI's fields in its errors; /generate's clients know SGLang's names.
+_NATIVE_PARAM = {
+    "prompt": "input_ids",
+    "messages": "text",
+    "max_tokens": "sampling_params.max_new_tokens",
+    "min_tokens": "sampling_params.min_new_tokens",
+    "stop_token_ids": "sampling_params.stop_token_ids",
+}
+
+
 class GenerateHandler:
     def __init__(self, tm: TokenizerManager):
         self.tm = tm
 
-    def _build(self, req: GenerateRequest) -> tuple[GenerateInput, bool]:
-        """The GenerateInput and whether the answer is a list (several prompts or samples)."""
-        if (req.text is None) == (req.input_ids is None):
-            raise OpenAIError("exactly one of `text` and `input_ids` is required", param="text")
-        sp = dict(req.sampling_params)
-        n = sp.pop("n", 1)
-        if not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise OpenAIError(
-                f"sampling_params.n must be an integer in [1, {MAX_N}]", param="sampling_params.n"
-            )
-        unknown = sorted(set(sp) - _SAMPLING_FIELDS)
-        if unknown:
-            raise OpenAIError(f"unknown sampling parameter(s): {', '.join(unknown)}", param="sampling_params")
-        if req.return_logprob:
-            sp["logprobs"] = req.top_logprobs_num
-        try:
-            params = SamplingParams(**sp)
-            params.verify()  # also catches mistyped values, which fail the comparisons with a TypeError
-        except SamplingParamsError as e:
-            raise OpenAIError(str(e), param=f"sampling_params.{e.param}") from e
-        except (TypeError, ValueError) as e:
-            raise OpenAIError(f"invalid sampling_params: {e}", param="sampling_params") from e
-        for name in ("max_new_tokens", "min_new_tokens", "top_k"):
-            if type(getattr(params, name)) is not int:
-                raise OpenAIError(
-                    f"sampling_params.{name} must be an integer", param=f"sampling_params.{name}"
-                )
+    async def _build(
+        self, req: GenerateRequest, request
+    ) -> tuple[GenerateInput, AsyncIterator[ReqOutput], bool]:
+        """The request, its running outputs, and whether the answer is a list (several prompts or samples)."""
+        sp = req.sampling_params
+        n = sp.n
         if req.text is not None:
-            texts = [req.text] if isinstance(req.text, str) else list(req.text)
-            prompts = [self.tm.encode(t) for t in texts]
+            texts = list(req.text)
+            self.tm.check_input_chars(sum(map(len, texts)), "text")
+            prompts = [await self.tm.encode(t, "text") for t in texts]
         else:
-            ids = req.input_ids
-            prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(p) for p in ids]
-            texts = None
-        if not prompts:
-            raise OpenAIError("the prompt list is empty", param="text")
-        batched = isinstance(req.text, list) or (req.input_ids is not None and len(prompts) != 1) or n > 1
+            texts, prompts = None, list(req.input_ids)
+        if len(prompts) * n > MAX_SEQUENCES:
+            raise OpenAIError(
+                f"{len(prompts)} prompts x n={n} exceed the limit of {MAX_SEQUENCES} sequences per request",
+                param="sampling_params.n",
+            )
+        batched = req.batched_input or n > 1
         if batched and req.stream:
             raise OpenAIError("streaming supports a single prompt with n = 1", param="stream")
         obj = GenerateInput(
             prompts=prompts,
-            sampling_params=params,
+            sampling_params=sp.to_sampling_params(req.top_logprobs_num if req.return_logprob else None),
             n=n,
             stream=req.stream,
             rid=req.rid or uuid.uuid4().hex,
             input_texts=texts,
         )
-        self.tm.check(obj)
-        return obj, batched
+        return obj, self.tm.generate(obj, request), batched
 
     def _result(self, rid: str, c: ChoiceAcc, arrival: float, logprob: bool) -> dict:
         meta = {
@@ -104,13 +92,20 @@ class GenerateHandler:
 
     async def handle(self, req: GenerateRequest, request):
         try:
-            obj, batched = self._build(req)
+            obj, outputs, batched = await self._build(req, request)
+        except InvalidRequestError as e:
+            param = (
+                "text"
+                if e.param == "prompt" and req.text is not None
+                else _NATIVE_PARAM.get(e.param, e.param)
+            )
+            return OpenAIError(str(e), param=param).to_response()
         except Exception as e:
             return to_openai_error(e).to_response()
         if req.stream:
-            return StreamingResponse(self._stream(req, obj, request), media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, obj, outputs), media_type="text/event-stream")
         return await collect_response(
-            self.tm, obj, request, lambda choices: self._results(req, obj, choices, batched)
+            self.tm, outputs, obj.num_choices, lambda choices: self._results(req, obj, choices, batched)
         )
 
     def _results(self, req: GenerateRequest, obj: GenerateInput, choices: list[ChoiceAcc], batched: bool):
@@ -120,7 +115,7 @@ class GenerateHandler:
         ]
         return results if batched else results[0]
 
-    def _stream(self, req: GenerateRequest, obj: GenerateInput, request):
+    def _stream(self, req: GenerateRequest, obj: GenerateInput, outputs: AsyncIterator[ReqOutput]):
         """Each event carries the text and ids so far (SGLang's default, non-incremental stream)."""
         acc = ChoiceAcc()
 
@@ -130,4 +125,4 @@ class GenerateHandler:
                 return []
             return [sse(self._result(obj.rid, acc, obj.arrival_ts, req.return_logprob))]
 
-        return stream_with_errors(self.tm, obj, request, on_output, list)
+        return stream_with_errors(self.tm, outputs, on_output, list)

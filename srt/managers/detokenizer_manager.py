@@ -8,6 +8,10 @@ Invariants of the text it emits (per request, the concatenation of all deltas):
   next token completes the character (or the request finishes);
 - never any part of a stop string: a matched stop string and everything after it are cut, and while
   streaming a tail that could still grow into a stop string is held back.
+
+Fault isolation: an entry whose decoding or stop matching raises (a malformed stop list, a token the tokenizer
+rejects) finishes that request with `error` and one log line; the rest of the batch is converted as usual and
+the request's later entries are dropped. Only MemoryError ends the process.
 """
 
 from __future__ import annotations
@@ -101,6 +105,17 @@ class IncrementalDetokenizer:
                     break
         return hold
 
+    def fail(self, rid: str, finished: bool, exc: Exception) -> FinishReason:
+        """An entry of `rid` raised: log it once, forget the request's text and drop its later entries until
+        the scheduler's final one."""
+        logger.error("Request %s failed while detokenizing: %s: %s", rid, type(exc).__name__, exc)
+        logger.debug("Traceback of request %s's failure", rid, exc_info=exc)
+        if finished:
+            self.states.pop(rid, None)
+        else:
+            self.states[rid] = DecodeState(stopped=True)
+        return FinishReason("error", message=f"failed while detokenizing: {type(exc).__name__}: {exc}")
+
     def step(
         self,
         rid: str,
@@ -158,9 +173,15 @@ class DetokenizerManager:
         out: dict[str, list] = {name: [] for name in _META_FIELDS}
         strs: list[str] = []
         for i, rid in enumerate(batch.rids):
-            stops = batch.stop_strs[i] if batch.stop_strs else []
-            skip = batch.skip_special_tokens[i] if batch.skip_special_tokens else True
-            res = self.detok.step(rid, batch.output_ids[i], batch.finished_reasons[i], stops, skip)
+            finished = batch.finished_reasons[i]
+            try:
+                stops = batch.stop_strs[i] if batch.stop_strs else []
+                skip = batch.skip_special_tokens[i] if batch.skip_special_tokens else True
+                res = self.detok.step(rid, batch.output_ids[i], finished, stops, skip)
+            except MemoryError:
+                raise
+            except Exception as e:
+                res = "", 0, self.detok.fail(rid, finished is not None, e)
             if res is None:
                 continue
             delta, used, reason = res

@@ -1,4 +1,4 @@
-"""The scheduler's view of a request (`Req`) and the tensors of one forward step built from a list of them.
+"""The scheduler's view of a request (`Req`) and the step's output message built from a list of them.
 
 A `Req` owns its token ids, its lengths and its event timestamps; everything else is derived. The KV of a
 request covers `kv_token_ids` = (prompt + output)[:kv_len]: the newest sampled token has no KV until it is fed
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from srt.managers.io_struct import FinishReason
+from srt.managers.io_struct import BatchTokenIDOut, FinishReason
 from srt.sampling.sampling_params import SamplingParams
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
@@ -137,3 +137,45 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)}, kv={self.kv_len})"
+
+
+def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
+    """The step's message to the detokenizer: each request's tokens since its last message, its finish reason
+    and the stamps the metrics need. Marks what it took as sent."""
+    want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
+    out = BatchTokenIDOut(
+        rids=[],
+        output_ids=[],
+        finished_reasons=[],
+        prompt_tokens=[],
+        completion_tokens=[],
+        cached_tokens=[],
+        queued_ts=[],
+        scheduled_ts=[],
+        first_token_ts=[],
+        token_ts=[],
+        num_retractions=[],
+        output_token_logprobs=[] if want_logprobs else None,
+        output_top_logprobs=[] if want_logprobs else None,
+    )
+    for req in reqs:
+        out.rids.append(req.rid)
+        out.output_ids.append(req.output_ids[req.sent_len :])
+        out.finished_reasons.append(req.finished_reason)
+        out.prompt_tokens.append(len(req.origin_input_ids))
+        out.completion_tokens.append(len(req.output_ids))
+        out.cached_tokens.append(req.cached_tokens)
+        out.queued_ts.append(req.queued_ts)
+        out.scheduled_ts.append(req.scheduled_ts)
+        out.first_token_ts.append(req.first_token_ts)
+        out.token_ts.append(req.pending_ts)
+        out.num_retractions.append(req.num_retractions)
+        out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
+        out.stop_strs.append(req.sampling_params.stop)
+        if want_logprobs:
+            out.output_token_logprobs.append(req.pending_logprobs)
+            out.output_top_logprobs.append(req.pending_top_logprobs)
+            req.pending_logprobs, req.pending_top_logprobs = [], []
+        req.sent_len = len(req.output_ids)
+        req.pending_ts = []
+    return out

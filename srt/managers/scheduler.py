@@ -3,17 +3,34 @@
 `Scheduler.step()` runs one forward step — a prefill (extend) batch when waiting work fits, otherwise a decode
 batch of every running request — and returns the step's `BatchTokenIDOut`. It knows nothing of sockets, so
 tests drive it in-process; `scheduler_process.py` wraps it in the ZMQ loop.
+
+Fault isolation (`fault_isolation.py`): an exception while admitting one request, sampling its row or checking
+its stop conditions finishes *that* request with `error` (one log line with its rid), frees its memory, and
+the step goes on for everyone else. Failures that are not one request's (out of memory, a broken KV-pool
+invariant, a forward pass that raises) still propagate and end the process.
+
+Test hook (off unless set): with the environment variable `SRT_TEST_FAULT_RID=<substring>` at start-up, a
+request whose rid contains the substring raises inside sampling at its `TEST_FAULT_DECODE_STEP`-th decode
+step, which lets tests check the isolation end to end. It is read once, here, and kept on the instance.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 
+from srt.managers.fault_isolation import (
+    PROCESS_FATAL_ERRORS,
+    TEST_FAULT_ENV,
+    IsolatingSampler,
+    append_tokens,
+    fail_request,
+)
 from srt.managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
-from srt.managers.schedule_batch import Req
+from srt.managers.schedule_batch import Req, build_token_output
 from srt.managers.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from srt.managers.scheduler_reporter import NullReporter, StepReporter
 from srt.mem_cache.chunk_cache import ChunkCache
@@ -21,6 +38,7 @@ from srt.mem_cache.radix_cache import RadixCache
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import Sampler, make_generator
+from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -50,11 +68,13 @@ class Scheduler:
             self.tree_cache = RadixCache(
                 self.req_to_token_pool, self.allocator, residency_observer=self.reporter.residency_observer
             )
-        self.sampler = Sampler(
-            model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device
+        self.sampler = IsolatingSampler(
+            Sampler(model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device),
+            test_fault_rid=os.environ.get(TEST_FAULT_ENV) or None,
         )
         self.default_generator = torch.Generator(device="cpu").manual_seed(server_args.random_seed)
         self.eos_token_ids = frozenset(model_runner.eos_token_ids)
+        self.vocab_size = model_runner.vocab_size
         self.context_len = model_runner.context_len
         self.max_running_requests = model_runner.max_running_requests
         self.max_req_input_len = min(self.context_len, model_runner.max_total_num_tokens) - 1
@@ -63,28 +83,59 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.finished_outside_step: list[Req] = []  # aborts and rejections, reported with the next output
+        self.live: dict[str, Req] = {}  # rid -> its request, from admission until its final output
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.last_step_was_prefill = False
 
     # ---- inputs ----
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
+        """Queue a request, or finish it at once: refused (`error`), nothing to generate (`length`), or
+        failing to admit (its parameters make a check or its generator raise: `error`)."""
+        if not isinstance(recv.rid, str):  # nothing downstream could route an answer to it
+            logger.error("Dropping a request whose rid is not a string: %r", recv.rid)
+            return
         params = recv.sampling_params
-        req = Req(
-            recv.rid, recv.input_ids, params, recv.stream, make_generator(params.seed, self.default_generator)
-        )
-        if not recv.input_ids:
-            req.finished_reason = FinishReason("error", message="the prompt is empty")
-        elif len(recv.input_ids) > self.max_req_input_len:
-            req.finished_reason = FinishReason(
-                "error",
-                message=f"prompt of {len(recv.input_ids)} tokens exceeds the limit of {self.max_req_input_len}",
-            )
-        elif params.max_new_tokens == 0:
-            req.finished_reason = FinishReason("length")
+        try:
+            req = Req(recv.rid, recv.input_ids, params, recv.stream)
+            req.finished_reason = self._refusal(req)
+            if not req.finished:
+                req.generator = make_generator(params.seed, self.default_generator)
+            elif req.finished_reason.type == "error":  # the HTTP layer should have refused it already
+                logger.error("Request %s refused: %s", req.rid, req.finished_reason.message)
+        except PROCESS_FATAL_ERRORS:
+            raise
+        except Exception as e:
+            # the report to the detokenizer reads the parameters: keep them only if they are parameters
+            req = Req(recv.rid, [], params if isinstance(params, SamplingParams) else SamplingParams())
+            fail_request(req, "admitting the request", e)
         if req.finished:
             self.finished_outside_step.append(req)
         else:
+            self.live[req.rid] = req
             self.waiting.append(req)
+
+    def _refusal(self, req: Req) -> FinishReason | None:
+        """Why a new request ends before it runs, if it does; raises for parameters that cannot be compared."""
+        ids, params = req.origin_input_ids, req.sampling_params
+        if req.rid in self.live:
+            return FinishReason("error", message=f"a request with rid {req.rid!r} is already running")
+        if not ids:
+            return FinishReason("error", message="the prompt is empty")
+        if len(ids) > self.max_req_input_len:
+            return FinishReason(
+                "error", message=f"prompt of {len(ids)} tokens exceeds the limit of {self.max_req_input_len}"
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            return FinishReason("error", message=f"prompt token ids must be in [0, {self.vocab_size})")
+        params.verify()
+        # Integer fields of another type (a bool, a float) would fail or not depending on the batch.
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "logprobs"):
+            value = getattr(params, name)
+            if type(value) is not int and not (name == "logprobs" and value is None):
+                return FinishReason("error", message=f"{name} must be an integer, got {value!r}")
+        if params.max_new_tokens == 0:
+            return FinishReason("length")
+        return None
 
     def abort_request(self, recv: AbortReq) -> None:
         """Remove a request wherever it is and free its memory; `rid=""` aborts every request."""
@@ -275,23 +326,9 @@ class Scheduler:
         return reqs
 
     def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        out = self.sampler.sample(
-            logits,
-            [r.sampling_params for r in reqs],
-            [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.generator for r in reqs],
-        )
-        step_ts = time.monotonic()
-        for i, req in enumerate(reqs):
-            lp = (
-                out.token_logprobs[i]
-                if out.token_logprobs is not None and req.sampling_params.logprobs is not None
-                else None
-            )
-            top = out.top_logprobs[i] if lp is not None and out.top_logprobs is not None else None
-            req.append_token(out.next_token_ids[i], step_ts, lp, top)
-            req.check_finished(self.eos_token_ids, self.context_len)
+        out = self.sampler.sample(logits, reqs)
+        append_tokens(out, reqs, time.monotonic(), self.eos_token_ids, self.context_len)
+        for req in reqs:
             if req.finished:
                 self._release(req)
                 self.reporter.on_finished(req)
@@ -343,40 +380,7 @@ class Scheduler:
             self.finished_outside_step = []
         if not reqs:
             return None
-        want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
-        out = BatchTokenIDOut(
-            rids=[],
-            output_ids=[],
-            finished_reasons=[],
-            prompt_tokens=[],
-            completion_tokens=[],
-            cached_tokens=[],
-            queued_ts=[],
-            scheduled_ts=[],
-            first_token_ts=[],
-            token_ts=[],
-            num_retractions=[],
-            output_token_logprobs=[] if want_logprobs else None,
-            output_top_logprobs=[] if want_logprobs else None,
-        )
         for req in reqs:
-            out.rids.append(req.rid)
-            out.output_ids.append(req.output_ids[req.sent_len :])
-            out.finished_reasons.append(req.finished_reason)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.queued_ts.append(req.queued_ts)
-            out.scheduled_ts.append(req.scheduled_ts)
-            out.first_token_ts.append(req.first_token_ts)
-            out.token_ts.append(req.pending_ts)
-            out.num_retractions.append(req.num_retractions)
-            out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
-            out.stop_strs.append(req.sampling_params.stop)
-            if want_logprobs:
-                out.output_token_logprobs.append(req.pending_logprobs)
-                out.output_top_logprobs.append(req.pending_top_logprobs)
-                req.pending_logprobs, req.pending_top_logprobs = [], []
-            req.sent_len = len(req.output_ids)
-            req.pending_ts = []
-        return out
+            if req.finished and self.live.get(req.rid) is req:
+                del self.live[req.rid]
+        return build_token_output(reqs)

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
@@ -33,7 +34,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from srt.managers.request_metrics import RequestMetricsRecorder
-from srt.sampling.sampling_params import SamplingParams, SamplingParamsError
+from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import get_zmq_socket
 
@@ -43,6 +44,14 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.5
 # How long /flush_cache waits for the scheduler's reply.
 FLUSH_CACHE_TIMEOUT_SECONDS = 30.0
+# A text longer than context_len * MAX_CHARS_PER_TOKEN cannot fit the context with any tokenizer in practice
+# (English averages ~4 characters per token): it is refused before tokenizing, which would otherwise cost
+# about a second per megabyte.
+MAX_CHARS_PER_TOKEN = 32
+# Longer texts are tokenized on worker threads (the Rust tokenizer releases the GIL), so the event loop keeps
+# serving; shorter ones cost less than the hand-off.
+INLINE_TOKENIZE_CHARS = 4096
+TOKENIZER_THREADS = 2
 
 
 class InvalidRequestError(ValueError):
@@ -75,6 +84,10 @@ class GenerateInput:
     input_texts: list[str | None] | None = None
     arrival_ts: float = field(default_factory=time.monotonic)
 
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
 
 @dataclass
 class ReqOutput:
@@ -103,6 +116,7 @@ class ReqState:
     prompt_tokens: int
     max_new_tokens: int
     n: int
+    group: str  # the rid the client knows; freed for reuse when its last sample finishes
     first_token_recv_ts: float | None = None
     last_token_ts: float | None = None  # scheduler clock
     abandoned: bool = False  # the handler is gone; outputs are only counted, not delivered
@@ -119,6 +133,7 @@ class TokenizerManager:
             tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or model_dir)
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.ready: SchedulerReady | None = None
         self.rid_to_state: dict[str, ReqState] = {}
         self.group_rids: dict[str, list[str]] = {}
@@ -166,36 +181,71 @@ class TokenizerManager:
         return self.ready.context_len
 
     # ---- tokenization ----
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
+    @property
+    def max_input_chars(self) -> int:
+        """Most characters a request's text may have: more could never fit the context."""
+        return self.context_len * MAX_CHARS_PER_TOKEN
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def check_input_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_input_chars:
+            raise InvalidRequestError(
+                f"the input has {chars} characters; this server accepts at most {self.max_input_chars} "
+                f"({MAX_CHARS_PER_TOKEN} per token of its {self.context_len}-token context)",
+                param,
+            )
+
+    async def _tokenize(self, text: str, **kw) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer(text, **kw).input_ids
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, lambda: self.tokenizer(text, **kw).input_ids)
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt, refused by size before any tokenizing, off the event loop when long."""
+        self.check_input_chars(len(text), param)
+        return await self._tokenize(text)
+
+    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        self.check_input_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may reject role orders (e.g. two system messages)
             raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return await self._tokenize(text, add_special_tokens=False)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", param)
+
+    def decode_prompt(self, ids: list[int]) -> str:
+        """The text of a token-id prompt (for `echo`), after checking the ids are in the vocabulary."""
+        self.check_token_ids(ids, "prompt")
+        return self.tokenizer.decode(ids)
 
     # ---- requests ----
     def check(self, obj: GenerateInput) -> list[SamplingParams]:
-        """Validate every prompt against the scheduler's limits and return each prompt's sampling params.
-        Handlers call it before they commit to a (streaming) response, so bad input gets a 400 status."""
+        """Check every prompt against the scheduler's limits (the request models checked types and ranges)
+        and return each prompt's sampling params. Handlers call it, through `generate`, before they commit
+        to a (streaming) response, so bad input gets a 400 status."""
         if self.dead_reason is not None:
             raise ServerUnavailableError(self.dead_reason)
         assert self.ready is not None
+        base = obj.sampling_params
+        self.check_token_ids(base.stop_token_ids, "stop_token_ids")
+        if base.top_k >= self.vocab_size:
+            base = dataclasses.replace(base, top_k=-1)  # the whole vocabulary, as asked
         out = []
         for ids in obj.prompts:
             if not ids:
                 raise InvalidRequestError("the prompt is empty", "prompt")
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", "prompt")
+            self.check_token_ids(ids, "prompt")
             if len(ids) > self.ready.max_req_input_len:
                 raise InvalidRequestError(
                     f"the prompt has {len(ids)} tokens, more than this server's maximum input length of "
                     f"{self.ready.max_req_input_len} tokens",
                     "messages" if obj.input_texts is None else "prompt",
                 )
-            params = obj.sampling_params
+            params = base
             room = self.context_len - len(ids)
             if obj.fill_max_new_tokens:
                 params = dataclasses.replace(params, max_new_tokens=max(1, room))
@@ -207,35 +257,47 @@ class TokenizerManager:
                 )
             if params.max_new_tokens < 1:
                 raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
-            try:
-                params.verify()
-            except SamplingParamsError as e:
-                raise InvalidRequestError(str(e), e.param) from e
+            if params.min_new_tokens > params.max_new_tokens:
+                raise InvalidRequestError("min_tokens must not exceed max_tokens", "min_tokens")
             out.append(params)
         return out
 
-    async def generate(self, obj: GenerateInput, request=None) -> AsyncIterator[ReqOutput]:
-        """Send the request(s) and yield outputs as they arrive, tagged with their choice index.
-
-        `request` (a Starlette Request) is polled for a disconnect; a disconnect, a cancellation or an
-        early close of this generator aborts every unfinished internal request in the scheduler."""
-        per_prompt = self.check(obj)
+    def _internal_rids(self, obj: GenerateInput) -> tuple[str, list[str]]:
+        """The request's group rid and one rid per sample; refused if any of them is in use, whatever its
+        origin (a client's rid, or the `-i` suffix of another request's samples)."""
         group = obj.rid or uuid.uuid4().hex
-        if group in self.group_rids:
-            raise InvalidRequestError(f"a request with rid {group!r} is already running", "rid")
-        queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
         total = len(obj.prompts) * obj.n
         rids = [group] if total == 1 else [f"{group}-{i}" for i in range(total)]
+        taken = [r for r in {group, *rids} if r in self.group_rids or r in self.rid_to_state]
+        if taken:
+            raise InvalidRequestError(
+                f"request id {obj.rid!r} collides with a running request ({taken[0]!r})", "rid"
+            )
+        return group, rids
+
+    def generate(self, obj: GenerateInput, request=None) -> AsyncIterator[ReqOutput]:
+        """Check and send the request(s) now — so a bad or duplicate request raises here, before any response
+        is committed — and return an iterator over the outputs, tagged with their choice index.
+
+        `request` (a Starlette Request) is polled for a disconnect; a disconnect, a cancellation or an
+        early close of the iterator aborts every unfinished internal request in the scheduler. An iterator
+        never consumed leaves its requests to finish on their own (bounded by max_new_tokens)."""
+        per_prompt = self.check(obj)
+        group, rids = self._internal_rids(obj)
+        queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
         self.group_rids[group] = rids
         for i, rid in enumerate(rids):
             p = i // obj.n
             ids, params = obj.prompts[p], per_prompt[p]
             self.rid_to_state[rid] = ReqState(
-                rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n
+                rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n, group
             )
             text = obj.input_texts[p] if obj.input_texts else None
             rank = self.router.route(rid)
             self.send_socks[rank].send_pyobj(TokenizedGenerateReqInput(rid, ids, params, obj.stream, text))
+        return self._outputs(queue, rids, request)
+
+    async def _outputs(self, queue: asyncio.Queue, rids: list[str], request) -> AsyncIterator[ReqOutput]:
         unfinished = set(rids)
         try:
             while unfinished:
@@ -244,7 +306,6 @@ class TokenizerManager:
                     unfinished.discard(item.rid)
                 yield item
         finally:
-            self.group_rids.pop(group, None)
             for rid in unfinished:
                 self._abandon(rid)
 
@@ -269,12 +330,13 @@ class TokenizerManager:
             logger.info("aborting request %s (client gone)", rid)
             self._send_abort(AbortReq(rid))
 
+    def abort_all(self) -> None:
+        """Abort every request (`/abort_request {"abort_all": true}`)."""
+        self._send_abort(AbortReq(""))
+
     def abort_request(self, rid: str) -> bool:
-        """Abort a request by the rid the client knows (all its samples), or every request for ""."""
-        if rid == "":
-            self._send_abort(AbortReq(""))
-            return True
-        rids = self.group_rids.get(rid, [rid] if rid in self.rid_to_state else [])
+        """Abort a request by the rid the client knows (all its samples) or one sample's rid."""
+        rids = list(self.group_rids.get(rid, [rid] if rid in self.rid_to_state else []))
         for r in rids:
             self._send_abort(AbortReq(r))
         return bool(rids)
@@ -314,6 +376,7 @@ class TokenizerManager:
                     )
                 )
         self.rid_to_state.clear()
+        self.group_rids.clear()
         while self._flush_waiters:
             fut = self._flush_waiters.popleft()
             if not fut.done():
@@ -369,8 +432,11 @@ class TokenizerManager:
 
     def _finish(self, st: ReqState, b: BatchStrOut, i: int, reason: FinishReason, now: float) -> None:
         del self.rid_to_state[st.rid]
-        if reason.type == "stop" and isinstance(reason.matched, str):
-            # The detokenizer ended it on a stop string; the scheduler is still generating for it.
+        if all(r not in self.rid_to_state for r in self.group_rids.get(st.group, ())):
+            self.group_rids.pop(st.group, None)  # its last sample finished: the rid may be used again
+        if reason.type == "error" or (reason.type == "stop" and isinstance(reason.matched, str)):
+            # The detokenizer may have ended it (a stop string, or a failure it isolated) while the scheduler
+            # still generates for it; an abort of a request the scheduler already finished is a no-op.
             self._send_abort(AbortReq(st.rid, silent=True))
         self.router.finished(st.rid)
         self.metrics.on_finish(st, b, i, reason, now)

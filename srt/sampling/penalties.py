@@ -30,11 +30,12 @@ def min_new_tokens_active(p: SamplingParams, num_output: int) -> bool:
 def _token_index(
     rows: list[int], token_lists: list[list[int]], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch row, token) index pairs, one per listed token, for indexing a [batch, vocab] tensor."""
+    """(batch row, token) index pairs, one per listed token inside the vocabulary, for indexing a [batch, vocab]
+    tensor (a negative id would otherwise index from the end). A list that is no list of 64-bit ints raises."""
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device=device)
     row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), lengths)
     tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
-    in_vocab = tokens < vocab_size
+    in_vocab = (tokens >= 0) & (tokens < vocab_size)
     return row_ids[in_vocab], tokens[in_vocab]
 
 

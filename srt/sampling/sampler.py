@@ -6,6 +6,10 @@ draw: one random number per row instead of one per vocabulary entry (per-token n
 the rest of the step on a CPU). A request with its own generator draws its number alone, so a seeded
 request's tokens do not depend on what else is in the batch.
 Log-probabilities are those of the raw model distribution (before penalties and temperature).
+
+Everything that depends on a request's parameters (penalties, masks, temperature, top-k/top-p/min-p, the
+top-logprobs count) runs before the random draws: a batch that raises has consumed no generator's numbers,
+so the scheduler can retry it row by row and the rows that do not fail get exactly the tokens they would have.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class Sampler:
             return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        top_logprobs = self._top_logprobs(raw_logprobs, params) if want_logprobs else None
         if penalized or min_new:
             logits = logits.clone()  # the caller's tensor stays as the model produced it
         if penalized:
@@ -90,7 +95,7 @@ class Sampler:
 
         if raw_logprobs is None:
             return SampleOutput(next_ids.tolist(), None, None)
-        token_logprobs, top_logprobs = self._logprobs(raw_logprobs, next_ids, params)
+        token_logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
         return SampleOutput(next_ids.tolist(), token_logprobs, top_logprobs)
 
     def _sample_rows(
@@ -106,18 +111,17 @@ class Sampler:
         return sample_from_probs(probs, _uniforms(generators, probs.device))
 
     @staticmethod
-    def _logprobs(
-        raw_logprobs: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingParams]
-    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        token_logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
+    def _top_logprobs(
+        raw_logprobs: torch.Tensor, params: list[SamplingParams]
+    ) -> list[list[tuple[int, float]]]:
+        """Per row, its `params.logprobs` best (id, logprob) pairs."""
         ks = [p.logprobs or 0 for p in params]
         max_k = max(ks)
         if max_k == 0:
-            return token_logprobs, [[] for _ in params]
+            return [[] for _ in params]
         values, indices = raw_logprobs.topk(max_k, dim=-1)
         values, indices = values.tolist(), indices.tolist()
-        top = [list(zip(indices[i][:k], values[i][:k], strict=True)) for i, k in enumerate(ks)]
-        return token_logprobs, top
+        return [list(zip(indices[i][:k], values[i][:k], strict=True)) for i, k in enumerate(ks)]
 
 
 def filtered_probs(

@@ -63,14 +63,14 @@ CASES = [
         "/generate",
         {"text": "x", "sampling_params": {"warp": 9}},
         400,
-        "sampling_params",
+        "sampling_params.warp",
     ),
     (
         "generate-mistyped-param",
         "/generate",
         {"text": "x", "sampling_params": {"temperature": "hot"}},
         400,
-        "sampling_params",
+        "sampling_params.temperature",
     ),
     (
         "generate-negative-tokens",

@@ -22,8 +22,10 @@ CONTEXT = 2048
 class ScriptedTokenizerManager(TokenizerManager):
     """Real tokenization and validation; generation replays SCRIPT instead of asking a scheduler."""
 
-    async def generate(self, obj, request=None):
-        per_prompt = self.check(obj)
+    def generate(self, obj, request=None):
+        return self._script(obj, self.check(obj))
+
+    async def _script(self, obj, per_prompt):
         for p, ids in enumerate(obj.prompts):
             for j in range(obj.n):
                 index = p * obj.n + j
@@ -111,8 +113,13 @@ def test_chat_request_maps_to_sampling_params():
 
 
 def test_chat_logprobs_false_means_none():
-    req = ChatCompletionRequest(messages=MSGS, top_logprobs=4)
+    req = ChatCompletionRequest(messages=MSGS, logprobs=False)
     assert req.num_top_logprobs() is None
+
+
+def test_chat_top_logprobs_without_logprobs_is_refused():
+    with pytest.raises(ValueError, match="top_logprobs"):
+        ChatCompletionRequest(messages=MSGS, top_logprobs=4)
 
 
 @pytest.mark.parametrize(

@@ -43,23 +43,39 @@ class OpenAIError(Exception):
         return JSONResponse(self.to_dict(), status_code=self.status)
 
 
+_VALUE_ERROR_PREFIX = "Value error, "
+
+
+def _field_path(loc: tuple) -> str:
+    """`messages.0.content` from pydantic's location, without the body and the union branch names
+    (`str`, `list[int]`, `function-after[...]`) it puts in between."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (p != "body" and p.isidentifier())]
+    return ".".join(p for p in parts if p not in _TYPE_NAMES)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
+
+
 def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """A readable 400 from pydantic's error list: the first problem, named by its field path."""
+    """A readable 400 from pydantic's error list: the most specific problem, named by its field path (of
+    a union's branches, the one that got furthest into the value)."""
     errors = exc.errors()
     if not errors:
         return OpenAIError("invalid request")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return OpenAIError(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-    if not loc and first.get("type") == "model_attributes_type":
+    if first.get("type") == "model_attributes_type" and not _field_path(first.get("loc", ())):
         return OpenAIError("the request body must be a JSON object", code="invalid_value")
-    field = ".".join(loc)
-    message = (
-        f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg", "invalid request")
-    )
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem(s))"
+    best = max(errors, key=lambda e: len(_field_path(e.get("loc", ())).split(".")))
+    path = _field_path(best.get("loc", ()))
+    msg = best.get("msg", "invalid value").removeprefix(_VALUE_ERROR_PREFIX)
+    cause = (best.get("ctx") or {}).get("error")
+    field = path or getattr(cause, "param", None)  # a FieldError's message names its field itself
+    message = f"{path}: {msg}" if path else msg
+    others = len({_field_path(e.get("loc", ())) for e in errors} - {path})
+    if others:
+        message += f" (and {others} more problem(s))"
     return OpenAIError(message, param=field or None, code="invalid_value")
 
 

@@ -1,57 +1,82 @@
-"""Request bodies of the OpenAI-compatible and native routes, as pydantic models.
+"""Request bodies of the OpenAI-compatible routes, as strict pydantic models (types from request_types).
 
-Field bounds live here so a bad value is rejected by validation with the field's name (a 400), before any
-work is queued. Responses are built as plain dicts by the serving modules, in OpenAI's exact shapes.
+Field bounds live in the types, so a bad value is rejected by validation with the field's name (a 400) before
+any work is queued. Fields OpenAI documents as nullable accept `null` and mean their default. Responses are
+built as plain dicts by the serving modules, in OpenAI's exact shapes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BeforeValidator, Field, model_validator
 
+from srt.entrypoints.request_types import (
+    MAX_MESSAGES,
+    Count,
+    FieldError,
+    MinP,
+    NumSamples,
+    Penalty,
+    PositiveCount,
+    RepetitionPenalty,
+    RequestBody,
+    Rid,
+    Seed,
+    StopStrings,
+    StopTokenIds,
+    StrictModel,
+    Temperature,
+    TopK,
+    TopLogprobs,
+    TopP,
+    prompt_list,
+)
 from srt.sampling.sampling_params import SamplingParams
 
-# Most samples per request: bounds the work one HTTP request can queue.
-MAX_N = 64
-# OpenAI allows at most 20 top logprobs per token.
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+# OpenAI's default for /v1/completions when max_tokens is omitted.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class StreamOptions(StrictModel):
+    include_usage: bool | None = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """Sampling fields shared by chat and completions, including SGLang's extras in the body."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    n: NumSamples | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stop: StopStrings = Field(default_factory=list)
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     user: str | None = None
     # SGLang extras
-    top_k: int = -1
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: Count = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
-    rid: str | None = None
+    stop_token_ids: StopTokenIds | None = None
+    rid: Rid | None = None
 
-    def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return stops[:MAX_STOP_STRINGS]
+    @property
+    def num_samples(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -61,10 +86,10 @@ class SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
             repetition_penalty=self.repetition_penalty,
-            stop=self.stop_list(),
+            stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
@@ -72,35 +97,35 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
         )
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+
+class ContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content if part.type == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: PositiveCount | None = None
+    max_completion_tokens: PositiveCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
+        return self
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -109,39 +134,17 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-# OpenAI's default for /v1/completions when max_tokens is omitted.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
-    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    # Any of OpenAI's four prompt forms, normalised to a list of prompts (each text or token ids). A bare
+    # `list`: prompt_list checked every item at C speed, and pydantic's per-item pass would cost 5x that.
+    prompt: Annotated[list, BeforeValidator(lambda v: prompt_list(v, "prompt"))]
+    max_tokens: PositiveCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: TopLogprobs | None = None
+    echo: bool | None = None
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt as a list of prompts, each text or token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return list(self.prompt)
 
-
-class GenerateRequest(BaseModel):
-    """Body of the native `/generate` route (SGLang's shape)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    stream: bool = False
-    rid: str | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
-
-
-class AbortRequest(BaseModel):
-    rid: str = ""
+    @property
+    def max_new_tokens(self) -> int:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens

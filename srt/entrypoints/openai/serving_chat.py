@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
@@ -50,36 +51,35 @@ class ChatHandler:
         self.tm = tm
         self.model_name = model_name
 
-    def _build(self, req: ChatCompletionRequest) -> GenerateInput:
+    async def _build(
+        self, req: ChatCompletionRequest, request
+    ) -> tuple[GenerateInput, AsyncIterator[ReqOutput]]:
         check_model(req.model, self.model_name)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = self.tm.apply_chat_template(messages)
+        ids = await self.tm.apply_chat_template(messages)
         max_new = req.max_new_tokens()
         params = req.to_sampling_params(max_new or 1, req.num_top_logprobs())
         obj = GenerateInput(
             prompts=[ids],
             sampling_params=params,
-            n=req.n,
-            stream=req.stream,
+            n=req.num_samples,
+            stream=req.streaming,
             rid=req.rid or uuid.uuid4().hex,
             fill_max_new_tokens=max_new is None,
         )
-        self.tm.check(obj)
-        return obj
+        return obj, self.tm.generate(obj, request)
 
     async def handle(self, req: ChatCompletionRequest, request):
         try:
-            obj = self._build(req)
+            obj, outputs = await self._build(req, request)
         except Exception as e:
             return to_openai_error(e).to_response()
         rid = f"chatcmpl-{obj.rid}"
         created = int(time.time())
-        if req.stream:
-            return StreamingResponse(
-                self._stream(req, obj, request, rid, created), media_type="text/event-stream"
-            )
+        if req.streaming:
+            return StreamingResponse(self._stream(req, outputs, rid, created), media_type="text/event-stream")
         return await collect_response(
-            self.tm, obj, request, lambda choices: self._response(req, choices, rid, created)
+            self.tm, outputs, obj.num_choices, lambda choices: self._response(req, choices, rid, created)
         )
 
     def _response(self, req: ChatCompletionRequest, choices: list[ChoiceAcc], rid: str, created: int) -> dict:
@@ -104,12 +104,13 @@ class ChatHandler:
             "created": created,
             "model": self.model_name,
             "choices": out,
-            "usage": usage(choices, req.n),
+            "usage": usage(choices, req.num_samples),
         }
 
-    def _stream(self, req: ChatCompletionRequest, obj: GenerateInput, request, rid: str, created: int):
-        accs = [ChoiceAcc() for _ in range(req.n)]
-        started = [False] * req.n
+    def _stream(self, req: ChatCompletionRequest, outputs: AsyncIterator[ReqOutput], rid: str, created: int):
+        n = req.num_samples
+        accs = [ChoiceAcc() for _ in range(n)]
+        started = [False] * n
         extra = {"usage": None} if req.include_usage else {}
 
         def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
@@ -134,6 +135,6 @@ class ChatHandler:
         def on_end() -> list[str]:
             if not req.include_usage:
                 return []
-            return [usage_chunk(rid, "chat.completion.chunk", created, self.model_name, usage(accs, req.n))]
+            return [usage_chunk(rid, "chat.completion.chunk", created, self.model_name, usage(accs, n))]
 
-        return stream_with_errors(self.tm, obj, request, on_output, on_end)
+        return stream_with_errors(self.tm, outputs, on_output, on_end)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -15,7 +16,6 @@ from srt.entrypoints.openai.errors import SERVICE_UNAVAILABLE, OpenAIError
 from srt.managers.io_struct import FinishReason
 from srt.managers.tokenizer_manager import (
     ClientDisconnected,
-    GenerateInput,
     InvalidRequestError,
     ReqOutput,
     ServerUnavailableError,
@@ -102,21 +102,26 @@ def usage(choices: list[ChoiceAcc], n: int) -> dict:
     }
 
 
-async def collect(tm: TokenizerManager, obj: GenerateInput, request) -> list[ChoiceAcc]:
-    """Run a request to completion; raises OpenAIError if any choice failed."""
-    choices = [ChoiceAcc() for _ in range(len(obj.prompts) * obj.n)]
-    async for out in tm.generate(obj, request):
-        choices[out.index].add(out)
-        if out.finish_reason is not None and out.finish_reason.type == "error":
-            raise error_finish(out.finish_reason, tm)
+async def collect(
+    tm: TokenizerManager, outputs: AsyncIterator[ReqOutput], num_choices: int
+) -> list[ChoiceAcc]:
+    """Run a request to completion; raises OpenAIError if any choice failed (the rest are aborted)."""
+    choices = [ChoiceAcc() for _ in range(num_choices)]
+    async with aclosing(outputs):
+        async for out in outputs:
+            choices[out.index].add(out)
+            if out.finish_reason is not None and out.finish_reason.type == "error":
+                raise error_finish(out.finish_reason, tm)
     return choices
 
 
-async def collect_response(tm: TokenizerManager, obj: GenerateInput, request, build) -> JSONResponse:
+async def collect_response(
+    tm: TokenizerManager, outputs: AsyncIterator[ReqOutput], num_choices: int, build
+) -> JSONResponse:
     """Non-streaming reply: run the request to completion and answer `build(choices)`, or the OpenAI error
     (499 with an empty body when the client has already gone)."""
     try:
-        choices = await collect(tm, obj, request)
+        choices = await collect(tm, outputs, num_choices)
     except ClientDisconnected:
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     except Exception as e:
@@ -138,21 +143,21 @@ def usage_chunk(rid: str, kind: str, created: int, model: str, usage_dict: dict)
 
 async def stream_with_errors(
     tm: TokenizerManager,
-    obj: GenerateInput,
-    request,
+    outputs: AsyncIterator[ReqOutput],
     on_output: Callable[[ReqOutput], list[str]],
     on_end: Callable[[], list[str]],
 ) -> AsyncIterator[str]:
     """SSE body: `on_output` turns each output into chunks, `on_end` adds the closing chunks; an error
     mid-stream becomes an OpenAI error event, and the stream always ends with `data: [DONE]`."""
     try:
-        async for out in tm.generate(obj, request):
-            if out.finish_reason is not None and out.finish_reason.type == "error":
-                yield sse(error_finish(out.finish_reason, tm).to_dict())
-                yield SSE_DONE
-                return
-            for chunk in on_output(out):
-                yield chunk
+        async with aclosing(outputs):
+            async for out in outputs:
+                if out.finish_reason is not None and out.finish_reason.type == "error":
+                    yield sse(error_finish(out.finish_reason, tm).to_dict())
+                    yield SSE_DONE
+                    return
+                for chunk in on_output(out):
+                    yield chunk
         for chunk in on_end():
             yield chunk
     except ClientDisconnected:

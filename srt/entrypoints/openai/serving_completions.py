@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
@@ -19,6 +20,7 @@ from srt.entrypoints.openai.serving_common import (
     usage,
     usage_chunk,
 )
+from srt.entrypoints.request_types import MAX_SEQUENCES
 from srt.managers.tokenizer_manager import (
     GenerateInput,
     InvalidRequestError,
@@ -52,38 +54,47 @@ class CompletionHandler:
         self.tm = tm
         self.model_name = model_name
 
-    def _build(self, req: CompletionRequest) -> tuple[GenerateInput, list[str]]:
+    async def _build(
+        self, req: CompletionRequest, request
+    ) -> tuple[GenerateInput, list[str], AsyncIterator[ReqOutput]]:
         check_model(req.model, self.model_name)
         prompts = req.prompts()
-        if not prompts:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        ids = [self.tm.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
-        params = req.to_sampling_params(req.max_tokens, req.logprobs)
+        n = req.num_samples
+        if len(prompts) * n > MAX_SEQUENCES:
+            raise InvalidRequestError(
+                f"{len(prompts)} prompts x n={n} exceed the limit of {MAX_SEQUENCES} sequences per request",
+                "n",
+            )
+        self.tm.check_input_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        ids = [await self.tm.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p if isinstance(p, str) else self.tm.decode_prompt(p) for p in prompts]
+        params = req.to_sampling_params(req.max_new_tokens, req.logprobs)
         obj = GenerateInput(
             prompts=ids,
             sampling_params=params,
-            n=req.n,
-            stream=req.stream,
+            n=n,
+            stream=req.streaming,
             rid=req.rid or uuid.uuid4().hex,
             input_texts=texts,
         )
-        self.tm.check(obj)
-        return obj, texts
+        return obj, texts, self.tm.generate(obj, request)
 
     async def handle(self, req: CompletionRequest, request):
         try:
-            obj, texts = self._build(req)
+            obj, texts, outputs = await self._build(req, request)
         except Exception as e:
             return to_openai_error(e).to_response()
         rid = f"cmpl-{obj.rid}"
         created = int(time.time())
-        if req.stream:
+        if req.streaming:
             return StreamingResponse(
-                self._stream(req, obj, texts, request, rid, created), media_type="text/event-stream"
+                self._stream(req, obj, texts, outputs, rid, created), media_type="text/event-stream"
             )
         return await collect_response(
-            self.tm, obj, request, lambda choices: self._response(req, choices, texts, rid, created)
+            self.tm,
+            outputs,
+            obj.num_choices,
+            lambda choices: self._response(req, choices, texts, rid, created),
         )
 
     def _response(
@@ -91,7 +102,7 @@ class CompletionHandler:
     ):
         out = []
         for i, c in enumerate(choices):
-            prefix = texts[i // req.n] if req.echo else ""
+            prefix = texts[i // req.num_samples] if req.echo else ""
             logprobs = None
             if req.logprobs is not None:
                 logprobs = completion_logprobs(
@@ -111,15 +122,21 @@ class CompletionHandler:
             "created": created,
             "model": self.model_name,
             "choices": out,
-            "usage": usage(choices, req.n),
+            "usage": usage(choices, req.num_samples),
         }
 
     def _stream(
-        self, req: CompletionRequest, obj: GenerateInput, texts: list[str], request, rid: str, created: int
+        self,
+        req: CompletionRequest,
+        obj: GenerateInput,
+        texts: list[str],
+        outputs: AsyncIterator[ReqOutput],
+        rid: str,
+        created: int,
     ):
-        total = len(obj.prompts) * req.n
+        total = len(obj.prompts) * req.num_samples
         accs = [ChoiceAcc() for _ in range(total)]
-        offsets = [len(texts[i // req.n]) if req.echo else 0 for i in range(total)]
+        offsets = [len(texts[i // req.num_samples]) if req.echo else 0 for i in range(total)]
         echoed = [not req.echo] * total
         extra = {"usage": None} if req.include_usage else {}
 
@@ -132,7 +149,7 @@ class CompletionHandler:
             text = out.text
             if not echoed[out.index]:
                 echoed[out.index] = True
-                text = texts[out.index // req.n] + text
+                text = texts[out.index // req.num_samples] + text
             logprobs = None
             if req.logprobs is not None and out.token_logprobs:
                 logprobs = completion_logprobs(
@@ -147,6 +164,8 @@ class CompletionHandler:
         def on_end() -> list[str]:
             if not req.include_usage:
                 return []
-            return [usage_chunk(rid, "text_completion", created, self.model_name, usage(accs, req.n))]
+            return [
+                usage_chunk(rid, "text_completion", created, self.model_name, usage(accs, req.num_samples))
+            ]
 
-        return stream_with_errors(self.tm, obj, request, on_output, on_end)
+        return stream_with_errors(self.tm, outputs, on_output, on_end)

@@ -12,7 +12,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from srt.entrypoints.openai.errors import SERVICE_UNAVAILABLE, OpenAIError
+from srt.entrypoints.openai.errors import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError
 from srt.managers.io_struct import FinishReason
 from srt.managers.tokenizer_manager import (
     ClientDisconnected,
@@ -56,11 +56,12 @@ def to_openai_error(exc: Exception) -> OpenAIError:
 
 
 def error_finish(reason: FinishReason, tm: TokenizerManager) -> OpenAIError:
-    """A request that ended with an error: 503 if the server is going down, else the scheduler refused it."""
+    """A request that ended with an error: 503 if the server is going down, else a 500 — the request was
+    valid (the HTTP layer validated it) and the server failed it, alone, while serving everyone else."""
     message = reason.message or "the request failed"
     if tm.dead_reason is not None:
         return OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE)
-    return OpenAIError(message)
+    return OpenAIError(message, status=HTTPStatus.INTERNAL_SERVER_ERROR, type=SERVER_ERROR)
 
 
 @dataclass

@@ -1,9 +1,15 @@
 """`python -m srt.launch_server`: start the scheduler and detokenizer processes, then serve HTTP.
 
-Start-up order matters: the metrics directory is set up before anything imports prometheus_client and
-before any child is spawned (children inherit `PROMETHEUS_MULTIPROC_DIR`); the HTTP server accepts traffic
-only after every child reported ready. A watchdog thread turns the death of any child into an unhealthy
-`/health`, failed in-flight requests and a non-zero exit of the whole tree within a few seconds.
+Start-up order matters: the HTTP port is bound and the metrics directory set up first, so a taken port or an
+unusable directory fails in one line before anything heavy starts; the metrics directory exists before
+anything imports prometheus_client and before any child is spawned (children inherit
+`PROMETHEUS_MULTIPROC_DIR`); the HTTP server accepts traffic only after every child reported ready. A
+watchdog thread turns the death of any child into an unhealthy `/health`, failed in-flight requests and a
+non-zero exit of the whole tree within a few seconds.
+
+Exit codes: 0 after a signal (in-flight requests drained, see srt/entrypoints/uvicorn_server.py), 2 for a
+configuration error (a bad flag, environment value or model; one line saying what to change), 1 when a
+process crashed.
 """
 
 from __future__ import annotations
@@ -13,22 +19,31 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import (
+    ConfigError,
+    bind_listener,
     configure_logging,
     keep_heap_for_children,
     kill_process_tree,
+    raise_fd_limit,
     set_parent_death_signal,
     set_process_name,
     watch_parent_process,
 )
+
+if TYPE_CHECKING:
+    from srt.entrypoints.middleware import AdmissionGate
 
 logger = logging.getLogger("srt.launch_server")
 
@@ -36,22 +51,95 @@ SCHEDULER_TARGET = ("srt.managers.scheduler_process", "run_scheduler_process")
 DETOKENIZER_TARGET = ("srt.managers.detokenizer_manager", "run_detokenizer_process")
 # How often the start-up wait and the watchdog look at the children.
 POLL_SECONDS = 0.2
-# uvicorn waits this long for open connections after a shutdown request before cancelling them.
-GRACEFUL_SHUTDOWN_SECONDS = 3
 # After a child died, the launcher is gone within this many seconds even if the HTTP server hangs.
 HARD_EXIT_SECONDS = 8.0
 EXIT_CHILD_FAILED = 1
+EXIT_CONFIG_ERROR = 2  # as argparse exits for a bad flag
+# Messages of start-up exceptions that say the configuration asks for more memory than there is.
+OUT_OF_MEMORY_MARKERS = ("out of memory", "can't allocate memory", "not enough memory")
+# The size in torch's allocation errors ("... tried to allocate 8000000000000 bytes", "... 20.00 GiB").
+ALLOCATION_SIZE = re.compile(r"tried to allocate [\d.]+ ?\w+", re.IGNORECASE)
+
+
+@dataclass
+class StartupFailure:
+    """What a child that failed to start sends over its ready pipe: one line for the log, whether the user
+    can fix it with a flag (exit code 2) or it is a crash (1), and the traceback (logged at debug level)."""
+
+    message: str
+    config_error: bool
+    detail: str = ""
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def startup_failure(exc: BaseException) -> StartupFailure:
+    """Classify a child's start-up exception. Configuration errors: ConfigError and ValueError (a flag value
+    the model cannot take), running out of memory (the KV pool or the model does not fit), and any error
+    whose message names the flag to change; anything else is a crash."""
+    text = one_line(str(exc))
+    detail = "".join(traceback.format_exception(exc))
+    if isinstance(exc, MemoryError) or any(m in text.lower() for m in OUT_OF_MEMORY_MARKERS):
+        asked = ALLOCATION_SIZE.search(text)
+        message = (
+            f"not enough memory for this configuration ({asked.group(0) if asked else text[:200]}): lower "
+            "--max-total-tokens, --mem-fraction-static or --max-running-requests"
+        )
+        return StartupFailure(message, True, detail)
+    if isinstance(exc, ConfigError | ValueError) or " --" in f" {text}":
+        return StartupFailure(text, True, detail)
+    return StartupFailure(f"{type(exc).__name__}: {text}", False, detail)
+
+
+class _ReadyPipe:
+    """The child's end of the ready pipe, given to the child's entry point in place of the raw connection.
+    Readiness (any object) goes through at once; a failure the child reports as a string (the scheduler
+    sends its traceback) is held back, so that `_run_child` sends one classified StartupFailure instead."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection):
+        self.conn = conn
+        self.ready = False
+        self.reported: str | None = None
+
+    def send(self, msg) -> None:
+        if isinstance(msg, str):
+            self.reported = msg
+            return
+        self.ready = True
+        self.conn.send(msg)
+
+    def fail(self, failure: StartupFailure) -> None:
+        try:
+            self.conn.send(failure)
+        except OSError:
+            pass  # the launcher is gone
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def _run_child(name: str, module: str, func: str, *args, **kwargs) -> None:
     """Spawn target that imports the child's module only in the child, so the main process never imports
-    the scheduler's modules (and with them torch)."""
+    the scheduler's modules (and with them torch). The last positional argument is the ready pipe's write
+    end; an exception before the child reported ready becomes one StartupFailure line (no traceback on
+    stderr), an exception after it is a crash and keeps its traceback."""
     set_process_name(name)
     set_parent_death_signal()  # a launcher killed with SIGKILL must not leave this child behind
     watch_parent_process()
     # Ctrl-C reaches the whole process group; the launcher alone decides when children stop (SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    getattr(importlib.import_module(module), func)(*args, **kwargs)
+    pipe = _ReadyPipe(args[-1])
+    try:
+        getattr(importlib.import_module(module), func)(*args[:-1], pipe, **kwargs)
+    except Exception as e:
+        if pipe.ready:
+            raise
+        pipe.fail(startup_failure(e))
+        sys.exit(EXIT_CHILD_FAILED)
+    if not pipe.ready and pipe.reported is not None:
+        pipe.fail(StartupFailure(one_line(pipe.reported), False, pipe.reported))
 
 
 @dataclass
@@ -62,14 +150,20 @@ class Child:
 
 
 class StartupError(RuntimeError):
-    pass
+    """The server cannot start; `config_error` when the user can fix it with a flag or environment value."""
+
+    def __init__(self, message: str, config_error: bool = False, detail: str = ""):
+        super().__init__(message)
+        self.config_error = config_error
+        self.detail = detail
 
 
 class Launcher:
     """Owns the child processes and the HTTP server of one srt instance."""
 
-    def __init__(self, server_args: ServerArgs):
+    def __init__(self, server_args: ServerArgs, listener=None):
         self.args = server_args
+        self.listener = listener  # the HTTP socket, bound by main() before anything else started
         self.port_args = PortArgs.create()
         self.children: list[Child] = []
         self.exit_code = 0
@@ -104,8 +198,8 @@ class Launcher:
                     raise StartupError(
                         f"{child.name} process exited during start-up (exit code {child.process.exitcode})"
                     ) from None
-                if isinstance(msg, str):
-                    raise StartupError(msg)
+                if isinstance(msg, StartupFailure):
+                    raise StartupError(f"{child.name}: {msg.message}", msg.config_error, msg.detail)
                 return msg
             if not child.process.is_alive():
                 raise StartupError(
@@ -133,7 +227,12 @@ class Launcher:
         try:
             self.tokenizer_manager = TokenizerManager(a, p, model_dir)
         except Exception as e:
-            raise StartupError(f"cannot load the tokenizer from {a.tokenizer_path or model_dir}: {e}") from e
+            where = a.tokenizer_path or model_dir
+            raise StartupError(
+                f"cannot load the tokenizer from {where} ({one_line(str(e))[:300]}): check --tokenizer-path "
+                "or --model-path",
+                config_error=True,
+            ) from e
         ready = [self._wait_ready(s) for s in schedulers][0]  # every replica has the same limits
         self._wait_ready(detokenizer)
         logger.info(
@@ -149,8 +248,10 @@ class Launcher:
         try:
             return self._run()
         except StartupError as e:
+            if e.detail:
+                logger.debug("start-up failure in detail:\n%s", e.detail)
             logger.error("start-up failed: %s", e)
-            return EXIT_CHILD_FAILED
+            return EXIT_CONFIG_ERROR if e.config_error else EXIT_CHILD_FAILED
         finally:
             self.shutdown()
 
@@ -160,31 +261,46 @@ class Launcher:
         try:
             model_dir = resolve_model_dir(self.args.model_path)
         except (OSError, RuntimeError) as e:
-            raise StartupError(f"cannot load model {self.args.model_path or '(embedded)'}: {e}") from e
+            raise StartupError(
+                f"cannot load model {self.args.model_path or '(embedded)'}: {one_line(str(e))}",
+                config_error=self.args.model_path is not None,  # the embedded model failing is a bug
+            ) from e
         self._start_children(model_dir)
 
-        import uvicorn
-
         from srt.entrypoints.http_server import create_app
+        from srt.entrypoints.uvicorn_server import make_server
 
         if self.args.metrics_enabled:
             from srt.metrics.collector import start_process_metrics
 
             start_process_metrics("tokenizer", {"model_name": self.args.model_name})
         app = create_app(self.tokenizer_manager, self.args)
-        config = uvicorn.Config(
-            app,
-            host=self.args.host,
-            port=self.args.port,
-            loop="uvloop",
-            log_level=self.args.log_level,
-            access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        gate = app.state.admission
+        self.server = make_server(
+            app, self.args, lambda: self._begin_drain(gate), lambda: self._end_drain(gate)
         )
-        self.server = uvicorn.Server(config)
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
-        self.server.run()
+        self.server.run(sockets=[self.listener] if self.listener is not None else None)
         return self.exit_code
+
+    def _begin_drain(self, gate: AdmissionGate) -> None:
+        """SIGTERM/SIGINT (or a dead child): admit nothing new; what is in flight may finish."""
+        gate.close("the server is shutting down")
+        if gate.in_flight:
+            logger.info(
+                "shutting down: %d request(s) in flight get up to %g s to finish",
+                gate.in_flight,
+                self.args.graceful_shutdown_timeout,
+            )
+
+    def _end_drain(self, gate: AdmissionGate) -> None:
+        """The drain time is up: end every request still running with a clean error."""
+        if gate.in_flight:
+            logger.info("failing %d request(s) still running after the drain", gate.in_flight)
+        self.tokenizer_manager.fail_all(
+            "the server is shutting down: the request did not finish within "
+            f"--graceful-shutdown-timeout ({self.args.graceful_shutdown_timeout:g} s)"
+        )
 
     # ---- faults ----
     def _watchdog(self) -> None:
@@ -253,6 +369,8 @@ class Launcher:
                     mark_process_dead(child.process.pid)
             cleanup_multiprocess_dir()
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+        if self.listener is not None:
+            self.listener.close()
         logger.info("shut down")
 
 
@@ -263,16 +381,24 @@ def _exit_on_signal(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    server_args = ServerArgs.parse(argv)
+    server_args = ServerArgs.parse(argv)  # a bad flag: argparse's one error line, exit 2
     configure_logging(server_args.log_level, "main")
-    if server_args.metrics_enabled:
-        from srt.metrics.multiprocess import setup_multiprocess_dir
+    try:
+        listener = bind_listener(server_args.host, server_args.port)
+        if server_args.metrics_enabled:
+            from srt.metrics.multiprocess import setup_multiprocess_dir
 
-        setup_multiprocess_dir()
+            setup_multiprocess_dir()
+    except ConfigError as e:
+        logger.error("start-up failed: %s", e)
+        return EXIT_CONFIG_ERROR
+    before, after = raise_fd_limit()
+    if after != before:
+        logger.info("open-files limit raised from %d to %d", before, after)
     keep_heap_for_children()
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
-    return Launcher(server_args).run()
+    return Launcher(server_args, listener).run()
 
 
 if __name__ == "__main__":

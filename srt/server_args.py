@@ -6,14 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass, field
+
+from srt.constrained import DEFAULT_GRAMMAR_BACKEND, GRAMMAR_BACKENDS
+from srt.utils import make_owned_temp_dir, remove_stale_dirs
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+IPC_DIR_PREFIX = "srt-ipc-"
+MIB = 1 << 20
 
 
 def _f(default, help: str, **meta):
@@ -41,6 +45,20 @@ class ServerArgs:
     api_key: str | None = _f(
         None, "require 'Authorization: Bearer <key>' on every route but /health and /metrics"
     )
+    # The longest legitimate body, a whole context as JSON token ids, takes ~8 bytes per token: 32 MiB covers
+    # a 4M-token context, while a request's parsed body (several times its size in Python objects) stays
+    # far below the memory the server needs for everyone else.
+    max_request_bytes: int = _f(32 * MIB, "largest request body accepted; larger ones get 413")
+    # Each in-flight request holds a connection (a file descriptor) and its per-request state; 4,096 is 16x
+    # the default number of requests the scheduler runs at once, so queueing still absorbs bursts.
+    max_concurrent_requests: int = _f(
+        4096, "most HTTP requests in flight; more get 503 (/health and /metrics always answer)"
+    )
+    # Kubernetes SIGKILLs a pod 30 s after SIGTERM by default: 20 s of draining leaves time to fail the rest
+    # cleanly and stop the children before that.
+    graceful_shutdown_timeout: float = _f(
+        20.0, "seconds in-flight requests may run on after SIGTERM/SIGINT before they are failed (503)"
+    )
     # Scheduling and memory
     max_running_requests: int | None = _f(
         None, "most requests decoded at once; default derived from the KV pool"
@@ -65,6 +83,11 @@ class ServerArgs:
     dp_size: int = _f(1, "data parallel scheduler replicas")
     load_balance_method: str = _f(
         "round_robin", "how requests are routed to data parallel replicas", choices=LOAD_BALANCE_METHODS
+    )
+    grammar_backend: str = _f(
+        DEFAULT_GRAMMAR_BACKEND,
+        "structured-output library (response_format, regex, ebnf); none refuses constrained requests",
+        choices=GRAMMAR_BACKENDS,
     )
     # Logging
     log_level: str = _f("info", "logging level", choices=LOG_LEVELS)
@@ -93,6 +116,12 @@ class ServerArgs:
         problems = []
         if not (0 < self.port < 65536):
             problems.append(f"--port must be in 1..65535, got {self.port}")
+        if self.max_request_bytes < 1:
+            problems.append("--max-request-bytes must be >= 1")
+        if self.max_concurrent_requests < 1:
+            problems.append("--max-concurrent-requests must be >= 1")
+        if self.graceful_shutdown_timeout < 0:
+            problems.append("--graceful-shutdown-timeout must be >= 0 seconds")
         if self.tp_size < 1 or self.dp_size < 1:
             problems.append("--tp-size and --dp-size must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -124,7 +153,10 @@ class ServerArgs:
                     f"--{name.replace('_', '-')} must be a non-empty ascending list of seconds >= 0"
                 )
         if self.model_path is not None and not os.path.exists(self.model_path):
-            problems.append(f"--model-path {self.model_path!r} does not exist")
+            problems.append(
+                f"--model-path {self.model_path!r} does not exist: pass a Hugging Face model directory or a "
+                ".gguf file, or leave it out to serve the embedded model"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -171,7 +203,9 @@ class ServerArgs:
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> ServerArgs:
         parser = argparse.ArgumentParser(
-            prog="python -m srt.launch_server", description="Start the srt server."
+            prog="python -m srt.launch_server",
+            usage="%(prog)s [options] (--help lists them)",  # one line above the error, not 60
+            description="Start the srt server.",
         )
         cls.add_cli_args(parser)
         args = parser.parse_args(argv)
@@ -196,5 +230,7 @@ class PortArgs:
 
     @classmethod
     def create(cls) -> PortArgs:
-        d = tempfile.mkdtemp(prefix="srt-ipc-")
+        """A fresh IPC directory (after removing those whose launcher was killed before it could)."""
+        remove_stale_dirs(IPC_DIR_PREFIX)
+        d = make_owned_temp_dir(IPC_DIR_PREFIX)
         return cls(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer")

@@ -7,10 +7,14 @@ metrics directory, and the HTTP process must never load torch.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
+import resource
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -29,6 +33,13 @@ PR_SET_PDEATHSIG = 1
 PARENT_POLL_SECONDS = 1.0
 # Time a process gets to exit after SIGTERM before it is SIGKILLed.
 TERMINATE_GRACE_SECONDS = 3.0
+# Index of `starttime` (field 22 of /proc/<pid>/stat) among the fields after the command name (field 2).
+STAT_STARTTIME_INDEX = 19
+
+
+class ConfigError(Exception):
+    """A start-up problem the user fixes by changing a flag or an environment value (the launcher reports it
+    in one line and exits with code 2, as argparse does for a bad flag)."""
 
 
 class _ProcessLabelFilter(logging.Filter):
@@ -110,20 +121,23 @@ def watch_parent_process(interval: float = PARENT_POLL_SECONDS) -> None:
     threading.Thread(target=_watch, name="parent-watch", daemon=True).start()
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name is in parentheses and may contain spaces; fields after it are fixed.
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def _children_map() -> dict[int, list[int]]:
     """pid -> child pids, from /proc (no psutil dependency in the serving path)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name is in parentheses and may contain spaces; fields after it are fixed.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
+        if entry.isdigit() and (fields := _stat_fields(entry)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     return children
 
 
@@ -144,12 +158,15 @@ def descendant_pids(pid: int) -> list[int]:
 
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def process_start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot), or None if it is gone: with the pid it names one process
+    for good, even after the pid is reused."""
+    fields = _stat_fields(pid)
+    return int(fields[STAT_STARTTIME_INDEX]) if fields is not None else None
 
 
 def kill_process_tree(pid: int, include_parent: bool = True, grace: float = TERMINATE_GRACE_SECONDS) -> None:
@@ -171,6 +188,78 @@ def kill_process_tree(pid: int, include_parent: bool = True, grace: float = TERM
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit (spawned children inherit it) and
+    return (before, after). Every HTTP connection holds a descriptor: under the usual soft default of 1,024,
+    a thousand idle sockets would leave none for /health."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == hard:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:
+        logger.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, e)
+        return soft, soft
+    return soft, hard
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind (without listening yet) the HTTP server's socket, so a taken port or a bad host fails at once,
+    before any child process starts; connections are refused until the server listens on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is reusable
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} on {host} is already in use: stop the process that holds it or choose another "
+                "--port"
+            ) from None
+        reason = e.strerror or str(e)
+        raise ConfigError(f"cannot listen on {host}:{port} ({reason}): check --host and --port") from None
+    return sock
+
+
+# Temporary directories of a server (ZMQ sockets, metrics files) are named `<prefix><pid>-<start>-<random>`
+# after the launcher that owns them, so a later start can remove those a SIGKILLed launcher left behind.
+def make_owned_temp_dir(prefix: str, parent: str | None = None) -> str:
+    """A fresh temporary directory whose name records this process (pid and start time) as its owner."""
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"{prefix}{pid}-{process_start_time(pid) or 0}-", dir=parent)
+
+
+def owner_alive(name: str, prefix: str) -> bool | None:
+    """Whether the process named in an owned directory's name still runs (the same process: a reused pid
+    has another start time); None for a name that records no owner (left alone)."""
+    parts = name[len(prefix) :].split("-")
+    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    pid, start = int(parts[0]), int(parts[1])
+    return pid_alive(pid) and process_start_time(pid) in (start, None)
+
+
+def remove_stale_dirs(prefix: str, parent: str | None = None) -> list[str]:
+    """Remove the `prefix` directories in `parent` (default: the temp dir) whose owner process is gone; a
+    live server's directories, and directories that record no owner, are kept. Returns the removed paths."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = [
+            e for e in os.scandir(parent) if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
+        ]
+    except OSError:
+        return removed
+    for entry in entries:
+        if owner_alive(entry.name, prefix) is False:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            logger.info("removed %s: its owner process is gone", entry.path)
+            removed.append(entry.path)
+    return removed
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

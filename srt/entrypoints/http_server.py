@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from srt.entrypoints.middleware import install_middlewares
 from srt.entrypoints.native_protocol import AbortRequest, FlushCacheRequest, GenerateRequest
 from srt.entrypoints.openai.errors import (
-    AUTHENTICATION,
     SERVER_ERROR,
     SERVICE_UNAVAILABLE,
     OpenAIError,
@@ -37,50 +37,9 @@ from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# Routes reachable without the API key: probes and scrapers carry no credentials.
-PUBLIC_PATHS = ("/health", "/metrics")
 # /health_generate gives up (503) if one token takes longer than this.
 HEALTH_GENERATE_TIMEOUT_SECONDS = 20.0
 SRT_VERSION = "0.1.0"
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI guard (no BaseHTTPMiddleware: it would break disconnect detection in streams)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"].rstrip("/") in PUBLIC_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if headers.get(b"authorization") != self.expected:
-            err = OpenAIError(
-                "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                status=HTTPStatus.UNAUTHORIZED,
-                type=AUTHENTICATION,
-                code="invalid_api_key",
-            )
-            return await err.to_response()(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-class JsonBodyMiddleware:
-    """Every POST route takes JSON, but `curl -d '{...}'` labels its body as a form: read it as JSON anyway
-    (as OpenAI-compatible servers commonly do) instead of failing with a confusing validation error."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = dict(scope.get("headers") or [])
-            ctype = headers.get(b"content-type", b"")
-            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
-                others = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                scope = dict(scope, headers=[*others, (b"content-type", b"application/json")])
-        return await self.app(scope, receive, send)
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
@@ -95,6 +54,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     async def lifespan(app: FastAPI):
         await tm.start()
         yield
+        # Whatever is still waiting ends now with an error, so nothing sends on the sockets stop() closes.
+        tm.fail_all("the server is shutting down")
         await tm.stop()
 
     app = FastAPI(title="srt", version=SRT_VERSION, lifespan=lifespan)
@@ -208,7 +169,5 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
         instrument_http_app(app, {"model_name": model_name})
         app.router.routes.append(Route("/metrics", endpoint=make_metrics_asgi_app()))
-    app.add_middleware(JsonBodyMiddleware)
-    if server_args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
+    app.state.admission = install_middlewares(app, server_args)
     return app

@@ -8,8 +8,10 @@ from typing import Annotated
 from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 from srt.entrypoints.request_types import (
+    MAX_COUNT,
     Count,
     FieldError,
+    LogitBias,
     MinP,
     NumSamples,
     Penalty,
@@ -19,17 +21,17 @@ from srt.entrypoints.request_types import (
     Seed,
     StopStrings,
     StopTokenIds,
-    StrictModel,
     Temperature,
     TopK,
     TopLogprobs,
     TopP,
     prompt_list,
 )
+from srt.entrypoints.structured_output import ConstraintFields
 from srt.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 
 
-class NativeSamplingParams(StrictModel):
+class NativeSamplingParams(ConstraintFields):
     """`/generate`'s `sampling_params`: SGLang's names; an unknown name is an error, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
@@ -48,10 +50,19 @@ class NativeSamplingParams(StrictModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: Seed | None = None
+    logit_bias: LogitBias = None
     n: NumSamples = 1
 
-    def to_sampling_params(self, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(**self.model_dump(exclude={"n"}), logprobs=logprobs)
+    def to_sampling_params(
+        self, logprobs: int | None, logprob_start_len: int | None = None
+    ) -> SamplingParams:
+        fields = self.model_dump(exclude={"n", "logit_bias"})
+        return SamplingParams(
+            **fields,
+            logit_bias=self.logit_bias or None,
+            logprobs=logprobs,
+            logprob_start_len=logprob_start_len,
+        )
 
 
 class GenerateRequest(RequestBody):
@@ -70,6 +81,8 @@ class GenerateRequest(RequestBody):
     rid: Rid | None = None
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
+    # SGLang's: with `return_logprob`, prompt logprobs from this position on; -1 = none (output only).
+    logprob_start_len: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = -1
 
     _batched: bool = PrivateAttr(False)
 

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from srt.sampling.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
+
 # ---- limits (README "Request limits" lists them for users) ----
 # Samples per prompt (`n`): bounds the work one HTTP request can queue.
 MAX_N = 64
@@ -143,6 +145,34 @@ def _stop_strings(value: Any) -> list[str]:
 
 
 StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """`logit_bias`: a JSON object from token ids (keys are strings of integers, as OpenAI sends them) to
+    biases in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], at most MAX_LOGIT_BIAS_ENTRIES entries. Ids are checked
+    against the vocabulary by the TokenizerManager."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object mapping token ids to biases")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, got {len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit() or len(key) > 10:
+            raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        if type(bias) not in (int, float) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(
+                f"biases must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias!r} "
+                f"for token {key}"
+            )
+        out[int(key)] = float(bias)
+    if any(k > MAX_TOKEN_ID for k in out):
+        raise ValueError("token id out of range")
+    return out
+
+
+LogitBias = Annotated[dict[int, float] | None, BeforeValidator(_logit_bias)]
 
 
 def prompt_list(value: Any, name: str, text: bool = True, ids: bool = True) -> list[str | list[int]]:

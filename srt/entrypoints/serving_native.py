@@ -37,6 +37,10 @@ _NATIVE_PARAM = {
     "max_tokens": "sampling_params.max_new_tokens",
     "min_tokens": "sampling_params.min_new_tokens",
     "stop_token_ids": "sampling_params.stop_token_ids",
+    "logit_bias": "sampling_params.logit_bias",
+    "response_format": "sampling_params.json_schema",
+    "regex": "sampling_params.regex",
+    "ebnf": "sampling_params.ebnf",
 }
 
 
@@ -66,7 +70,10 @@ class GenerateHandler:
             raise OpenAIError("streaming supports a single prompt with n = 1", param="stream")
         obj = GenerateInput(
             prompts=prompts,
-            sampling_params=sp.to_sampling_params(req.top_logprobs_num if req.return_logprob else None),
+            sampling_params=sp.to_sampling_params(
+                req.top_logprobs_num if req.return_logprob else None,
+                req.logprob_start_len if req.return_logprob and req.logprob_start_len >= 0 else None,
+            ),
             n=n,
             stream=req.stream,
             rid=req.rid or uuid.uuid4().hex,
@@ -88,6 +95,13 @@ class GenerateHandler:
                 [lp, t, None] for lp, t in zip(c.token_logprobs, c.output_ids, strict=False)
             ]
             meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in row] for row in c.top_logprobs]
+            if c.input_token_logprobs is not None:
+                meta["input_token_logprobs"] = [
+                    [lp, t, None] for lp, t in zip(c.input_token_logprobs, c.input_token_ids, strict=True)
+                ]
+                meta["input_top_logprobs"] = [
+                    None if row is None else [[lp, t, None] for t, lp in row] for row in c.input_top_logprobs
+                ]
         return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
 
     async def handle(self, req: GenerateRequest, request):

@@ -33,7 +33,12 @@ _META_FIELDS = tuple(f.name for f in fields(BatchOutMeta))
 # Fields holding one value per new token: cut with the output when a stop string ends the request early.
 _PER_TOKEN_FIELDS = ("output_ids", "token_ts", "output_token_logprobs", "output_top_logprobs")
 # Fields that are None for a whole batch when no request in it asked for them.
-_OPTIONAL_FIELDS = ("output_token_logprobs", "output_top_logprobs")
+_OPTIONAL_FIELDS = (
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "input_token_logprobs",
+    "input_top_logprobs",
+)
 
 
 @dataclass

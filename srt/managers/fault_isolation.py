@@ -20,6 +20,7 @@ from srt.managers.io_struct import FinishReason
 from srt.sampling.sampler import SampleOutput, Sampler
 
 if TYPE_CHECKING:
+    from srt.constrained.bitmask import GrammarMask
     from srt.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
@@ -50,11 +51,13 @@ class IsolatingSampler:
         self.sampler = sampler
         self.test_fault_rid = test_fault_rid
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Req], grammar_mask: GrammarMask | None = None
+    ) -> SampleOutput:
         """Next tokens for `reqs`; a request whose row cannot be sampled is finished with `error` and gets
         `NO_TOKEN`."""
         try:
-            return self._sample(logits, reqs)
+            return self._sample(logits, reqs, grammar_mask)
         except PROCESS_FATAL_ERRORS:
             raise
         except Exception as e:
@@ -64,7 +67,7 @@ class IsolatingSampler:
         top_logprobs: list[list[tuple[int, float]]] = []
         for i, req in enumerate(reqs):
             try:
-                one = self._sample(logits[i : i + 1], [req])
+                one = self._sample(logits[i : i + 1], [req], grammar_mask and grammar_mask.for_row(i))
             except PROCESS_FATAL_ERRORS:
                 raise
             except Exception as e:
@@ -75,7 +78,9 @@ class IsolatingSampler:
             top_logprobs.append(one.top_logprobs[0] if one.top_logprobs else [])
         return SampleOutput(next_ids, token_logprobs, top_logprobs)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Req], grammar_mask: GrammarMask | None
+    ) -> SampleOutput:
         if self.test_fault_rid is not None:
             for req in reqs:
                 if self.test_fault_rid in req.rid and len(req.output_ids) == TEST_FAULT_DECODE_STEP:
@@ -86,6 +91,7 @@ class IsolatingSampler:
             [r.origin_input_ids for r in reqs],
             [r.output_ids for r in reqs],
             [r.generator for r in reqs],
+            grammar_mask,
         )
 
 

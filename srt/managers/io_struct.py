@@ -93,6 +93,11 @@ class BatchOutMeta:
     # Present only when some request in the batch asked for logprobs: per request, per new token.
     output_token_logprobs: list[list[float]] | None = None
     output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # Prompt logprobs (`logprob_start_len`), present only when some request in the batch sends them: per
+    # request None, or — once, with its first output — one entry per prompt token from logprob_start_len on
+    # (None for the prompt's first token, which nothing predicts), and its top alternatives (None likewise).
+    input_token_logprobs: list[list[float | None] | None] | None = None
+    input_top_logprobs: list[list[list[tuple[int, float]] | None] | None] | None = None
 
 
 @dataclass

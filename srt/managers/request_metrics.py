@@ -65,5 +65,7 @@ class RequestMetricsRecorder:
                 num_retractions=b.num_retractions[i],
                 max_tokens_param=st.max_new_tokens,
                 n_param=st.n,
-            )
+            ),
+            # usage's rule: a prompt and its cache hit count once, with its first sample (index p * n)
+            counts_prompt=st.index % st.n == 0,
         )

@@ -31,6 +31,7 @@ class Req:
         self.sampling_params = sampling_params
         self.stream = stream
         self.generator = generator
+        self.grammar = None  # structured output: this request's matcher (srt/constrained/)
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
 
@@ -56,6 +57,11 @@ class Req:
         self.pending_ts: list[float] = []
         self.pending_logprobs: list[float] = []
         self.pending_top_logprobs: list[list[tuple[int, float]]] = []
+        # Prompt logprobs (`logprob_start_len`): gathered over the prefill's chunks, sent once when complete.
+        self.input_logprobs: list[float | None] | None = None
+        self.input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+        self.prompt_logprobs_done = False
+        self.prompt_logprobs_sent = False
 
     # ---- derived ----
     @property
@@ -83,6 +89,44 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Asked for prompt logprobs not computed yet (a retracted request keeps those it has)."""
+        return self.sampling_params.logprob_start_len is not None and not self.prompt_logprobs_done
+
+    @property
+    def logprob_first_row(self) -> int:
+        """First prompt position whose logits a prompt logprob needs (position p predicts token p + 1)."""
+        return max(self.sampling_params.logprob_start_len, 1) - 1
+
+    @property
+    def prefix_match_len(self) -> int:
+        """How much of `fill_ids` the prefix cache may serve: all but the token fed to get the next one, and
+        with prompt logprobs pending nothing from `logprob_first_row` on (a cached prefix has no logits, so
+        the positions asked for are recomputed; the cache drops the duplicate KV when the request ends)."""
+        limit = len(self.fill_ids) - 1
+        if self.prompt_logprobs_pending:
+            limit = min(limit, self.logprob_first_row)
+        return limit
+
+    def prompt_logprob_positions(self) -> range:
+        """Positions of the step being planned whose logits give a prompt logprob (of the next prompt token)."""
+        if not self.prompt_logprobs_pending:
+            return range(0)
+        end = min(self.kv_len + self.extend_len, len(self.origin_input_ids) - 1)
+        return range(max(self.kv_len, self.logprob_first_row), max(end, self.kv_len))
+
+    def add_prompt_logprobs(self, values: list[float], tops: list[list[tuple[int, float]]]) -> None:
+        """Append one prefill step's prompt logprobs; complete once every prompt token from
+        logprob_start_len on has its entry (the prompt's first token has None: nothing predicts it)."""
+        start = self.sampling_params.logprob_start_len
+        if self.input_logprobs is None:
+            self.input_logprobs = [None] if start == 0 else []
+            self.input_top_logprobs = [None] if start == 0 else []
+        self.input_logprobs.extend(values)
+        self.input_top_logprobs.extend(tops)
+        self.prompt_logprobs_done = len(self.input_logprobs) >= len(self.origin_input_ids) - start
 
     def reset_prefix(self) -> None:
         """Forget an unlocked prefix match (the request was not admitted after all)."""
@@ -143,6 +187,7 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
     """The step's message to the detokenizer: each request's tokens since its last message, its finish reason
     and the stamps the metrics need. Marks what it took as sent."""
     want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
+    want_input = any(r.prompt_logprobs_done and not r.prompt_logprobs_sent for r in reqs)
     out = BatchTokenIDOut(
         rids=[],
         output_ids=[],
@@ -157,6 +202,8 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
         num_retractions=[],
         output_token_logprobs=[] if want_logprobs else None,
         output_top_logprobs=[] if want_logprobs else None,
+        input_token_logprobs=[] if want_input else None,
+        input_top_logprobs=[] if want_input else None,
     )
     for req in reqs:
         out.rids.append(req.rid)
@@ -176,6 +223,13 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
             out.output_token_logprobs.append(req.pending_logprobs)
             out.output_top_logprobs.append(req.pending_top_logprobs)
             req.pending_logprobs, req.pending_top_logprobs = [], []
+        if want_input:
+            ready = req.prompt_logprobs_done and not req.prompt_logprobs_sent
+            out.input_token_logprobs.append(req.input_logprobs if ready else None)
+            out.input_top_logprobs.append(req.input_top_logprobs if ready else None)
+            if ready:
+                req.prompt_logprobs_sent = True
+                req.input_logprobs = req.input_top_logprobs = None
         req.sent_len = len(req.output_ids)
         req.pending_ts = []
     return out

@@ -80,7 +80,7 @@ class PrefillAdder:
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
         req.prepare_fill()
-        match = self.tree_cache.match_prefix(req.fill_ids[:-1])
+        match = self.tree_cache.match_prefix(req.fill_ids[: req.prefix_match_len])
         req.prefix_indices, req.last_node = match.device_indices, match.last_node
         req.kv_len = len(req.prefix_indices)
         extend = len(req.fill_ids) - req.kv_len

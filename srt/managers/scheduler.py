@@ -30,8 +30,10 @@ from srt.managers.fault_isolation import (
     fail_request,
 )
 from srt.managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
+from srt.managers.prompt_logprobs import plan_prompt_logprobs
 from srt.managers.schedule_batch import Req, build_token_output
 from srt.managers.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
+from srt.managers.scheduler_grammar import SchedulerGrammar
 from srt.managers.scheduler_reporter import NullReporter, StepReporter
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
@@ -86,6 +88,7 @@ class Scheduler:
         self.live: dict[str, Req] = {}  # rid -> its request, from admission until its final output
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.last_step_was_prefill = False
+        self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
 
     # ---- inputs ----
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -112,7 +115,11 @@ class Scheduler:
             self.finished_outside_step.append(req)
         else:
             self.live[req.rid] = req
-            self.waiting.append(req)
+            if not self.grammar.submit(req):  # a constrained request waits for its grammar
+                self.waiting.append(req)
+            elif req.finished:
+                del self.live[req.rid]
+                self.finished_outside_step.append(req)
 
     def _refusal(self, req: Req) -> FinishReason | None:
         """Why a new request ends before it runs, if it does; raises for parameters that cannot be compared."""
@@ -133,8 +140,8 @@ class Scheduler:
             value = getattr(params, name)
             if type(value) is not int and not (name == "logprobs" and value is None):
                 return FinishReason("error", message=f"{name} must be an integer, got {value!r}")
-        if params.max_new_tokens == 0:
-            return FinishReason("length")
+        if params.max_new_tokens == 0 and params.logprob_start_len is None:
+            return FinishReason("length")  # nothing to compute (with prompt logprobs: prefill, no sampling)
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -145,6 +152,8 @@ class Scheduler:
 
         for req in [r for r in self.waiting if hit(r)]:
             self.waiting.remove(req)
+            self._finish_outside_step(req)
+        for req in self.grammar.remove(hit):
             self._finish_outside_step(req)
         if self.chunked_req is not None and hit(self.chunked_req):
             self._release(self.chunked_req)
@@ -169,8 +178,14 @@ class Scheduler:
         return True
 
     @property
+    def only_compiling_grammars(self) -> bool:
+        return bool(self.grammar.num_queued) and not (
+            self.waiting or self.running or self.chunked_req or self.finished_outside_step
+        )
+
+    @property
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req)
+        return not (self.waiting or self.running or self.chunked_req or self.grammar.num_queued)
 
     @property
     def num_used_tokens(self) -> int:
@@ -183,6 +198,9 @@ class Scheduler:
         are decoding: a burst of arrivals would otherwise stall every running stream until the whole queue
         is prefilled (inter-token gaps of tens of seconds on a CPU)."""
         stepped: list[Req] = []
+        ready, failed = self.grammar.pop_ready()
+        self.waiting.extend(ready)
+        self.finished_outside_step.extend(failed)
         prefill = [] if (self.last_step_was_prefill and self.running) else self._schedule_prefill()
         if prefill:
             stepped = self._run_prefill(prefill)
@@ -255,6 +273,7 @@ class Scheduler:
             positions.append(torch.arange(start, end, dtype=torch.int64))
             offset += req.extend_len
         seq_lens = [r.kv_len + r.extend_len for r in reqs]
+        plan = plan_prompt_logprobs(reqs)
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             batch_size=len(reqs),
@@ -266,17 +285,26 @@ class Scheduler:
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=[r.kv_len for r in reqs],
             extend_seq_lens_cpu=[r.extend_len for r in reqs],
+            **(plan.batch_fields() if plan else {}),
         )
         t0 = time.perf_counter()
-        logits = self.runner.forward(batch)
+        if plan is None:
+            logits = self.runner.forward(batch)
+        else:
+            logits, scores = self.runner.forward_with_prompt_logprobs(batch)
+            plan.deliver(scores)
         forward_seconds = time.perf_counter() - t0
         for req in reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
-        done = [i for i, r in enumerate(reqs) if not r.is_chunked]
+        done = [i for i, r in enumerate(reqs) if not r.is_chunked and r.sampling_params.max_new_tokens > 0]
         for req in reqs:
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req)
+            elif req.sampling_params.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
+                req.finished_reason = FinishReason("length")
+                self._release(req)
+                self.reporter.on_finished(req)
         sampled = [reqs[i] for i in done]
         if sampled:
             self._sample_and_append(logits[done] if len(done) < len(reqs) else logits, sampled)
@@ -326,8 +354,11 @@ class Scheduler:
         return reqs
 
     def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        out = self.sampler.sample(logits, reqs)
+        mask = self.grammar.mask(reqs)
+        out = self.sampler.sample(logits, reqs, mask)
         append_tokens(out, reqs, time.monotonic(), self.eos_token_ids, self.context_len)
+        if mask is not None:
+            self.grammar.advance(reqs, out.next_token_ids, mask)
         for req in reqs:
             if req.finished:
                 self._release(req)

@@ -151,7 +151,7 @@ class SchedulerReporter(StepReporter):
 def build_reporter(
     args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float
 ) -> SchedulerReporter:
-    collector = observer = None
+    collector = observer = grammar_metrics = None
     if args.metrics_enabled:
         from srt.metrics.collector import SchedulerMetricsCollector, start_process_metrics
         from srt.metrics.scheduler_collector import make_cache_config
@@ -174,8 +174,13 @@ def build_reporter(
         )
         collector.set_startup_times(startup_seconds, runner.load_weights_seconds)
         start_process_metrics("scheduler", labels)
+        from srt.metrics.grammar_collector import GrammarMetricsCollector
+
+        grammar_metrics = GrammarMetricsCollector(labels)
         if args.kv_cache_metrics:
             from srt.metrics.kv_residency import KVResidencyObserver
 
             observer = KVResidencyObserver(labels, args.kv_cache_metrics_sample)
-    return SchedulerReporter(args, runner.max_total_num_tokens, collector, observer)
+    reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer)
+    reporter.grammar_metrics = grammar_metrics
+    return reporter

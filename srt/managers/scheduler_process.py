@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 # While idle the loop blocks on the socket, waking at this period so periodic work (the stats summary,
 # process metrics) still happens.
 IDLE_POLL_MS = 1000
+# While the only work is grammars compiling on the worker thread: how often to look whether one is done.
+GRAMMAR_POLL_MS = 2
 
 
 def run_scheduler_process(
@@ -123,6 +125,8 @@ def event_loop(
                     peers.heartbeat(scheduler.runner.tp)
                 scheduler.reporter.on_tick(scheduler)
                 continue
+        elif scheduler.only_compiling_grammars:
+            poller.poll(GRAMMAR_POLL_MS)  # nothing to run until a grammar compiles or a message arrives
         msgs = drain(recv_sock)
         if peers is not None:
             peers.share_step(scheduler.runner.tp, msgs)

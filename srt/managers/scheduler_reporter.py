@@ -18,6 +18,7 @@ class StepReporter:
     """Interface: every hook is optional to override."""
 
     residency_observer = None
+    grammar_metrics = None  # structured-output metrics (srt/metrics/grammar_collector.py), if on
 
     def on_prefill(
         self,

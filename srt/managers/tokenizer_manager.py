@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from srt.constrained import GrammarError, validate_constraint
 from srt.managers.data_parallel_controller import DataParallelRouter
 from srt.managers.io_struct import (
     AbortReq,
@@ -103,6 +104,10 @@ class ReqOutput:
     cached_tokens: int
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt logprobs, once (with the first output): for input_token_ids = prompt[logprob_start_len:].
+    input_token_ids: list[int] | None = None
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -120,6 +125,7 @@ class ReqState:
     first_token_recv_ts: float | None = None
     last_token_ts: float | None = None  # scheduler clock
     abandoned: bool = False  # the handler is gone; outputs are only counted, not delivered
+    logprob_ids: list[int] | None = None  # prompt[logprob_start_len:] when prompt logprobs are asked
 
 
 class TokenizerManager:
@@ -232,6 +238,12 @@ class TokenizerManager:
         assert self.ready is not None
         base = obj.sampling_params
         self.check_token_ids(base.stop_token_ids, "stop_token_ids")
+        try:
+            validate_constraint(self.server_args.grammar_backend, base)
+        except GrammarError as e:  # a JSON schema comes from response_format (or its json_schema alias)
+            raise InvalidRequestError(str(e), "response_format" if e.kind == "json_schema" else e.kind) from e
+        if base.logit_bias:
+            self.check_token_ids(list(base.logit_bias), "logit_bias")
         if base.top_k >= self.vocab_size:
             base = dataclasses.replace(base, top_k=-1)  # the whole vocabulary, as asked
         out = []
@@ -255,8 +267,12 @@ class TokenizerManager:
                     f"model's context length of {self.context_len} tokens",
                     "max_tokens",
                 )
-            if params.max_new_tokens < 1:
-                raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
+            if params.logprob_start_len is not None and params.logprob_start_len >= len(ids):
+                raise InvalidRequestError(
+                    f"logprob_start_len ({params.logprob_start_len}) must be less than the prompt's "
+                    f"{len(ids)} tokens",
+                    "logprob_start_len",
+                )
             if params.min_new_tokens > params.max_new_tokens:
                 raise InvalidRequestError("min_tokens must not exceed max_tokens", "min_tokens")
             out.append(params)
@@ -292,6 +308,8 @@ class TokenizerManager:
             self.rid_to_state[rid] = ReqState(
                 rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n, group
             )
+            if params.logprob_start_len is not None:
+                self.rid_to_state[rid].logprob_ids = ids[params.logprob_start_len :]
             text = obj.input_texts[p] if obj.input_texts else None
             rank = self.router.route(rid)
             self.send_socks[rank].send_pyobj(TokenizedGenerateReqInput(rid, ids, params, obj.stream, text))
@@ -425,10 +443,24 @@ class TokenizerManager:
                         cached_tokens=b.cached_tokens[i],
                         token_logprobs=b.output_token_logprobs[i] if b.output_token_logprobs else None,
                         top_logprobs=b.output_top_logprobs[i] if b.output_top_logprobs else None,
+                        **self._prompt_logprobs(st, b, i),
                     )
                 )
             if reason is not None:
                 self._finish(st, b, i, reason, now)
+
+    @staticmethod
+    def _prompt_logprobs(st: ReqState, b: BatchStrOut, i: int) -> dict:
+        """The ReqOutput fields of a request's prompt logprobs, in the one batch that carries them."""
+        values = b.input_token_logprobs[i] if b.input_token_logprobs is not None else None
+        if values is None:
+            return {}
+        tops = b.input_top_logprobs[i] if b.input_top_logprobs is not None else None
+        return {
+            "input_token_ids": st.logprob_ids,
+            "input_token_logprobs": values,
+            "input_top_logprobs": tops if tops is not None else [None] * len(values),
+        }
 
     def _finish(self, st: ReqState, b: BatchStrOut, i: int, reason: FinishReason, now: float) -> None:
         del self.rid_to_state[st.rid]

@@ -75,3 +75,7 @@ def geometric_buckets(low: float, high: float, count: int) -> list[float]:
 KV_RESIDENCY_BUCKETS = tuple(
     geometric_buckets(KV_RESIDENCY_MIN_SECONDS, KV_RESIDENCY_MAX_SECONDS, KV_RESIDENCY_NUM_BUCKETS)
 )
+
+# Grammar compilation: llguidance compiles a JSON schema in milliseconds, xgrammar in about a second on a CPU,
+# and a pathological schema can take a minute.
+GRAMMAR_COMPILATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -7,7 +7,8 @@ prometheus_client and before any child is spawned (children inherit the variable
 must not import prometheus_client at import time.
 
 Every run gets a fresh directory, so a restarted server never continues an earlier run's counters and a pid
-reused from an earlier run never picks up that run's files.
+reused from an earlier run never picks up that run's files. The directory's name records its owner (the
+launcher), so the next start removes the directories of launchers that were killed before they could.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
+
+from srt.utils import ConfigError, make_owned_temp_dir, remove_stale_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +52,12 @@ def setup_multiprocess_dir() -> str:
 
     A directory the user already named in the variable is kept as the parent: srt writes into a new
     sub-directory of it (and warns if old `.db` files lie there, since a naive collector over that
-    directory would add them in)."""
+    directory would add them in). An unusable directory is a ConfigError naming the variable."""
     global _created_dir
     check_prometheus_not_imported_yet()
     parent = os.environ.get(MULTIPROC_ENV)
     if parent:
-        os.makedirs(parent, exist_ok=True)
+        _make_parent(parent)
         stale = stale_db_files(parent)
         if stale:
             logger.warning(
@@ -66,11 +68,34 @@ def setup_multiprocess_dir() -> str:
                 len(stale),
                 os.path.basename(stale[0]),
             )
-    path = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=parent or None)
+    remove_stale_dirs(_DIR_PREFIX, parent or None)
+    try:
+        path = make_owned_temp_dir(_DIR_PREFIX, parent or None)
+    except OSError as e:
+        where = f"{MULTIPROC_ENV}={parent}" if parent else "the temporary directory"
+        raise ConfigError(
+            f"{where} is not writable ({e.strerror or e}): point {MULTIPROC_ENV} at a writable directory or "
+            "unset it"
+        ) from None
     os.environ[MULTIPROC_ENV] = path
     _created_dir = path
     logger.info("metrics directory: %s", path)
     return path
+
+
+def _make_parent(parent: str) -> None:
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ConfigError(
+            f"{MULTIPROC_ENV}={parent} is not a directory: point it at a directory (srt creates a fresh "
+            "sub-directory in it) or unset it"
+        )
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{MULTIPROC_ENV}={parent} cannot be created ({e.strerror or e}): point it at a writable "
+            "directory or unset it"
+        ) from None
 
 
 def multiprocess_dir() -> str | None:

@@ -140,12 +140,15 @@ class TokenizerMetricsCollector:
     def inc_aborted_requests(self) -> None:
         self._num_aborted.inc()
 
-    def observe_finished_request(self, stats: FinishedRequestStats) -> None:
+    def observe_finished_request(self, stats: FinishedRequestStats, counts_prompt: bool = True) -> None:
         """Counters and every per-request histogram, once per finished request; intervals that are
-        undefined for it (see FinishedRequestStats) are skipped."""
-        self._prompt_tokens.inc(stats.prompt_tokens)
+        undefined for it (see FinishedRequestStats) are skipped. The prompt and cached token counters follow
+        the `usage` rule (each prompt once, however many samples): the caller passes `counts_prompt` for one
+        sample per prompt only."""
+        if counts_prompt:
+            self._prompt_tokens.inc(stats.prompt_tokens)
+            self._cached_tokens.inc(stats.cached_tokens)
         self._generation_tokens.inc(stats.generation_tokens)
-        self._cached_tokens.inc(stats.cached_tokens)
         self._num_requests.inc()
         success = self._success.get(stats.finished_reason)
         if success is None:  # a reason outside the documented four: keep it, label values stay bounded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -31,6 +32,16 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int] | None = None  # tokens already in KV before this step (extend)
     extend_seq_lens_cpu: list[int] | None = None  # new tokens this step (extend)
+    # Prompt logprobs (extend only; None when no sequence asks, so a normal prefill costs nothing extra):
+    # rows of this step's token array whose next-token log-probabilities are wanted, the token each row
+    # predicts, and the most top alternatives any sequence asks for.
+    logprob_rows: torch.Tensor | None = None  # int64 [num_rows]
+    logprob_targets: torch.Tensor | None = None  # int64 [num_rows]
+    logprob_top_k: int = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_rows is not None and not self.is_decode
 
     @property
     def is_decode(self) -> bool:
@@ -46,3 +57,19 @@ class ForwardBatch:
             return [1] * self.batch_size
         assert self.extend_seq_lens_cpu is not None, "extend batches must carry extend_seq_lens_cpu"
         return self.extend_seq_lens_cpu
+
+
+def last_token_rows(new_token_counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Row of each sequence's last new token in the step's concatenated token arrays."""
+    ends = torch.tensor(new_token_counts, dtype=torch.int64).cumsum(0) - 1
+    return ends.to(device)
+
+
+@dataclass
+class PromptLogprobs:
+    """Per row of `ForwardBatch.logprob_rows`: the log-probability of its target token under the model's
+    raw distribution, and (when `logprob_top_k` > 0) the best alternatives."""
+
+    token_logprobs: torch.Tensor  # fp32 [num_rows]
+    top_values: torch.Tensor | None = None  # fp32 [num_rows, logprob_top_k]
+    top_indices: torch.Tensor | None = None  # int64 [num_rows, logprob_top_k]

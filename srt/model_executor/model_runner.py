@@ -21,7 +21,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
-from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.forward_batch_info import ForwardBatch, PromptLogprobs, last_token_rows
 from srt.model_executor.model_loader import load_model
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_source import resolve_model_dir
@@ -41,6 +41,9 @@ REQ_POOL_HEADROOM = 4
 # otherwise allocate (and zero) gigabytes no batch this runner serves can fill.
 MAX_CONTEXTS_IN_KV_POOL = 64
 MIN_KV_TOKENS = 16
+# Prompt-logprob rows go through the LM head this many at a time, so the fp32 [rows, vocab] logits held at
+# once stay bounded (a 2,048-token chunk of a 128k vocabulary would be a gigabyte).
+PROMPT_LOGPROB_BLOCK_ROWS = 256
 MEMINFO_PATH = "/proc/meminfo"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -213,3 +216,27 @@ class ModelRunner:
         """fp32 logits [batch_size, vocab] of each sequence's last token in this step."""
         self.model.attn_backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
+
+    @torch.inference_mode()
+    def forward_with_prompt_logprobs(self, batch: ForwardBatch) -> tuple[torch.Tensor, PromptLogprobs]:
+        """`forward`'s logits plus the log-probabilities at `batch.logprob_rows` (an extend batch whose
+        sequences ask for prompt logprobs; the model's raw distribution, before any sampling parameter)."""
+        self.model.attn_backend.init_forward_metadata(batch)
+        hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch)
+        logits = self.model.compute_logits(hidden[last_token_rows(batch.new_token_counts(), hidden.device)])
+        rows, targets, k = batch.logprob_rows.to(hidden.device), batch.logprob_targets, batch.logprob_top_k
+        values, top_values, top_indices = [], [], []
+        for start in range(0, rows.numel(), PROMPT_LOGPROB_BLOCK_ROWS):
+            block = slice(start, start + PROMPT_LOGPROB_BLOCK_ROWS)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[block]]), dim=-1)
+            values.append(logprobs.gather(1, targets[block].to(logprobs.device).unsqueeze(1)).squeeze(1))
+            if k > 0:
+                best = logprobs.topk(k, dim=-1)
+                top_values.append(best.values)
+                top_indices.append(best.indices)
+        empty = torch.empty(0, device=hidden.device)
+        return logits, PromptLogprobs(
+            torch.cat(values) if values else empty,
+            torch.cat(top_values) if top_values else None,
+            torch.cat(top_indices) if top_indices else None,
+        )

@@ -1,6 +1,6 @@
 """Turns a batch of last-position logits into next tokens, one set of sampling parameters per row.
 
-Order per row: penalties -> min_new_tokens mask -> temperature -> top_k -> top_p -> min_p -> sample.
+Order per row: penalties -> logit_bias -> min_new_tokens mask -> temperature -> top_k -> top_p -> min_p -> sample.
 Greedy rows take the argmax of the penalized logits. Sampling inverts the row's CDF at one uniform
 draw: one random number per row instead of one per vocabulary entry (per-token noise costs more than
 the rest of the step on a CPU). A request with its own generator draws its number alone, so a seeded
@@ -15,9 +15,11 @@ so the scheduler can retry it row by row and the rows that do not fail get exact
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from srt.sampling.logit_bias import apply_logit_bias, uses_logit_bias
 from srt.sampling.penalties import (
     apply_min_new_tokens,
     apply_penalties,
@@ -25,6 +27,9 @@ from srt.sampling.penalties import (
     uses_penalties,
 )
 from srt.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from srt.constrained.bitmask import GrammarMask
 
 TOP_K_DISABLED = -1
 TOP_P_DISABLED = 1.0
@@ -62,23 +67,31 @@ class Sampler:
         input_ids: list[list[int]],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        grammar_mask: GrammarMask | None = None,
     ) -> SampleOutput:
+        """`grammar_mask`: the structured-output rows' allowed tokens, applied last before the draw."""
         logits = logits[:, : self.vocab_size].float()
         want_logprobs = any(p.logprobs is not None for p in params)
         penalized = any(uses_penalties(p) for p in params)
         min_new = any(min_new_tokens_active(p, len(out)) for p, out in zip(params, output_ids, strict=True))
+        biased = any(uses_logit_bias(p) for p in params)
         greedy = [p.is_greedy for p in params]
-        if all(greedy) and not (penalized or min_new or want_logprobs):
+        masked = grammar_mask is not None
+        if all(greedy) and not (penalized or biased or min_new or want_logprobs or masked):
             return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         top_logprobs = self._top_logprobs(raw_logprobs, params) if want_logprobs else None
-        if penalized or min_new:
+        if penalized or biased or min_new or masked:
             logits = logits.clone()  # the caller's tensor stays as the model produced it
         if penalized:
             apply_penalties(logits, params, input_ids, output_ids)
+        if biased:
+            apply_logit_bias(logits, params)
         if min_new:
             apply_min_new_tokens(logits, params, output_ids, self.eos_token_ids)
+        if masked:
+            grammar_mask.apply(logits)  # one masked fill over the constrained rows
 
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 # Context-free upper bound for max_new_tokens; the real bound is the model's context length, checked later.
 DEFAULT_MAX_NEW_TOKENS = 128
+# logit_bias: OpenAI's range for one bias, and the most entries one request may bias (OpenAI allows 300; a
+# larger bound costs nothing: the sampler's work is one scatter over the entries).
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -37,6 +41,16 @@ class SamplingParams:
     seed: int | None = None
     # Number of top log-probabilities to return per output token; None = no logprobs at all.
     logprobs: int | None = None
+    # Token id -> bias added to its logit before temperature (greedy rows too); None = no bias.
+    logit_bias: dict[int, float] | None = None
+    # Prompt logprobs: from this prompt position on (the first prompt token has none); None = not asked.
+    # Top alternatives per prompt token: `logprobs` of them.
+    logprob_start_len: int | None = None
+    # Structured output (SGLang's names; srt/constrained/): at most one of them, validated by the HTTP layer.
+    # A JSON schema as JSON text (response_format json_object is '{"type": "object"}'), a regex, a GBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -47,6 +61,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def num_constraints(self) -> int:
+        return sum(c is not None for c in (self.json_schema, self.regex, self.ebnf))
 
     def verify(self) -> None:
         """Reject values no model could honour, naming the offending field."""
@@ -62,7 +80,35 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
+            (_valid_logit_bias(self.logit_bias), "logit_bias", _LOGIT_BIAS_RULE),
+            (
+                self.logprob_start_len is None
+                or (type(self.logprob_start_len) is int and self.logprob_start_len >= 0),
+                "logprob_start_len",
+                "must be an integer >= 0",
+            ),
+            (self.num_constraints <= 1, "json_schema", "must not be combined with regex or ebnf"),
         ]
+        for name in ("json_schema", "regex", "ebnf"):
+            if getattr(self, name) is not None and type(getattr(self, name)) is not str:
+                raise SamplingParamsError(f"{name} must be a string", param=name)
         for ok, name, why in checks:
             if not ok:
                 raise SamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+
+
+_LOGIT_BIAS_RULE = (
+    f"must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids (integers >= 0) to biases in "
+    f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+)
+
+
+def _valid_logit_bias(bias: dict[int, float] | None) -> bool:
+    if bias is None:
+        return True
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        return False
+    return all(
+        type(k) is int and k >= 0 and type(v) in (int, float) and -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT
+        for k, v in bias.items()
+    )

@@ -114,12 +114,14 @@ def launch_server(
     timeout: float = STARTUP_TIMEOUT_SECONDS,
     wait: bool = True,
     env: dict[str, str] | None = None,
+    preexec_fn=None,
 ) -> ServerHandle:
     """Start a server with `flags` on a free port; with `wait`, return once /health answers 200 (raise
     with the server's log if it exits or does not come up in time).
 
     The server inherits the test process's environment with `env` merged over it, except that a
-    PROMETHEUS_MULTIPROC_DIR is never inherited: only an explicit one in `env` reaches the server."""
+    PROMETHEUS_MULTIPROC_DIR is never inherited: only an explicit one in `env` reaches the server.
+    `preexec_fn` runs in the server process before it starts (e.g. to lower its resource limits)."""
     port = find_free_port()
     args = [*flags, *(("--api-key", api_key) if api_key else ())]
     cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(port), *args]
@@ -133,6 +135,7 @@ def launch_server(
             cwd=REPO_ROOT,
             env={**base_env, **(env or {})},
             start_new_session=True,
+            preexec_fn=preexec_fn,
         )
     handle = ServerHandle(proc, port, log, api_key, tuple(flags))
     if wait:

@@ -224,8 +224,8 @@ def run(server, prometheus):
 # ---------------------------------------------------------------- exact counts
 def test_token_counters_equal_the_usage_of_the_responses(run):
     s1, s2, w = run["s1"], run["s2"], run["workload"]
-    # srt schedules each of n samples as a request, so the prompt counts n times on the server
-    assert delta(s2, s1, "sglang:prompt_tokens_total") == sum(r["usage"]["prompt_tokens"] * r["n"] for r in w)
+    # usage's rule, followed by the counters: each prompt counts once however many samples (n) it has
+    assert delta(s2, s1, "sglang:prompt_tokens_total") == sum(r["usage"]["prompt_tokens"] for r in w)
     assert delta(s2, s1, "sglang:generation_tokens_total") == sum(r["usage"]["completion_tokens"] for r in w)
     assert delta(s2, s1, "sglang:cached_tokens_total") == sum(
         r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in w

@@ -15,6 +15,7 @@ from srt.entrypoints.request_types import (
     MAX_MESSAGES,
     Count,
     FieldError,
+    LogitBias,
     MinP,
     NumSamples,
     Penalty,
@@ -32,6 +33,7 @@ from srt.entrypoints.request_types import (
     TopP,
     prompt_list,
 )
+from srt.entrypoints.structured_output import OpenAIConstraintFields
 from srt.sampling.sampling_params import SamplingParams
 
 # OpenAI's default for /v1/completions when max_tokens is omitted.
@@ -42,7 +44,7 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(OpenAIConstraintFields, RequestBody):
     """Sampling fields shared by chat and completions, including SGLang's extras in the body."""
 
     model: str | None = None
@@ -56,6 +58,7 @@ class SamplingFields(RequestBody):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
+    logit_bias: LogitBias = None
     # SGLang extras
     top_k: TopK = -1
     min_p: MinP = 0.0
@@ -94,7 +97,9 @@ class SamplingFields(RequestBody):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             seed=self.seed,
+            logit_bias=self.logit_bias or None,
             logprobs=logprobs,
+            **self.constraint(),
         )
 
 
@@ -138,7 +143,8 @@ class CompletionRequest(SamplingFields):
     # Any of OpenAI's four prompt forms, normalised to a list of prompts (each text or token ids). A bare
     # `list`: prompt_list checked every item at C speed, and pydantic's per-item pass would cost 5x that.
     prompt: Annotated[list, BeforeValidator(lambda v: prompt_list(v, "prompt"))]
-    max_tokens: PositiveCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    # 0 is allowed (OpenAI and lm-evaluation-harness score a prompt with `echo` + `logprobs` + 0 tokens).
+    max_tokens: Count | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: TopLogprobs | None = None
     echo: bool | None = None
 

@@ -76,6 +76,10 @@ class ChoiceAcc:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Prompt logprobs (asked with echo + logprobs, or logprob_start_len): the prompt's ids they describe.
+    input_token_ids: list[int] | None = None
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def add(self, out: ReqOutput) -> None:
         self.text += out.text
@@ -88,13 +92,21 @@ class ChoiceAcc:
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        if out.input_token_logprobs is not None:
+            self.input_token_ids = out.input_token_ids
+            self.input_token_logprobs = out.input_token_logprobs
+            self.input_top_logprobs = out.input_top_logprobs
 
 
 def usage(choices: list[ChoiceAcc], n: int) -> dict:
-    """OpenAI usage: the prompt counted once per prompt (not per sample), completions and cache hits summed."""
-    prompt = sum(c.prompt_tokens for c in choices[::n])
+    """OpenAI usage. Each prompt counts once, however many samples (`n`) it has, in `prompt_tokens` and in
+    `cached_tokens` alike: a prompt's cached tokens are those of its first sample (choice index `p * n`), so
+    cached never exceeds prompt. Completion tokens are summed over every sample. `/metrics`' token counters
+    follow the same rule (RequestMetricsRecorder)."""
+    firsts = choices[::n]
+    prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices)
-    cached = sum(c.cached_tokens for c in choices)
+    cached = sum(c.cached_tokens for c in firsts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

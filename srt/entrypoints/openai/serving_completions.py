@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,8 +46,19 @@ def completion_logprobs(
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    top = [{token_text(tm, t): v for t, v in row} for row in tops] if tops else None
+    top = [None if row is None else {token_text(tm, t): v for t, v in row} for row in tops] if tops else None
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def with_prompt_logprobs(tm: TokenizerManager, out: ChoiceAcc | ReqOutput, logprobs: dict | None) -> dict:
+    """`echo` + `logprobs`: the prompt's tokens (the first with a null logprob and null alternatives, as
+    OpenAI returns them) followed by the completion's."""
+    prompt = completion_logprobs(tm, out.input_token_ids, out.input_token_logprobs, out.input_top_logprobs)
+    if logprobs is None:
+        return prompt
+    joined = {key: prompt[key] + logprobs[key] for key in ("tokens", "token_logprobs", "text_offset")}
+    joined["top_logprobs"] = (prompt["top_logprobs"] or []) + (logprobs["top_logprobs"] or [])
+    return joined
 
 
 class CompletionHandler:
@@ -69,6 +81,8 @@ class CompletionHandler:
         ids = [await self.tm.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         texts = [p if isinstance(p, str) else self.tm.decode_prompt(p) for p in prompts]
         params = req.to_sampling_params(req.max_new_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # the prompt's logprobs too, from its first token
+            params = dataclasses.replace(params, logprob_start_len=0)
         obj = GenerateInput(
             prompts=ids,
             sampling_params=params,
@@ -108,6 +122,8 @@ class CompletionHandler:
                 logprobs = completion_logprobs(
                     self.tm, c.output_ids, c.token_logprobs, c.top_logprobs, len(prefix)
                 )
+                if req.echo and c.input_token_logprobs is not None:
+                    logprobs = with_prompt_logprobs(self.tm, c, logprobs)
             out.append(
                 {
                     "index": i,
@@ -156,6 +172,8 @@ class CompletionHandler:
                     self.tm, out.output_ids, out.token_logprobs, out.top_logprobs, offsets[out.index]
                 )
                 offsets[out.index] += sum(len(t) for t in logprobs["tokens"])
+            if req.echo and req.logprobs is not None and out.input_token_logprobs is not None:
+                logprobs = with_prompt_logprobs(self.tm, out, logprobs)
             finish = out.finish_reason.to_openai() if out.finish_reason else None
             if not text and finish is None and logprobs is None:
                 return []

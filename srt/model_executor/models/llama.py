@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from srt.model_executor.attention.base import AttentionBackend
-from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
 from srt.model_executor.parallel_state import TensorParallelGroup
 
@@ -222,12 +221,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, positions, batch)
+        if not batch.is_decode:
+            hidden = hidden[last_token_rows(batch.new_token_counts(), hidden.device)]
+        return self.compute_logits(hidden)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Last layer's output for every token of the step (before the final norm)."""
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.tables(positions)
         for layer in self.model.layers:
             hidden = layer(hidden, self.rope, cos_sin, batch, self.attn_backend)
-        if not batch.is_decode:
-            hidden = hidden[last_token_rows(batch.new_token_counts(), hidden.device)]
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given rows of `hidden_states`."""
         return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
 
     # ---- declarative weight loading (used by model_loader) ----
@@ -235,12 +245,6 @@ class LlamaForCausalLM(nn.Module):
         if name.endswith(IGNORED_WEIGHT_SUFFIXES):
             return True
         return self.tie_word_embeddings and name.startswith("lm_head.")
-
-
-def last_token_rows(new_token_counts: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Row of each sequence's last new token in the step's concatenated token arrays."""
-    ends = torch.tensor(new_token_counts, dtype=torch.int64).cumsum(0) - 1
-    return ends.to(device)
 
 
 EntryClass = LlamaForCausalLM

@@ -1,0 +1,106 @@
+"""The grammar backend interface: what the scheduler needs from a structured-output library.
+
+A constraint is a `GrammarKey` — a kind (`json_schema`, `regex`, `ebnf`) and its text — and is the cache key
+of its compiled grammar. The contract every backend keeps:
+
+- `validate(key)` needs no tokenizer and is cheap (a few ms): it parses the constraint as `compile` would and
+  raises `GrammarError` for anything `compile` would reject for the same reason. The HTTP process calls it so
+  that a bad schema is a 400 naming its field; the scheduler never sees one that fails it.
+- `compile(key)` builds the tokenizer-specific grammar; it may take long (hundreds of ms) and is called from a
+  worker thread, never from the scheduler loop. It raises `GrammarError` on failure. The result is immutable
+  and shared by every request with the same key.
+- `new_matcher(grammar)` returns a fresh per-request matcher (cheap). A matcher is touched by one thread at a
+  time: the worker creates it, then only the scheduler loop uses it.
+- `fill_bitmask(matchers, bitmask)` writes matcher i's allowed-token bitmask into row i of `bitmask`
+  (int32, `allocate_bitmask(n)`; bit j of word w allows token 32*w + j). EOS is allowed exactly where the
+  grammar may end.
+- `GrammarMatcher.accept_token(t)` advances past a sampled token and returns False if the grammar rejects it;
+  `is_terminated()` is True once nothing but the end can follow (llguidance says so at once, xgrammar after
+  accepting the stop token): the scheduler then finishes the request with `stop`.
+
+Tools' `tool_choice="required"` or a named function are a JSON schema over the call's arguments (an `anyOf`
+of the tools' `{"name": const, "arguments": schema}` objects): they compile through the same `json_schema`
+kind and need nothing more from a backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+JSON_SCHEMA, REGEX, EBNF = "json_schema", "regex", "ebnf"
+GRAMMAR_KINDS = (JSON_SCHEMA, REGEX, EBNF)
+# response_format {"type": "json_object"}: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+BITS_PER_WORD = 32
+
+
+class GrammarKey(NamedTuple):
+    kind: str
+    spec: str
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled; `kind` says which constraint field was at fault."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: a library's matcher and its two operations under srt's names."""
+
+    __slots__ = ("matcher", "accept_token", "is_terminated")
+
+    def __init__(self, matcher: Any, accept_token: Callable[[int], bool], is_terminated: Callable[[], bool]):
+        self.matcher = matcher
+        self.accept_token = accept_token
+        self.is_terminated = is_terminated
+
+
+def build_by_kind(key: GrammarKey, builders: dict[str, Callable[[str], Any]], errors: tuple) -> Any:
+    """`builders[key.kind](key.spec)`, with the library's `errors` (and an unknown kind) as `GrammarError`."""
+    builder = builders.get(key.kind)
+    if builder is None:
+        raise GrammarError(f"unknown constraint kind {key.kind!r}", key.kind)
+    try:
+        return builder(key.spec)
+    except errors as e:
+        raise GrammarError(f"the {key.kind} does not compile: {e}", key.kind) from e
+
+
+class GrammarBackend(ABC):
+    """A structured-output library bound to one tokenizer (see the module docstring for the contract)."""
+
+    name: str = ""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    @classmethod
+    @abstractmethod
+    def validate(cls, key: GrammarKey) -> None: ...
+
+    @abstractmethod
+    def compile(self, key: GrammarKey) -> Any: ...
+
+    @abstractmethod
+    def new_matcher(self, grammar: Any) -> GrammarMatcher: ...
+
+    @abstractmethod
+    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None: ...
+
+    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
+        import torch
+
+        return torch.full((batch_size, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)

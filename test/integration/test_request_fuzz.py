@@ -1,0 +1,206 @@
+"""Issue 8, property-based: whatever JSON a client sends to a generation route, the answer is a 2xx or a
+4xx with OpenAI's error object, never a 5xx, and the server's processes survive.
+
+Arbitrary JSON values (huge integers, NaN, lone surrogates, nested containers) replace random fields of an
+otherwise valid body. Valid bodies are kept cheap: a token budget that is a valid integer is cut to
+`MAX_FUZZ_TOKENS`, so the run takes seconds per hundred examples. Examples are derandomized and no
+example database is kept, so every CI run sends the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from test.integration.conftest import API_KEY, ServerHandle, running_server
+
+pytestmark = pytest.mark.slow
+
+MAX_FUZZ_TOKENS = 4
+HTTP_TIMEOUT_SECONDS = 60.0
+# ~150 examples in all, split over the three routes.
+FUZZ = settings(
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+# ---- arbitrary JSON ----
+EDGE_INTS = [0, -1, 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 2**70, -(10**30)]
+# Text with the awkward characters mixed in: lone surrogates (sent as \\ud800 escapes), NUL, non-ASCII.
+AWKWARD_CHARS = ["\ud800", "\udfff", "\x00", "é", "😀", "a", " ", "\n"]
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from(EDGE_INTS),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.text(alphabet=st.sampled_from(AWKWARD_CHARS), max_size=6),
+)
+json_values = st.recursive(
+    scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(st.text(max_size=8), children, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+# Fields each route knows (valid names get wrong values more often than random names would).
+SAMPLING_FIELDS = [
+    "n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
+]  # fmt: skip
+CHAT_FIELDS = [
+    *SAMPLING_FIELDS, "messages", "model", "max_tokens", "max_completion_tokens", "logprobs",
+    "top_logprobs", "stream", "stream_options", "user", "min_tokens", "rid",
+]  # fmt: skip
+COMPLETION_FIELDS = [
+    *SAMPLING_FIELDS, "prompt", "model", "max_tokens", "logprobs", "echo", "stream", "stream_options",
+    "user", "min_tokens", "rid",
+]  # fmt: skip
+GENERATE_FIELDS = [
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "return_logprob",
+    "top_logprobs_num",
+]
+GENERATE_SAMPLING_FIELDS = [*SAMPLING_FIELDS, "max_new_tokens", "min_new_tokens"]
+
+
+def overrides(fields: list[str]) -> st.SearchStrategy[dict]:
+    """Up to three fields, mostly known ones, set to arbitrary JSON."""
+    key = st.one_of(st.sampled_from(fields), st.sampled_from(fields), st.text(max_size=8))
+    return st.dictionaries(key, json_values, min_size=1, max_size=3)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def cap_tokens(body: dict, *keys: str) -> None:
+    """Keep a valid example fast: a token budget that is a large valid number, or absent (null), is cut."""
+    for key in keys:
+        value = body.get(key)
+        if value is None or (is_int(value) and value > MAX_FUZZ_TOKENS):
+            body[key] = MAX_FUZZ_TOKENS
+        elif isinstance(value, float) and math.isfinite(value) and value > MAX_FUZZ_TOKENS:
+            body[key] = float(MAX_FUZZ_TOKENS)
+
+
+@st.composite
+def chat_bodies(draw) -> dict:
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": MAX_FUZZ_TOKENS}
+    body.update(draw(overrides(CHAT_FIELDS)))
+    cap_tokens(body, "max_tokens")
+    if "max_completion_tokens" in body:
+        cap_tokens(body, "max_completion_tokens")
+    return body
+
+
+@st.composite
+def completion_bodies(draw) -> dict:
+    body = {"prompt": "Once upon a time", "max_tokens": MAX_FUZZ_TOKENS}
+    body.update(draw(overrides(COMPLETION_FIELDS)))
+    cap_tokens(body, "max_tokens")
+    return body
+
+
+@st.composite
+def generate_bodies(draw) -> dict:
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": MAX_FUZZ_TOKENS}}
+    if draw(st.booleans()):
+        body["sampling_params"] = {**body["sampling_params"], **draw(overrides(GENERATE_SAMPLING_FIELDS))}
+    else:
+        body.update(draw(overrides(GENERATE_FIELDS)))
+    if isinstance(body.get("sampling_params"), dict):
+        body["sampling_params"] = dict(body["sampling_params"])
+        cap_tokens(body["sampling_params"], "max_new_tokens")
+    return body
+
+
+def anything_or(bodies: st.SearchStrategy[dict]) -> st.SearchStrategy:
+    """Mostly mutated valid bodies, sometimes a whole body of arbitrary JSON."""
+    return st.one_of(bodies, bodies, bodies, json_values)
+
+
+# ---- server ----
+@pytest.fixture(scope="module")
+def server():
+    with running_server(api_key=API_KEY) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle):
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=HTTP_TIMEOUT_SECONDS) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def child_pids(server: ServerHandle) -> dict[str, int]:
+    """The children before the first example."""
+    pids = server.child_pids()
+    assert {"srt-scheduler", "srt-detokenizer"} <= set(pids), pids
+    return pids
+
+
+def check_answer(client: httpx.Client, path: str, body) -> None:
+    # ensure_ascii: lone surrogates go as \ud800 escapes; NaN/Infinity go as their (non-JSON) literals.
+    content = json.dumps(body, ensure_ascii=True).encode()
+    try:
+        r = client.post(path, content=content, headers={"content-type": "application/json"})
+    except httpx.HTTPError as e:
+        pytest.fail(f"no answer ({e!r}) to {content[:500]!r}")
+    event(f"HTTP {r.status_code}")  # the mix of answers, in --hypothesis-show-statistics
+    assert r.status_code < 500, f"HTTP {r.status_code} for {content[:500]!r}: {r.text[:500]}"
+    assert 200 <= r.status_code < 300 or 400 <= r.status_code < 500, r.status_code
+    if r.status_code >= 400:
+        payload = r.json()
+        error = payload.get("error") if isinstance(payload, dict) else None
+        assert isinstance(error, dict), f"not an OpenAI error object: {r.text[:500]}"
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert isinstance(error["message"], str) and error["message"], error
+        assert isinstance(error["type"], str) and error["type"], error
+
+
+@pytest.mark.usefixtures("child_pids")
+@FUZZ
+@given(body=anything_or(chat_bodies()))
+def test_chat_completions_never_5xx(client, body):
+    check_answer(client, "/v1/chat/completions", body)
+
+
+@pytest.mark.usefixtures("child_pids")
+@FUZZ
+@given(body=anything_or(completion_bodies()))
+def test_completions_never_5xx(client, body):
+    check_answer(client, "/v1/completions", body)
+
+
+@pytest.mark.usefixtures("child_pids")
+@FUZZ
+@given(body=anything_or(generate_bodies()))
+def test_generate_never_5xx(client, body):
+    check_answer(client, "/generate", body)
+
+
+def test_the_server_survived_the_fuzzing(server, client, child_pids):
+    """Runs last: the same children, the launcher alive, /health 200 and a normal request served."""
+    assert server.proc.poll() is None, f"the launcher exited with {server.proc.returncode}"
+    assert server.child_pids() == child_pids
+    assert client.get("/health").status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text

@@ -31,7 +31,8 @@ from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.entrypoints.openai.serving_chat import ChatHandler
 from srt.entrypoints.openai.serving_completions import CompletionHandler
 from srt.entrypoints.serving_native import GenerateHandler
-from srt.managers.tokenizer_manager import GenerateInput, ServerUnavailableError, TokenizerManager
+from srt.managers.input_processor import GenerateInput, ServerUnavailableError
+from srt.managers.tokenizer_manager import TokenizerManager
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -113,7 +114,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate():
         obj = GenerateInput(
-            prompts=[await tm.encode("ping") or [0]], sampling_params=SamplingParams(max_new_tokens=1)
+            prompts=[await tm.inputs.encode("ping") or [0]], sampling_params=SamplingParams(max_new_tokens=1)
         )
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_SECONDS):

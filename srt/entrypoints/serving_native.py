@@ -18,7 +18,8 @@ from srt.entrypoints.openai.serving_common import (
     to_openai_error,
 )
 from srt.entrypoints.request_types import MAX_SEQUENCES
-from srt.managers.tokenizer_manager import GenerateInput, InvalidRequestError, ReqOutput, TokenizerManager
+from srt.managers.input_processor import GenerateInput, InvalidRequestError
+from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
 
 
 def _finish_dict(reason) -> dict | None:
@@ -56,8 +57,8 @@ class GenerateHandler:
         n = sp.n
         if req.text is not None:
             texts = list(req.text)
-            self.tm.check_input_chars(sum(map(len, texts)), "text")
-            prompts = [await self.tm.encode(t, "text") for t in texts]
+            self.tm.inputs.check_input_chars(sum(map(len, texts)), "text")
+            prompts = [await self.tm.inputs.encode(t, "text") for t in texts]
         else:
             texts, prompts = None, list(req.input_ids)
         if len(prompts) * n > MAX_SEQUENCES:

@@ -1,6 +1,6 @@
 """TokenizerManager: the main process's side of the ZMQ ring.
 
-It tokenizes requests, sends them to the scheduler, and routes the detokenizer's batched outputs back to
+It tokenizes requests (through its InputProcessor), sends them to the scheduler, and routes the detokenizer's batched outputs back to
 the waiting HTTP handlers (one asyncio queue per HTTP request, shared by its `n` samples). It also writes
 every request-level metric, on the main process's clock (METRICS.md "Events").
 
@@ -11,20 +11,24 @@ they share the prompt, so the scheduler's prefix cache computes it once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
-from srt.constrained import GrammarError, validate_constraint
 from srt.managers.data_parallel_controller import DataParallelRouter
+from srt.managers.input_processor import (
+    ClientDisconnected,
+    GenerateInput,
+    InputProcessor,
+    InvalidRequestError,
+    ServerUnavailableError,
+)
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -45,49 +49,6 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.5
 # How long /flush_cache waits for the scheduler's reply.
 FLUSH_CACHE_TIMEOUT_SECONDS = 30.0
-# A text longer than context_len * MAX_CHARS_PER_TOKEN cannot fit the context with any tokenizer in practice
-# (English averages ~4 characters per token): it is refused before tokenizing, which would otherwise cost
-# about a second per megabyte.
-MAX_CHARS_PER_TOKEN = 32
-# Longer texts are tokenized on worker threads (the Rust tokenizer releases the GIL), so the event loop keeps
-# serving; shorter ones cost less than the hand-off.
-INLINE_TOKENIZE_CHARS = 4096
-TOKENIZER_THREADS = 2
-
-
-class InvalidRequestError(ValueError):
-    """The client asked for something this server cannot do (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ServerUnavailableError(RuntimeError):
-    """A child process died: the server cannot serve requests any more (HTTP 503)."""
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away while its request ran; the request was aborted."""
-
-
-@dataclass
-class GenerateInput:
-    """One HTTP request as the TokenizerManager sees it: prompts (token ids) times `n` samples."""
-
-    prompts: list[list[int]]
-    sampling_params: SamplingParams
-    n: int = 1
-    stream: bool = False
-    rid: str | None = None
-    # True when the client set no output limit: each prompt may then fill the rest of the context.
-    fill_max_new_tokens: bool = False
-    input_texts: list[str | None] | None = None
-    arrival_ts: float = field(default_factory=time.monotonic)
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * self.n
 
 
 @dataclass
@@ -139,7 +100,7 @@ class TokenizerManager:
             tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or model_dir)
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
-        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.inputs = InputProcessor(tokenizer, server_args.grammar_backend)
         self.ready: SchedulerReady | None = None
         self.rid_to_state: dict[str, ReqState] = {}
         self.group_rids: dict[str, list[str]] = {}
@@ -164,6 +125,7 @@ class TokenizerManager:
     def set_ready(self, ready: SchedulerReady) -> None:
         """Record the scheduler's limits and create the request-level metrics (needs the context length)."""
         self.ready = ready
+        self.inputs.set_limits(ready.context_len, ready.max_req_input_len)
         self.metrics = RequestMetricsRecorder(self.server_args, ready.context_len)
 
     async def start(self) -> None:
@@ -186,97 +148,13 @@ class TokenizerManager:
         assert self.ready is not None, "set_ready() must run before requests are served"
         return self.ready.context_len
 
-    # ---- tokenization ----
-    @property
-    def max_input_chars(self) -> int:
-        """Most characters a request's text may have: more could never fit the context."""
-        return self.context_len * MAX_CHARS_PER_TOKEN
-
-    def check_input_chars(self, chars: int, param: str) -> None:
-        if chars > self.max_input_chars:
-            raise InvalidRequestError(
-                f"the input has {chars} characters; this server accepts at most {self.max_input_chars} "
-                f"({MAX_CHARS_PER_TOKEN} per token of its {self.context_len}-token context)",
-                param,
-            )
-
-    async def _tokenize(self, text: str, **kw) -> list[int]:
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer(text, **kw).input_ids
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, lambda: self.tokenizer(text, **kw).input_ids)
-
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """Token ids of a prompt, refused by size before any tokenizing, off the event loop when long."""
-        self.check_input_chars(len(text), param)
-        return await self._tokenize(text)
-
-    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        self.check_input_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # a template may reject role orders (e.g. two system messages)
-            raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
-        return await self._tokenize(text, add_special_tokens=False)
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", param)
-
-    def decode_prompt(self, ids: list[int]) -> str:
-        """The text of a token-id prompt (for `echo`), after checking the ids are in the vocabulary."""
-        self.check_token_ids(ids, "prompt")
-        return self.tokenizer.decode(ids)
-
     # ---- requests ----
     def check(self, obj: GenerateInput) -> list[SamplingParams]:
-        """Check every prompt against the scheduler's limits (the request models checked types and ranges)
-        and return each prompt's sampling params. Handlers call it, through `generate`, before they commit
+        """Each prompt's checked sampling params. Handlers call it, through `generate`, before they commit
         to a (streaming) response, so bad input gets a 400 status."""
         if self.dead_reason is not None:
             raise ServerUnavailableError(self.dead_reason)
-        assert self.ready is not None
-        base = obj.sampling_params
-        self.check_token_ids(base.stop_token_ids, "stop_token_ids")
-        try:
-            validate_constraint(self.server_args.grammar_backend, base)
-        except GrammarError as e:  # a JSON schema comes from response_format (or its json_schema alias)
-            raise InvalidRequestError(str(e), "response_format" if e.kind == "json_schema" else e.kind) from e
-        if base.logit_bias:
-            self.check_token_ids(list(base.logit_bias), "logit_bias")
-        if base.top_k >= self.vocab_size:
-            base = dataclasses.replace(base, top_k=-1)  # the whole vocabulary, as asked
-        out = []
-        for ids in obj.prompts:
-            if not ids:
-                raise InvalidRequestError("the prompt is empty", "prompt")
-            self.check_token_ids(ids, "prompt")
-            if len(ids) > self.ready.max_req_input_len:
-                raise InvalidRequestError(
-                    f"the prompt has {len(ids)} tokens, more than this server's maximum input length of "
-                    f"{self.ready.max_req_input_len} tokens",
-                    "messages" if obj.input_texts is None else "prompt",
-                )
-            params = base
-            room = self.context_len - len(ids)
-            if obj.fill_max_new_tokens:
-                params = dataclasses.replace(params, max_new_tokens=max(1, room))
-            elif params.max_new_tokens > room:
-                raise InvalidRequestError(
-                    f"max_tokens ({params.max_new_tokens}) plus the prompt's {len(ids)} tokens exceed the "
-                    f"model's context length of {self.context_len} tokens",
-                    "max_tokens",
-                )
-            if params.logprob_start_len is not None and params.logprob_start_len >= len(ids):
-                raise InvalidRequestError(
-                    f"logprob_start_len ({params.logprob_start_len}) must be less than the prompt's "
-                    f"{len(ids)} tokens",
-                    "logprob_start_len",
-                )
-            if params.min_new_tokens > params.max_new_tokens:
-                raise InvalidRequestError("min_tokens must not exceed max_tokens", "min_tokens")
-            out.append(params)
-        return out
+        return self.inputs.check(obj)
 
     def _internal_rids(self, obj: GenerateInput) -> tuple[str, list[str]]:
         """The request's group rid and one rid per sample; refused if any of them is in use, whatever its

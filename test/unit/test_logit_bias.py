@@ -13,8 +13,9 @@ from pydantic import ValidationError
 from srt.entrypoints.native_protocol import GenerateRequest
 from srt.entrypoints.openai.errors import validation_error
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.managers.input_processor import GenerateInput, InvalidRequestError
 from srt.managers.io_struct import SchedulerReady
-from srt.managers.tokenizer_manager import GenerateInput, InvalidRequestError, TokenizerManager
+from srt.managers.tokenizer_manager import TokenizerManager
 from srt.sampling.sampler import Sampler
 from srt.sampling.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
 from srt.server_args import PortArgs, ServerArgs

@@ -14,8 +14,9 @@ from srt.entrypoints.native_protocol import AbortRequest, FlushCacheRequest, Gen
 from srt.entrypoints.openai.errors import validation_error
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from srt.entrypoints.request_types import MAX_STOP_STRINGS
+from srt.managers.input_processor import GenerateInput, InvalidRequestError
 from srt.managers.io_struct import SchedulerReady
-from srt.managers.tokenizer_manager import GenerateInput, InvalidRequestError, TokenizerManager
+from srt.managers.tokenizer_manager import TokenizerManager
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 
@@ -166,14 +167,14 @@ def test_model_dependent_limits(tm):
         tm.generate(request("v2", min_new_tokens=5))
     assert info.value.param == "min_tokens"
     with pytest.raises(InvalidRequestError) as info:
-        tm.decode_prompt([tm.vocab_size])
+        tm.inputs.decode_prompt([tm.vocab_size])
     assert info.value.param == "prompt"
     assert tm.check(request("v3", top_k=tm.vocab_size))[0].top_k == -1  # the whole vocabulary, as asked
 
 
 def test_text_is_refused_by_size_before_tokenizing(tm):
-    too_long = "a" * (tm.max_input_chars + 1)
+    too_long = "a" * (tm.inputs.max_input_chars + 1)
     with pytest.raises(InvalidRequestError, match="characters"):
-        asyncio.run(tm.encode(too_long))
+        asyncio.run(tm.inputs.encode(too_long))
     long_ok = "word " * 2000  # above the inline limit: tokenized on a worker thread, same result
-    assert asyncio.run(tm.encode(long_ok)) == tm.tokenizer(long_ok).input_ids
+    assert asyncio.run(tm.inputs.encode(long_ok)) == tm.tokenizer(long_ok).input_ids

@@ -20,7 +20,8 @@ from srt.entrypoints.openai.serving_common import (
     usage,
     usage_chunk,
 )
-from srt.managers.tokenizer_manager import GenerateInput, ReqOutput, TokenizerManager
+from srt.managers.input_processor import GenerateInput
+from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
 
 
 def _logprob_entry(tm: TokenizerManager, token_id: int, logprob: float) -> dict:
@@ -56,7 +57,7 @@ class ChatHandler:
     ) -> tuple[GenerateInput, AsyncIterator[ReqOutput]]:
         check_model(req.model, self.model_name)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await self.tm.apply_chat_template(messages)
+        ids = await self.tm.inputs.apply_chat_template(messages)
         max_new = req.max_new_tokens()
         params = req.to_sampling_params(max_new or 1, req.num_top_logprobs())
         obj = GenerateInput(

@@ -13,14 +13,9 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from srt.entrypoints.openai.errors import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError
+from srt.managers.input_processor import ClientDisconnected, InvalidRequestError, ServerUnavailableError
 from srt.managers.io_struct import FinishReason
-from srt.managers.tokenizer_manager import (
-    ClientDisconnected,
-    InvalidRequestError,
-    ReqOutput,
-    ServerUnavailableError,
-    TokenizerManager,
-)
+from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
 
 logger = logging.getLogger(__name__)
 

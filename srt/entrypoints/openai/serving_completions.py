@@ -22,12 +22,8 @@ from srt.entrypoints.openai.serving_common import (
     usage_chunk,
 )
 from srt.entrypoints.request_types import MAX_SEQUENCES
-from srt.managers.tokenizer_manager import (
-    GenerateInput,
-    InvalidRequestError,
-    ReqOutput,
-    TokenizerManager,
-)
+from srt.managers.input_processor import GenerateInput, InvalidRequestError
+from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
 
 
 def completion_logprobs(
@@ -77,9 +73,9 @@ class CompletionHandler:
                 f"{len(prompts)} prompts x n={n} exceed the limit of {MAX_SEQUENCES} sequences per request",
                 "n",
             )
-        self.tm.check_input_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
-        ids = [await self.tm.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        texts = [p if isinstance(p, str) else self.tm.decode_prompt(p) for p in prompts]
+        self.tm.inputs.check_input_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        ids = [await self.tm.inputs.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p if isinstance(p, str) else self.tm.inputs.decode_prompt(p) for p in prompts]
         params = req.to_sampling_params(req.max_new_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the prompt's logprobs too, from its first token
             params = dataclasses.replace(params, logprob_start_len=0)

@@ -45,10 +45,10 @@ class ServerArgs:
     api_key: str | None = _f(
         None, "require 'Authorization: Bearer <key>' on every route but /health and /metrics"
     )
-    # The longest legitimate body, a whole context as JSON token ids, takes ~8 bytes per token: 32 MiB covers
-    # a 4M-token context, while a request's parsed body (several times its size in Python objects) stays
-    # far below the memory the server needs for everyone else.
-    max_request_bytes: int = _f(32 * MIB, "largest request body accepted; larger ones get 413")
+    # A body is parsed and validated on the event loop (JSON decoding holds the GIL, so no thread helps):
+    # about 0.1-0.2 s per MiB of token ids here, a stall every other request shares. 8 MiB still takes a whole
+    # 1M-token context as JSON token ids (~8 bytes per token); raise it only for longer contexts.
+    max_request_bytes: int = _f(8 * MIB, "largest request body accepted; larger ones get 413")
     # Each in-flight request holds a connection (a file descriptor) and its per-request state; 4,096 is 16x
     # the default number of requests the scheduler runs at once, so queueing still absorbs bursts.
     max_concurrent_requests: int = _f(

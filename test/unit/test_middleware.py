@@ -294,7 +294,7 @@ def test_the_key_is_checked_before_the_body_is_read():
 
 def test_new_flags_have_sane_defaults_and_are_validated():
     args = ServerArgs()
-    assert args.max_request_bytes == 32 << 20
+    assert args.max_request_bytes == 8 << 20
     assert args.graceful_shutdown_timeout > 0 and args.max_concurrent_requests >= 1024
     for bad in (
         {"max_request_bytes": 0},

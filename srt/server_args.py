@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from srt.constrained import DEFAULT_GRAMMAR_BACKEND, GRAMMAR_BACKENDS
+from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from srt.utils import make_owned_temp_dir, remove_stale_dirs
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -88,6 +89,12 @@ class ServerArgs:
         DEFAULT_GRAMMAR_BACKEND,
         "structured-output library (response_format, regex, ebnf); none refuses constrained requests",
         choices=GRAMMAR_BACKENDS,
+    )
+    tool_call_parser: str = _f(
+        DEFAULT_TOOL_CALL_PARSER,
+        "format of the model's tool calls in /v1/chat/completions: smollm2 (the embedded model's; also reads "
+        "hermes blocks), hermes / qwen25 / qwen (Hermes, Qwen 2.5 and Qwen 3)",
+        choices=tuple(TOOL_CALL_PARSERS),
     )
     # Logging
     log_level: str = _f("info", "logging level", choices=LOG_LEVELS)

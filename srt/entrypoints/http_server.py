@@ -46,7 +46,7 @@ SRT_VERSION = "0.1.0"
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     """Build the app around a TokenizerManager whose scheduler already reported ready."""
     model_name = server_args.model_name
-    chat = ChatHandler(tm, model_name)
+    chat = ChatHandler(tm, model_name, server_args.tool_call_parser)
     completions = CompletionHandler(tm, model_name)
     native = GenerateHandler(tm)
     created = int(time.time())
@@ -128,6 +128,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             ).to_response()
         return {"status": "ok"}
 
+    # SGLang's current names (its bench_serving asks for them) beside the older /get_* ones.
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info():
         return {
@@ -138,6 +140,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             "context_length": tm.context_len,
         }
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info():
         info = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -100,10 +101,19 @@ class InputProcessor:
         self.check_input_chars(len(text), param)
         return await self._tokenize(text)
 
-    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        self.check_input_chars(sum(len(m["content"]) for m in messages), "messages")
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (else the tool-call format writes them into the
+        messages: srt/function_call)."""
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        chars = sum(len(m["content"] or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        self.check_input_chars(chars, "messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
         except Exception as e:  # a template may reject role orders (e.g. two system messages)
             raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
         return await self._tokenize(text, add_special_tokens=False)

@@ -131,8 +131,20 @@ LONG_PREFIX = " ".join(
 )
 
 
+# Structured-output requests in the mix (issue 12): one schema, compiled once; n=2 makes 4 sequences.
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+SO_SEQUENCES = 4
+
+
 def run_known_workload(client: Client) -> None:
     chat = {"messages": [{"role": "user", "content": "Name a colour."}], "ignore_eos": True}
+    so = {"max_tokens": 24, "response_format": RESPONSE_FORMAT}
     jobs = [
         lambda: client.stream("/v1/chat/completions", {**chat, "max_tokens": 8}),
         lambda: client.stream("/v1/chat/completions", {**chat, "max_tokens": 7}),
@@ -143,6 +155,9 @@ def run_known_workload(client: Client) -> None:
         lambda: client.post("/v1/completions", {"prompt": "Roses are", "max_tokens": 5, "n": 2, "temperature": 0.8,
                                                 "ignore_eos": True}),
         lambda: client.post("/v1/completions", {"prompt": "One token", "max_tokens": 1, "ignore_eos": True}),
+        lambda: client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Is it ok?"}], **so}),
+        lambda: client.stream("/v1/completions", {"prompt": "Is water wet? JSON:", **so}),
+        lambda: client.post("/v1/completions", {"prompt": "JSON:", "n": 2, "temperature": 0.8, **so}),
     ]  # fmt: skip
     with ThreadPoolExecutor(max_workers=4) as pool:
         for f in [pool.submit(j) for j in jobs]:
@@ -243,6 +258,14 @@ def test_every_finished_request_counted_once_in_each_histogram(run):
         assert delta(s2, s1, f"sglang:{name}_count") == sequences, name
     itl_expected = sum(r["usage"]["completion_tokens"] - r["n"] for r in w)
     assert delta(s2, s1, "sglang:inter_token_latency_seconds_count") == itl_expected
+
+
+def test_structured_output_requests_are_counted(run):
+    s1, s2 = run["s1"], run["s2"]
+    assert delta(s2, s1, "sglang:num_so_requests_total") == SO_SEQUENCES
+    assert delta(s2, s1, "sglang:grammar_compilation_time_seconds_count") == 1  # one schema, cached
+    assert delta(s2, s1, "sglang:num_grammar_cache_hit_total") == SO_SEQUENCES - 1
+    assert total(s2, "sglang:num_grammar_queue_reqs") == 0
 
 
 def test_request_success_by_finish_reason_matches_the_responses(run):

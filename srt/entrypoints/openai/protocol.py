@@ -7,10 +7,11 @@ built as plain dicts by the serving modules, in OpenAI's exact shapes.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
 
+from srt.entrypoints.openai.tool_types import MessageToolCalls, ToolCallId, ToolFields
 from srt.entrypoints.request_types import (
     MAX_MESSAGES,
     Count,
@@ -41,11 +42,79 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class StreamOptions(StrictModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool | None = None
+    # Accepted and ignored: OpenAI pads stream chunks against size side channels; the text is the same.
+    include_obfuscation: bool | None = None
+
+
+# ---- every parameter honoured, refused or (metadata only) ignored: README "Parameters" lists them all ----
+# OpenAI's metadata limits: at most 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+# Identifiers OpenAI only logs or routes by (user, safety_identifier, prompt_cache_key, service_tier).
+MAX_IDENTIFIER_CHARS = 512
+
+
+def _check_metadata(value: dict[str, str]) -> dict[str, str]:
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed, got {len(value)}")
+    if any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in value.items()):
+        raise ValueError(
+            f"keys may have at most {MAX_METADATA_KEY_CHARS} characters and values {MAX_METADATA_VALUE_CHARS}"
+        )
+    return value
+
+
+def _text_only(value: list[str]) -> list[str]:
+    if value != ["text"]:
+        raise ValueError('only ["text"] is supported: srt generates text, not audio')
+    return value
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_check_metadata)]
+Identifier = Annotated[str, Field(max_length=MAX_IDENTIFIER_CHARS)]
+Modalities = Annotated[list[str], AfterValidator(_text_only)]
+# OpenAI parameters of features srt does not have, with the reason; any value but null is a 400 naming them.
+CHAT_REFUSED = {
+    "audio": "srt generates text, not audio",
+    "prediction": "srt has no predicted-output (client-drafted speculative) decoding",
+    "web_search_options": "srt has no web search",
+    "functions": "the deprecated functions API is not served: use `tools`",
+    "function_call": "the deprecated functions API is not served: use `tool_choice`",
+    "reasoning_effort": "srt has no reasoning-effort control",
+    "verbosity": "srt has no verbosity control",
+    "moderation": "srt runs no moderation model",
+}
+COMPLETIONS_REFUSED = {"suffix": "srt has no fill-in-the-middle prompt format"}
 
 
 class SamplingFields(OpenAIConstraintFields, RequestBody):
-    """Sampling fields shared by chat and completions, including SGLang's extras in the body."""
+    """Sampling fields shared by chat and completions, including SGLang's extras in the body.
+
+    A parameter that is not a field is a 400 naming it, never silently dropped: `refused` ones (a feature
+    srt lacks; null is accepted as "not used") with their reason, unknown ones as unknown."""
+
+    route: ClassVar[str] = ""
+    refused: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_ignored_parameters(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = {f.alias or name for name, f in cls.model_fields.items()}
+        for name, value in data.items():
+            if name in known or (name in cls.refused and value is None):
+                continue
+            if name in cls.refused:
+                raise FieldError(f"`{name}` is not supported: {cls.refused[name]}", name)
+            raise FieldError(
+                f"`{name}` is not a parameter of {cls.route}: srt refuses what it does not know rather than "
+                "ignore it",
+                name,
+            )
+        return data
 
     model: str | None = None
     n: NumSamples | None = None
@@ -57,7 +126,7 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    user: str | None = None
+    user: Identifier | None = None  # ignored, as OpenAI does: an end-user id for abuse monitoring
     logit_bias: LogitBias = None
     # SGLang extras
     top_k: TopK = -1
@@ -112,6 +181,16 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: MessageToolCalls | None = None  # assistant turns that called tools
+    tool_call_id: ToolCallId | None = None  # a tool's result answers this call
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldError("only assistant messages may have `tool_calls`", "messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise FieldError("a tool message, and only a tool message, must have `tool_call_id`", "messages")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -119,8 +198,20 @@ class ChatMessage(StrictModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(ToolFields, SamplingFields):
+    route: ClassVar[str] = "/v1/chat/completions"
+    refused: ClassVar[dict[str, str]] = CHAT_REFUSED
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    modalities: Modalities | None = None
+    # Accepted and ignored, as OpenAI documents them: storage, billing and caching hints, no effect on output.
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: Identifier | None = None
+    safety_identifier: Identifier | None = None
+    prompt_cache_key: Identifier | None = None
+    prompt_cache_retention: Identifier | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     max_tokens: PositiveCount | None = None
     max_completion_tokens: PositiveCount | None = None
     logprobs: bool | None = None
@@ -140,6 +231,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    route: ClassVar[str] = "/v1/completions"
+    refused: ClassVar[dict[str, str]] = COMPLETIONS_REFUSED
+
     # Any of OpenAI's four prompt forms, normalised to a list of prompts (each text or token ids). A bare
     # `list`: prompt_list checked every item at C speed, and pydantic's per-item pass would cost 5x that.
     prompt: Annotated[list, BeforeValidator(lambda v: prompt_list(v, "prompt"))]
@@ -147,6 +241,21 @@ class CompletionRequest(SamplingFields):
     max_tokens: Count | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: TopLogprobs | None = None
     echo: bool | None = None
+    # vLLM's: generate best_of samples per prompt, return the n with the highest cumulative logprob.
+    best_of: NumSamples | None = None
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.num_samples:
+            raise FieldError(f"`best_of` ({self.best_of}) must be >= `n` ({self.num_samples})", "best_of")
+        if self.num_generated > self.num_samples and self.streaming:
+            raise FieldError("`best_of` > `n` cannot be streamed: the best are known at the end", "best_of")
+        return self
+
+    @property
+    def num_generated(self) -> int:
+        """Samples generated per prompt: `best_of`, of which `n` are returned."""
+        return self.best_of or self.num_samples
 
     def prompts(self) -> list[str | list[int]]:
         return list(self.prompt)

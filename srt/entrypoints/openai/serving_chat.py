@@ -8,6 +8,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from srt.constrained import GrammarError, GrammarKey, validate_grammar
+from srt.constrained.base_backend import JSON_SCHEMA
+from srt.entrypoints.openai.chat_tools import ChatTools, finish_override
 from srt.entrypoints.openai.protocol import ChatCompletionRequest
 from srt.entrypoints.openai.serving_common import (
     ChoiceAcc,
@@ -20,8 +23,19 @@ from srt.entrypoints.openai.serving_common import (
     usage,
     usage_chunk,
 )
-from srt.managers.input_processor import GenerateInput
+from srt.function_call import DEFAULT_TOOL_CALL_PARSER, StreamDelta, create_tool_call_parser
+from srt.managers.input_processor import GenerateInput, InvalidRequestError
 from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
+
+
+def stream_delta(read: StreamDelta) -> dict:
+    """A chunk's delta from what the tool-call reader made certain: content, then call pieces."""
+    delta: dict = {}
+    if read.content:
+        delta["content"] = read.content
+    if read.calls:
+        delta["tool_calls"] = [d.to_openai() for d in read.calls]
+    return delta
 
 
 def _logprob_entry(tm: TokenizerManager, token_id: int, logprob: float) -> dict:
@@ -48,18 +62,23 @@ def chat_logprobs(
 
 
 class ChatHandler:
-    def __init__(self, tm: TokenizerManager, model_name: str):
+    def __init__(
+        self, tm: TokenizerManager, model_name: str, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER
+    ):
         self.tm = tm
         self.model_name = model_name
+        self.tool_parser = create_tool_call_parser(tool_call_parser)
 
     async def _build(
         self, req: ChatCompletionRequest, request
     ) -> tuple[GenerateInput, AsyncIterator[ReqOutput]]:
         check_model(req.model, self.model_name)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await self.tm.inputs.apply_chat_template(messages)
+        messages, tools = ChatTools(req, self.tool_parser).prompt(self.tm.inputs.template_takes_tools)
+        ids = await self.tm.inputs.apply_chat_template(messages, tools)
         max_new = req.max_new_tokens()
         params = req.to_sampling_params(max_new or 1, req.num_top_logprobs())
+        if req.forced_tools is not None and params.json_schema is not None:
+            self._check_tool_grammar(params.json_schema)
         obj = GenerateInput(
             prompts=[ids],
             sampling_params=params,
@@ -69,6 +88,13 @@ class ChatHandler:
             fill_max_new_tokens=max_new is None,
         )
         return obj, self.tm.generate(obj, request)
+
+    def _check_tool_grammar(self, schema: str) -> None:
+        """A forced tool_choice's grammar holds the tools' parameter schemas: a bad one is the tools' fault."""
+        try:
+            validate_grammar(self.tm.inputs.grammar_backend, GrammarKey(JSON_SCHEMA, schema))
+        except GrammarError as e:
+            raise InvalidRequestError(f"the tools' parameter schemas cannot be enforced: {e}", "tools") from e
 
     async def handle(self, req: ChatCompletionRequest, request):
         try:
@@ -84,6 +110,7 @@ class ChatHandler:
         )
 
     def _response(self, req: ChatCompletionRequest, choices: list[ChoiceAcc], rid: str, created: int) -> dict:
+        tools = ChatTools(req, self.tool_parser)
         out = []
         for i, c in enumerate(choices):
             logprobs = (
@@ -91,14 +118,8 @@ class ChatHandler:
                 if req.logprobs
                 else None
             )
-            out.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason.to_openai() if c.finish_reason else None,
-                }
-            )
+            message, finish = tools.message(c.text, c.finish_reason.to_openai() if c.finish_reason else None)
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return {
             "id": rid,
             "object": "chat.completion",
@@ -112,6 +133,8 @@ class ChatHandler:
         n = req.num_samples
         accs = [ChoiceAcc() for _ in range(n)]
         started = [False] * n
+        tools = ChatTools(req, self.tool_parser)
+        streams = [tools.new_stream() for _ in range(n)]
         extra = {"usage": None} if req.include_usage else {}
 
         def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
@@ -127,10 +150,21 @@ class ChatHandler:
             logprobs = None
             if req.logprobs and out.token_logprobs:
                 logprobs = chat_logprobs(self.tm, out.output_ids, out.token_logprobs, out.top_logprobs)
-            if out.text or logprobs:
-                chunks.append(chunk(out.index, {"content": out.text}, logprobs=logprobs))
+            stream = streams[out.index]
+            if stream is None:
+                delta = {"content": out.text} if out.text else {}
+            else:
+                read = stream.feed(out.text)
+                if out.finish_reason is not None:
+                    read.add(stream.finish())
+                delta = stream_delta(read)
+            if delta or logprobs:
+                chunks.append(chunk(out.index, delta or {"content": ""}, logprobs=logprobs))
             if out.finish_reason is not None:
-                chunks.append(chunk(out.index, {}, finish=out.finish_reason.to_openai()))
+                finish = out.finish_reason.to_openai()
+                if stream is not None and stream.num_committed:
+                    finish = finish_override(finish)
+                chunks.append(chunk(out.index, {}, finish=finish))
             return chunks
 
         def on_end() -> list[str]:

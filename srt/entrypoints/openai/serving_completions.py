@@ -57,6 +57,18 @@ def with_prompt_logprobs(tm: TokenizerManager, out: ChoiceAcc | ReqOutput, logpr
     return joined
 
 
+def best_of(samples: list[ChoiceAcc], generated: int, n: int) -> list[ChoiceAcc]:
+    """vLLM's `best_of`: of each prompt's `generated` samples, the `n` with the highest cumulative logprob,
+    best first (a stable sort: ties keep sample order). usage still counts every generated token."""
+    if generated == n:
+        return samples
+    chosen = []
+    for start in range(0, len(samples), generated):
+        group = samples[start : start + generated]
+        chosen += sorted(group, key=lambda c: sum(c.token_logprobs), reverse=True)[:n]
+    return chosen
+
+
 class CompletionHandler:
     def __init__(self, tm: TokenizerManager, model_name: str):
         self.tm = tm
@@ -67,16 +79,18 @@ class CompletionHandler:
     ) -> tuple[GenerateInput, list[str], AsyncIterator[ReqOutput]]:
         check_model(req.model, self.model_name)
         prompts = req.prompts()
-        n = req.num_samples
+        n = req.num_generated
         if len(prompts) * n > MAX_SEQUENCES:
             raise InvalidRequestError(
-                f"{len(prompts)} prompts x n={n} exceed the limit of {MAX_SEQUENCES} sequences per request",
-                "n",
+                f"{len(prompts)} prompts x {n} samples exceed the limit of {MAX_SEQUENCES} sequences per request",
+                "best_of" if req.best_of else "n",
             )
         self.tm.inputs.check_input_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         ids = [await self.tm.inputs.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         texts = [p if isinstance(p, str) else self.tm.inputs.decode_prompt(p) for p in prompts]
-        params = req.to_sampling_params(req.max_new_tokens, req.logprobs)
+        # best_of ranks samples by their logprobs: asked for even when the client did not ask to see them.
+        logprobs = 0 if req.logprobs is None and n > req.num_samples else req.logprobs
+        params = req.to_sampling_params(req.max_new_tokens, logprobs)
         if req.echo and req.logprobs is not None:  # the prompt's logprobs too, from its first token
             params = dataclasses.replace(params, logprob_start_len=0)
         obj = GenerateInput(
@@ -108,8 +122,9 @@ class CompletionHandler:
         )
 
     def _response(
-        self, req: CompletionRequest, choices: list[ChoiceAcc], texts: list[str], rid: str, created: int
+        self, req: CompletionRequest, samples: list[ChoiceAcc], texts: list[str], rid: str, created: int
     ):
+        choices = best_of(samples, req.num_generated, req.num_samples)
         out = []
         for i, c in enumerate(choices):
             prefix = texts[i // req.num_samples] if req.echo else ""
@@ -134,7 +149,7 @@ class CompletionHandler:
             "created": created,
             "model": self.model_name,
             "choices": out,
-            "usage": usage(choices, req.num_samples),
+            "usage": usage(samples, req.num_generated),
         }
 
     def _stream(

@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "w8a8_int8")
 IPC_DIR_PREFIX = "srt-ipc-"
 MIB = 1 << 20
 
@@ -95,6 +96,38 @@ class ServerArgs:
         "format of the model's tool calls in /v1/chat/completions: smollm2 (the embedded model's; also reads "
         "hermes blocks), hermes / qwen25 / qwen (Hermes, Qwen 2.5 and Qwen 3)",
         choices=tuple(TOOL_CALL_PARSERS),
+    )
+    # CPU execution (issue 9)
+    quantization: str | None = _f(
+        None,
+        "w8a8_int8 runs every linear layer in int8 (per-channel weights, per-token activations); none keeps "
+        "fp32; default: none until the quality gate (scripts/eval_quality.py) admits int8",
+        choices=QUANTIZATIONS,
+    )
+    enable_mixed_chunk: bool = _f(
+        False, "run a prefill chunk and the running requests' decode tokens in one forward step"
+    )
+    # Observability beyond metrics (issue 11)
+    enable_trace: bool = _f(False, "export OpenTelemetry request traces (OTLP) at trace level 1")
+    otlp_traces_endpoint: str = _f(
+        "localhost:4317",
+        "OTLP collector host:port; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (default) or http/protobuf",
+    )
+    kv_events_config: str | None = _f(
+        None,
+        'publish KV cache events: JSON such as {"publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}',
+    )
+    export_metrics_to_file: bool = _f(False, "write one JSON line per finished request (hourly files)")
+    export_metrics_to_file_dir: str | None = _f(None, "directory of --export-metrics-to-file's files")
+    tokenizer_metrics_custom_labels_header: str = _f(
+        "x-custom-labels", "request header whose JSON object adds labels to the request-level metrics"
+    )
+    tokenizer_metrics_allowed_custom_labels: list[str] | None = _f(
+        None, "label names (and name=value pairs) a custom-labels header may set; others are dropped", nargs="+"
+    )
+    return_timing: bool = _f(
+        False, "add per-request timings to every OpenAI response (else only when a body asks: return_timing)"
     )
     # Logging
     log_level: str = _f("info", "logging level", choices=LOG_LEVELS)

@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from transformers import AutoConfig
 
 from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
@@ -97,6 +98,13 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none", "w8a8_int8"],
+        choices=["none", "w8a8_int8"],
+        help="srt columns to measure",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -107,16 +115,28 @@ def main() -> None:
         max_running_requests=64,
         chunked_prefill_size=-1,
     )
-    runner = ModelRunner(model_dir, max_total_tokens=server_args.max_total_tokens, max_running_requests=64)
-    sched = Scheduler(server_args, runner)
-    vocab = runner.vocab_size
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     prefill_prompt = random_prompt(rng, PREFILL_LEN, vocab)
     decode_prompts = {b: [random_prompt(rng, DECODE_PROMPT_LEN, vocab) for _ in range(b)] for b in BATCHES}
 
-    srt_prefill_rate(sched, prefill_prompt[:64], repeats=1)  # warm-up
-    rows = {"prefill 512 (tok/s)": [srt_prefill_rate(sched, prefill_prompt)]}
-    for b in BATCHES:
-        rows[f"decode bs={b} (tok/s)"] = [srt_decode_rate(sched, decode_prompts[b], args.decode_tokens)]
+    columns = [f"srt {q}" for q in args.quantization]
+    rows: dict[str, list[float]] = {"prefill 512 (tok/s)": []}
+    rows.update({f"decode bs={b} (tok/s)": [] for b in BATCHES})
+    for quantization in args.quantization:
+        runner = ModelRunner(
+            model_dir,
+            max_total_tokens=server_args.max_total_tokens,
+            max_running_requests=64,
+            quantization=quantization,
+        )
+        sched = Scheduler(server_args, runner)
+        srt_prefill_rate(sched, prefill_prompt[:64], repeats=1)  # warm-up
+        rows["prefill 512 (tok/s)"].append(srt_prefill_rate(sched, prefill_prompt))
+        for b in BATCHES:
+            rows[f"decode bs={b} (tok/s)"].append(
+                srt_decode_rate(sched, decode_prompts[b], args.decode_tokens)
+            )
+        del sched, runner
 
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -128,10 +148,15 @@ def main() -> None:
                 hf_decode_rate(model, decode_prompts[b], args.decode_tokens)
             )
 
-    print(f"\n{'figure':<24}{'srt':>10}{'transformers':>14}{'ratio':>8}")
+    n = len(columns)
+    header = "".join(f"{c:>18}" for c in columns)
+    ratios = "".join(f"{c + ' / hf':>22}" for c in columns) if not args.skip_hf else ""
+    print(f"\n{'figure':<24}{header}{'' if args.skip_hf else f'{chr(32) * 4}transformers'}{ratios}")
     for name, vals in rows.items():
-        hf = f"{vals[1]:>14.1f}{vals[0] / vals[1]:>8.2f}" if len(vals) > 1 else ""
-        print(f"{name:<24}{vals[0]:>10.1f}{hf}")
+        line = f"{name:<24}" + "".join(f"{v:>18.1f}" for v in vals[:n])
+        if len(vals) > n:
+            line += f"{vals[n]:>16.1f}" + "".join(f"{v / vals[n]:>22.2f}" for v in vals[:n])
+        print(line)
     print(f"(torch threads: {torch.get_num_threads()}, decode tokens per sequence: {args.decode_tokens})")
 
 

@@ -4,6 +4,10 @@ prints the throughput ratio (target >= 0.99) and the /metrics scrape latency p50
 
     .venv/bin/python scripts/bench_metrics_overhead.py [--requests 64 --concurrency 8 --max-tokens 64 --rounds 2]
 
+With `--trace` it measures request tracing instead: --enable-trace at trace level 1 (spans really exported,
+over OTLP/HTTP to a receiver this script runs) against tracing off, metrics on in both, no scraping
+(target ratio >= 0.98).
+
 Runs alternate (on, off, on, off, ...) so slow drift of a shared machine hits both sides alike.
 """
 
@@ -19,7 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
@@ -35,7 +41,10 @@ SCRAPE_PERIOD_S = 1.0
 REQUEST_TIMEOUT_S = 600.0
 PERCENT = 100.0
 TARGET_RATIO = 0.99
+TARGET_TRACE_RATIO = 0.98
 TARGET_P99_MS = 20.0
+# Tracing runs export every second (the SDK's default is 5 s): more exports, a pessimistic measurement.
+TRACE_EXPORT_DELAY_MS = 1000
 
 
 def free_port() -> int:
@@ -44,13 +53,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class OtlpSink:
+    """An OTLP/HTTP endpoint that accepts every export and counts the payloads (nothing is decoded)."""
+
+    def __init__(self) -> None:
+        self.exports = 0
+        self.bytes = 0
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                sink.exports += 1
+                sink.bytes += len(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def server_args(self) -> list[str]:
+        return ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{self.port}"]
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        return {
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_BSP_SCHEDULE_DELAY": str(TRACE_EXPORT_DELAY_MS),
+        }
+
+
 class Server:
-    def __init__(self, extra_args: list[str], log_path: str) -> None:
+    def __init__(self, extra_args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), *extra_args]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -131,10 +182,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="on/off pairs")
     p.add_argument("--scrape-period", type=float, default=SCRAPE_PERIOD_S, help="seconds between scrapes")
     p.add_argument("--server-args", default="", help="extra srt flags, e.g. '--max-total-tokens 16384'")
+    p.add_argument("--trace", action="store_true", help="measure tracing at level 1 against tracing off")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown the report
     extra = args.server_args.split()
+    if args.trace:
+        trace_main(args, extra)
+        return
     throughput: dict[bool, list[float]] = {True: [], False: []}
     scrapes: list[float] = []
     logdir = tempfile.mkdtemp(prefix="bench-metrics-")
@@ -159,6 +214,35 @@ def main() -> None:
         f"ratio on/off: {ratio:.3f}  (target >= {TARGET_RATIO})\n"
         f"/metrics scrape latency under load: p50 {p50:.1f} ms, p99 {p99:.1f} ms over {len(scrapes)} scrapes "
         f"(target p99 <= {TARGET_P99_MS:.0f} ms)\n"
+        f"server logs: {logdir}\n"
+    )
+
+
+def trace_main(args, extra: list[str]) -> None:
+    """Tracing at level 1 (--enable-trace's start level) against tracing off; metrics on in both."""
+    sink = OtlpSink()
+    throughput: dict[bool, list[float]] = {True: [], False: []}
+    logdir = tempfile.mkdtemp(prefix="bench-trace-")
+    for rnd in range(args.rounds):
+        for trace_on in (True, False):
+            flags = [*extra, *sink.server_args()] if trace_on else extra
+            log = os.path.join(logdir, f"round{rnd}-{'trace' if trace_on else 'off'}.log")
+            server = Server(flags, log, sink.env() if trace_on else None)
+            try:
+                server.wait_ready()
+                tps, _ = asyncio.run(run_workload(server.url, args, scrape=False))
+            finally:
+                server.stop()
+            throughput[trace_on].append(tps)
+            logger.info(
+                "round %d tracing %s: %.1f output tokens/s", rnd, "level 1" if trace_on else "off", tps
+            )
+    on, off = statistics.mean(throughput[True]), statistics.mean(throughput[False])
+    sys.stdout.write(
+        f"throughput tracing level 1: {on:.1f} tok/s  (runs: {', '.join(f'{x:.1f}' for x in throughput[True])})\n"
+        f"throughput tracing off:     {off:.1f} tok/s  (runs: {', '.join(f'{x:.1f}' for x in throughput[False])})\n"
+        f"ratio level 1/off: {on / off:.3f}  (target >= {TARGET_TRACE_RATIO})\n"
+        f"OTLP exports received: {sink.exports} ({sink.bytes / 1024:.0f} KiB)\n"
         f"server logs: {logdir}\n"
     )
 

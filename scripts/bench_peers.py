@@ -27,6 +27,7 @@ from srt.bench.peers import (
     comparison_table,
     llama_cpp_peer,
     machine_description,
+    srt_int8_peer,
     srt_peer,
     transformers_peer,
 )
@@ -38,7 +39,12 @@ from srt.model_source import default_gguf_path, resolve_model_dir
 logger = logging.getLogger("bench_peers")
 
 # llama.cpp before transformers: the slowest peer last, so a cut-short run still compares most of them.
-PEER_FACTORIES = {"srt": srt_peer, "llama.cpp": llama_cpp_peer, "transformers": transformers_peer}
+PEER_FACTORIES = {
+    "srt": srt_peer,
+    "srt-int8": srt_int8_peer,
+    "llama.cpp": llama_cpp_peer,
+    "transformers": transformers_peer,
+}
 BASE_PORT = 30100
 
 
@@ -62,11 +68,22 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-async def bench_peer(peer, levels, counts, dataset, count_tokens, log_dir, show_progress, runs) -> None:
-    """Start one server, warm it up with one full-size request, run every level into `runs`, stop it.
-    Appending as it goes keeps the finished levels when the run is interrupted."""
+async def bench_peer(
+    peer, levels, counts, dataset, count_tokens, log_dir, show_progress, runs, peak_rss
+) -> None:
+    """Start one server, warm it up with one full-size request, run every level into `runs`, stop it (its
+    peak RSS goes into `peak_rss`). Appending as it goes keeps the finished levels when interrupted."""
     log_path = os.path.join(log_dir, f"{peer.name}.log")
-    with RunningServer(peer, log_path) as server:
+    server = RunningServer(peer, log_path)
+    try:
+        await _bench_levels(server, peer, levels, counts, dataset, count_tokens, show_progress, runs)
+    finally:
+        server.stop()
+        peak_rss[peer.name] = server.peak_rss
+
+
+async def _bench_levels(server, peer, levels, counts, dataset, count_tokens, show_progress, runs) -> None:
+    with server:
         ready_s = await server.wait_ready(count_tokens)
         logger.info("%s ready after %.1f s", peer.name, ready_s)
         warm = await warmup(peer.target, dataset[0], count_tokens)
@@ -88,7 +105,7 @@ async def bench_peer(peer, levels, counts, dataset, count_tokens, log_dir, show_
             runs.append(run)
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
+async def main_async(args: argparse.Namespace) -> tuple[dict[str, list[RunResult]], dict[str, int]]:
     levels, counts = _ints(args.concurrency), _ints(args.num_prompts)
     if len(levels) != len(counts):
         raise SystemExit("--num-prompts needs one count per --concurrency level")
@@ -105,6 +122,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_peers_")
     os.makedirs(log_dir, exist_ok=True)
     results: dict[str, list[RunResult]] = {}
+    peak_rss: dict[str, int] = {}
     # Ctrl-C or SIGTERM stops the current server cleanly and still prints what was measured.
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -120,7 +138,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
         runs = results.setdefault(name, [])
         try:
             await bench_peer(
-                peer, levels, counts, dataset, count_tokens, log_dir, not args.disable_tqdm, runs
+                peer, levels, counts, dataset, count_tokens, log_dir, not args.disable_tqdm, runs, peak_rss
             )
         except (RuntimeError, TimeoutError) as exc:
             logger.error("%s could not be benchmarked: %s", name, exc)
@@ -128,13 +146,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[RunResult]]:
             logger.warning("interrupted during %s: reporting what was measured so far", name)
             break
     results = {name: runs for name, runs in results.items() if runs}
-    return results
+    return results, peak_rss
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
-    results = asyncio.run(main_async(args))
+    results, peak_rss = asyncio.run(main_async(args))
     if not results:
         logger.error("no server could be benchmarked")
         return 1
@@ -144,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         f"chat endpoint; prompts per level {args.num_prompts}\n"
     )
     print(comparison_table(results))
+    for name, rss in peak_rss.items():
+        if name in results:
+            print(f"peak RSS of {name} (sum of its processes' peaks, all levels): {rss / 2**30:.2f} GiB")
     for name, runs in results.items():
         for run in runs:
             if run.server is not None:

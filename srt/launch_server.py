@@ -385,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(server_args.log_level, "main")
     try:
         listener = bind_listener(server_args.host, server_args.port)
+        if server_args.export_metrics_to_file:
+            from srt.metrics.request_export import check_export_dir
+
+            check_export_dir(server_args.export_metrics_to_file_dir)
         if server_args.metrics_enabled:
             from srt.metrics.multiprocess import setup_multiprocess_dir
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from srt.constrained import DEFAULT_GRAMMAR_BACKEND, GRAMMAR_BACKENDS
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
+from srt.kv_events.config import parse_kv_events_config
+from srt.metrics.custom_labels import parse_allowed_custom_labels
 from srt.utils import make_owned_temp_dir, remove_stale_dirs
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -101,7 +103,7 @@ class ServerArgs:
     quantization: str | None = _f(
         None,
         "w8a8_int8 runs every linear layer in int8 (per-channel weights, per-token activations); none keeps "
-        "fp32; default: none until the quality gate (scripts/eval_quality.py) admits int8",
+        "fp32 (the default: int8 has not passed the quality gate of scripts/eval_quality.py, see README)",
         choices=QUANTIZATIONS,
     )
     enable_mixed_chunk: bool = _f(
@@ -124,7 +126,9 @@ class ServerArgs:
         "x-custom-labels", "request header whose JSON object adds labels to the request-level metrics"
     )
     tokenizer_metrics_allowed_custom_labels: list[str] | None = _f(
-        None, "label names (and name=value pairs) a custom-labels header may set; others are dropped", nargs="+"
+        None,
+        "label names (and name=value pairs) a custom-labels header may set; others are dropped",
+        nargs="+",
     )
     return_timing: bool = _f(
         False, "add per-request timings to every OpenAI response (else only when a body asks: return_timing)"
@@ -192,6 +196,19 @@ class ServerArgs:
                 problems.append(
                     f"--{name.replace('_', '-')} must be a non-empty ascending list of seconds >= 0"
                 )
+        if self.export_metrics_to_file and not self.export_metrics_to_file_dir:
+            problems.append("--export-metrics-to-file needs --export-metrics-to-file-dir (where to write)")
+        try:
+            parse_allowed_custom_labels(self.tokenizer_metrics_allowed_custom_labels)
+        except ValueError as e:
+            problems.append(str(e))
+        if not self.tokenizer_metrics_custom_labels_header.strip():
+            problems.append("--tokenizer-metrics-custom-labels-header must name a header")
+        if self.kv_events_config is not None:
+            try:
+                parse_kv_events_config(self.kv_events_config, self.dp_size)
+            except ValueError as e:
+                problems.append(str(e))
         if self.model_path is not None and not os.path.exists(self.model_path):
             problems.append(
                 f"--model-path {self.model_path!r} does not exist: pass a Hugging Face model directory or a "

@@ -49,10 +49,34 @@ def _missing_modules(*modules: str) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
-def srt_peer(port: int, model_dir: str) -> Peer:
-    cmd = [sys.executable, "-m", "srt.launch_server", "--host", HOST, "--port", str(port)]
+def srt_peer(port: int, model_dir: str, *flags: str, name: str = "srt") -> Peer:
+    cmd = [sys.executable, "-m", "srt.launch_server", "--host", HOST, "--port", str(port), *flags]
     target = Target(f"http://{HOST}:{port}", backend="openai", endpoint="chat", fixed_output="ignore_eos")
-    return Peer("srt", cmd, target)
+    return Peer(name, cmd, target)
+
+
+def srt_int8_peer(port: int, model_dir: str) -> Peer:
+    """srt with every linear layer in int8 (`--quantization w8a8_int8`)."""
+    return srt_peer(port, model_dir, "--quantization", "w8a8_int8", name="srt-int8")
+
+
+def peak_rss_bytes(root_pid: int) -> int:
+    """Sum of the peak resident sizes (VmHWM) of a server's processes: its session, children included. An
+    upper bound of the peak of the sum (the processes need not peak at once); 0 if /proc is unreadable."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != root_pid:
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def transformers_peer(port: int, model_dir: str) -> Peer:
@@ -105,6 +129,7 @@ class RunningServer:
         self.peer = peer
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.peak_rss = 0
 
     def __enter__(self) -> RunningServer:
         log = open(self.log_path, "w")
@@ -122,6 +147,7 @@ class RunningServer:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
+        self.peak_rss = peak_rss_bytes(self.proc.pid)  # before the processes (and their counters) go
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(STOP_GRACE_S)

@@ -35,6 +35,8 @@ from srt.managers.input_processor import GenerateInput, ServerUnavailableError
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+from srt.tracing.common import parse_trace_level
+from srt.tracing.http import ReceivedTimeMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         )
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_SECONDS):
-                async for out in tm.generate(obj):
+                async for out in tm.generate(obj, health_check=True):
                     if out.finish_reason is not None and out.finish_reason.type == "error":
                         raise ServerUnavailableError(out.finish_reason.message or "generation failed")
         except (TimeoutError, ServerUnavailableError) as e:
@@ -168,10 +170,32 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             return {"success": True}
         return {"success": tm.abort_request(body.rid)}
 
+    @app.api_route("/set_trace_level", methods=["GET", "POST"])
+    async def set_trace_level(level: str | None = None):
+        """Trace detail for requests arriving from now on: 0 off, 1 request spans, 2 + stage spans, 3 + one
+        span per prefill chunk (srt/tracing/)."""
+        if tm.tracer is None:
+            msg = "tracing is off: start the server with --enable-trace"
+            return OpenAIError(msg, code="tracing_disabled").to_response()
+        try:
+            tm.tracer.level = parse_trace_level(level)
+        except ValueError as e:
+            return OpenAIError(str(e), param="level", code="invalid_value").to_response()
+        return {"success": True, "level": tm.tracer.level}
+
     if server_args.metrics_enabled:
         from srt.metrics.collector import instrument_http_app, make_metrics_asgi_app
 
         instrument_http_app(app, {"model_name": model_name})
         app.router.routes.append(Route("/metrics", endpoint=make_metrics_asgi_app()))
+    from srt.metrics.multiprocess import multiprocess_dir
+
+    if server_args.metrics_enabled and multiprocess_dir():  # load reports read the schedulers' gauges
+        from srt.entrypoints.load_report import LoadReportMiddleware
+        from srt.metrics.load_snapshot import SchedulerLoadReader
+
+        app.add_middleware(LoadReportMiddleware, reader=SchedulerLoadReader(multiprocess_dir()))
     app.state.admission = install_middlewares(app, server_args)
+    if server_args.enable_trace:  # outermost: a request's trace starts before its body is read
+        app.add_middleware(ReceivedTimeMiddleware)
     return app

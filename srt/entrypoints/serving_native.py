@@ -91,6 +91,8 @@ class GenerateHandler:
             "finish_reason": _finish_dict(c.finish_reason),
             "e2e_latency": time.monotonic() - arrival,
         }
+        if c.stats is not None:  # finished: SGLang's timings, the values /metrics observed for it
+            meta.update(c.stats.timings())
         if logprob:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(c.token_logprobs, c.output_ids, strict=False)

@@ -167,8 +167,9 @@ class IncrementalDetokenizer:
 class DetokenizerManager:
     """Receives BatchTokenIDOut, sends BatchStrOut; forwards every other message unchanged."""
 
-    def __init__(self, tokenizer, recv_sock: zmq.Socket, send_sock: zmq.Socket):
+    def __init__(self, tokenizer, recv_sock: zmq.Socket, send_sock: zmq.Socket, tracing=None):
         self.detok = IncrementalDetokenizer(tokenizer)
+        self.tracing = tracing  # srt/tracing/detokenizer_tracer.py's DetokenizerTracing with --enable-trace
         self.recv_sock = recv_sock
         self.send_sock = send_sock
 
@@ -177,6 +178,8 @@ class DetokenizerManager:
         an entry finished by a stop string is cut after the token that completed it."""
         out: dict[str, list] = {name: [] for name in _META_FIELDS}
         strs: list[str] = []
+        if batch.trace_contexts is not None and self.tracing is not None:
+            self.tracing.on_batch(batch)
         for i, rid in enumerate(batch.rids):
             finished = batch.finished_reasons[i]
             try:
@@ -190,6 +193,8 @@ class DetokenizerManager:
             if res is None:
                 continue
             delta, used, reason = res
+            if reason is not None and self.tracing is not None:
+                self.tracing.on_finished(rid)
             unused = len(batch.output_ids[i]) - used
             for name in _META_FIELDS:
                 values = getattr(batch, name)
@@ -232,7 +237,12 @@ def run_detokenizer_process(
         context = zmq.Context()
         recv_sock = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_input, bind=True)
         send_sock = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_input, bind=False)
-        manager = DetokenizerManager(tokenizer, recv_sock, send_sock)
+        tracing = None
+        if server_args.enable_trace:
+            from srt.tracing.detokenizer_tracer import DetokenizerTracing
+
+            tracing = DetokenizerTracing(server_args)
+        manager = DetokenizerManager(tokenizer, recv_sock, send_sock, tracing)
     except Exception as e:  # report any start-up failure to the launcher instead of dying silently
         logger.exception("detokenizer failed to start")
         ready_writer.send(f"detokenizer failed to start: {e}")

@@ -29,12 +29,24 @@ class FinishReason:
 
 
 @dataclass
+class TraceContext:
+    """Where a child process hangs its spans for one request (srt/tracing/): the W3C `traceparent` (and
+    `tracestate`) of the parent span in the main process, and the trace level in force when the request
+    arrived, so a child obeys `/set_trace_level` without a control message. Sent only for traced requests."""
+
+    traceparent: str
+    tracestate: str = ""
+    level: int = 1
+
+
+@dataclass
 class TokenizedGenerateReqInput:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
     input_text: str | None = None
+    trace: TraceContext | None = None  # only when the request is traced at level >= 2
 
 
 @dataclass
@@ -106,6 +118,9 @@ class BatchTokenIDOut(BatchOutMeta):
     # per-request configuration beyond its decode state.
     skip_special_tokens: list[bool] = field(default_factory=list)
     stop_strs: list[list[str]] = field(default_factory=list)
+    # Present only when some request in the batch is traced and this is its first message: its context, once,
+    # so the detokenizer can hang its span under the request (None for the other requests).
+    trace_contexts: list[TraceContext | None] | None = None
 
 
 @dataclass

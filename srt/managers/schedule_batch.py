@@ -31,7 +31,9 @@ class Req:
         self.sampling_params = sampling_params
         self.stream = stream
         self.generator = generator
+        self.penalty_row: int | None = None  # row in the sampler's PenaltyPool while it runs, if penalized
         self.grammar = None  # structured output: this request's matcher (srt/constrained/)
+        self.trace = None  # its tracing stamps (scheduler_tracing.ReqTrace) when the request is traced
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
 

@@ -35,7 +35,8 @@ class PrefillAdder:
     Memory left for new work = free slots + evictable cache slots − what running requests are expected to
     still decode (`remaining_new_tokens × new_token_ratio`). A request is admitted if its new prompt tokens
     plus its own expected decode fit; a prompt longer than the chunk budget is admitted as a first chunk and
-    closes the batch. Admitted requests lock their matched prefix so eviction cannot take it."""
+    closes the batch. Admitted requests lock their matched prefix so eviction cannot take it.
+    `reserved_tokens`: KV slots the same step takes for other work (a mixed step's decode tokens)."""
 
     def __init__(
         self,
@@ -46,11 +47,15 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int,
         max_new_reqs: int,
+        reserved_tokens: int = 0,
     ):
         self.tree_cache = tree_cache
         self.new_token_ratio = new_token_ratio
         reserved = sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) for r in running) * new_token_ratio
-        self.rem_total = allocator.available_size() + tree_cache.evictable_size() - reserved
+        free = allocator.available_size() + tree_cache.evictable_size()
+        self.rem_total = free - reserved - reserved_tokens
+        # KV slots this step can really take (no future decode counted): the hard limit of a continued chunk
+        self.rem_now = free - reserved_tokens
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunked_prefill_size if chunked_prefill_size > 0 else math.inf
         self.max_new_reqs = max_new_reqs
@@ -58,16 +63,23 @@ class PrefillAdder:
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
 
-    def _lock(self, req: Req) -> None:
+    def _lock(self, req: Req) -> int:
+        """Lock the request's matched prefix; returns how many slots stopped being evictable."""
         before = self.tree_cache.evictable_size()
         self.tree_cache.inc_lock_ref(req.last_node)
         # Locked prefix slots are no longer evictable, so they no longer count as room for new work.
-        self.rem_total -= before - self.tree_cache.evictable_size()
+        locked = before - self.tree_cache.evictable_size()
+        self.rem_total -= locked
+        self.rem_now -= locked
+        return locked
 
     def add_chunked_req(self, req: Req) -> AddResult:
         """Continue a prompt already being prefilled in chunks (its prefix is its own, already locked)."""
         rest = len(req.fill_ids) - req.kv_len
-        req.extend_len = int(min(rest, self.rem_chunk, self.rem_input))
+        req.extend_len = int(min(rest, self.rem_chunk, self.rem_input, max(self.rem_now, 0)))
+        if req.extend_len == 0:  # no KV slot free now: the chunk waits for running requests to free some
+            self.new_chunked_req = req
+            return AddResult.NO_TOKEN
         self.can_run.append(req)
         self._take(req.extend_len)
         if req.is_chunked:
@@ -97,8 +109,15 @@ class PrefillAdder:
             # Chunking is off: a prompt over the remaining budget waits for a batch of its own.
             req.reset_prefix()
             return AddResult.OTHER
-        self._lock(req)
+        locked = self._lock(req)
         req.extend_len = int(extend if math.isinf(self.rem_chunk) else min(extend, budget))
+        if req.extend_len > self.rem_now:
+            # Its own cached prefix counted as evictable room until locked: the slots are not there now.
+            self.tree_cache.dec_lock_ref(req.last_node)
+            self.rem_total += locked
+            self.rem_now += locked
+            req.reset_prefix()
+            return AddResult.NO_TOKEN
         self.can_run.append(req)
         self._take(req.extend_len)
         if req.is_chunked:
@@ -109,5 +128,6 @@ class PrefillAdder:
 
     def _take(self, n: int) -> None:
         self.rem_total -= n
+        self.rem_now -= n
         self.rem_input -= n
         self.rem_chunk -= n

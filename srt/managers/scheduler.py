@@ -30,14 +30,17 @@ from srt.managers.fault_isolation import (
     fail_request,
 )
 from srt.managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
+from srt.managers.mixed_chunk import MixedChunkBudget
 from srt.managers.prompt_logprobs import plan_prompt_logprobs
 from srt.managers.schedule_batch import Req, build_token_output
 from srt.managers.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from srt.managers.scheduler_grammar import SchedulerGrammar
 from srt.managers.scheduler_reporter import NullReporter, StepReporter
+from srt.managers.scheduler_tracing import SchedulerTracing
+from srt.managers.step_builder import StepBuilder
 from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.kv_events import KVEventSink
 from srt.mem_cache.radix_cache import RadixCache
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import Sampler, make_generator
 from srt.sampling.sampling_params import SamplingParams
@@ -57,9 +60,15 @@ RETRACT_DECODE_STEPS = 20
 
 class Scheduler:
     def __init__(
-        self, server_args: ServerArgs, model_runner: ModelRunner, reporter: StepReporter | None = None
+        self,
+        server_args: ServerArgs,
+        model_runner: ModelRunner,
+        reporter: StepReporter | None = None,
+        kv_events: KVEventSink | None = None,  # --kv-events-config's publisher (srt/kv_events/)
+        tracing: SchedulerTracing | None = None,  # --enable-trace's spans (rank 0 only)
     ):
         self.args = server_args
+        self.tracing = tracing or SchedulerTracing()
         self.runner = model_runner
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
@@ -68,7 +77,10 @@ class Scheduler:
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator)
         else:
             self.tree_cache = RadixCache(
-                self.req_to_token_pool, self.allocator, residency_observer=self.reporter.residency_observer
+                self.req_to_token_pool,
+                self.allocator,
+                residency_observer=self.reporter.residency_observer,
+                kv_events=kv_events,
             )
         self.sampler = IsolatingSampler(
             Sampler(model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device),
@@ -87,7 +99,14 @@ class Scheduler:
         self.finished_outside_step: list[Req] = []  # aborts and rejections, reported with the next output
         self.live: dict[str, Req] = {}  # rid -> its request, from admission until its final output
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.last_step_was_prefill = False
+        self.last_step_was_prefill = False  # the last step ran a prefill (alone or mixed)
+        self.last_step_was_mixed = False
+        # --enable-mixed-chunk: the prefill budget of mixed steps; timing-adaptive only without tensor
+        # parallelism (every rank must schedule the same batches)
+        self.mixed_budget = (
+            MixedChunkBudget(adaptive=server_args.tp_size == 1) if server_args.enable_mixed_chunk else None
+        )
+        self.builder = StepBuilder(self.req_to_token_pool, self.allocator, self.tree_cache)
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
 
     # ---- inputs ----
@@ -100,6 +119,7 @@ class Scheduler:
         params = recv.sampling_params
         try:
             req = Req(recv.rid, recv.input_ids, params, recv.stream)
+            self.tracing.attach(req, recv.trace)
             req.finished_reason = self._refusal(req)
             if not req.finished:
                 req.generator = make_generator(params.seed, self.default_generator)
@@ -194,36 +214,54 @@ class Scheduler:
 
     # ---- one step ----
     def step(self) -> BatchTokenIDOut | None:
-        """Prefill when waiting work fits, else decode — but never two prefill steps in a row while requests
-        are decoding: a burst of arrivals would otherwise stall every running stream until the whole queue
-        is prefilled (inter-token gaps of tens of seconds on a CPU)."""
+        """One forward step. Without mixed chunks: prefill when waiting work fits, else decode — but never two
+        prefill steps in a row while requests are decoding: a burst of arrivals would otherwise stall every
+        running stream until the whole queue is prefilled (inter-token gaps of tens of seconds on a CPU).
+        With mixed chunks (`--enable-mixed-chunk`), while requests decode, a prefill of at most the mixed
+        budget (srt/managers/mixed_chunk.py) rides along in the same step as their decode."""
         stepped: list[Req] = []
         ready, failed = self.grammar.pop_ready()
         self.waiting.extend(ready)
         self.finished_outside_step.extend(failed)
-        prefill = [] if (self.last_step_was_prefill and self.running) else self._schedule_prefill()
+        if self.mixed_budget is not None and self.running:
+            self._ensure_decode_memory()  # first, so admission sees what this step's decode leaves
+        if self.mixed_budget is not None and self.running:
+            budget = self.mixed_budget.prefill_tokens(len(self.running))
+            prefill = self._schedule_prefill(token_budget=budget, decode_tokens=len(self.running))
+            decode = self.running if prefill else []
+        else:
+            prefill = [] if (self.last_step_was_prefill and self.running) else self._schedule_prefill()
+            decode = []
         if prefill:
-            stepped = self._run_prefill(prefill)
+            stepped = self._run_extend(prefill, decode)
         elif self.running:
             stepped = self._run_decode()
         self.last_step_was_prefill = bool(prefill)
+        self.last_step_was_mixed = bool(decode)
         return self._make_output(stepped)
 
-    def _schedule_prefill(self) -> list[Req]:
+    def _schedule_prefill(self, token_budget: int | None = None, decode_tokens: int = 0) -> list[Req]:
+        """Admit waiting work. `token_budget` caps this step's prefill tokens (a mixed step's budget) on top of
+        the chunk and prefill limits; `decode_tokens` KV slots are kept for the running batch's decode."""
         if not self.waiting and self.chunked_req is None:
             return []
         slots = min(self.max_running_requests - len(self.running), self.req_to_token_pool.available_size())
         if slots <= 0 and self.chunked_req is None:
             return []
         order_waiting_queue(self.args.schedule_policy, self.waiting, self.tree_cache)
+        max_prefill, chunk = self.args.max_prefill_tokens, self.args.chunked_prefill_size
+        if token_budget is not None:
+            max_prefill = min(max_prefill, token_budget)
+            chunk = min(chunk, token_budget) if chunk > 0 else chunk
         adder = PrefillAdder(
             self.tree_cache,
             self.allocator,
             self.running,
             self.new_token_ratio,
-            self.args.max_prefill_tokens,
-            self.args.chunked_prefill_size,
+            max_prefill,
+            chunk,
             max_new_reqs=max(slots, 0),
+            reserved_tokens=decode_tokens,
         )
         result = AddResult.CONTINUE
         if self.chunked_req is not None:
@@ -237,16 +275,9 @@ class Scheduler:
         self.chunked_req = adder.new_chunked_req
         return adder.can_run
 
-    def _alloc_kv(self, n: int) -> torch.Tensor:
-        short = n - self.allocator.available_size()
-        if short > 0:
-            self.tree_cache.evict(short)
-        loc = self.allocator.alloc(n)
-        if loc is None:  # admission and retraction keep this from happening; a bug if it does
-            raise RuntimeError(f"KV pool exhausted: need {n}, free {self.allocator.available_size()}")
-        return loc
-
-    def _run_prefill(self, reqs: list[Req]) -> list[Req]:
+    def _run_extend(self, reqs: list[Req], decode: list[Req]) -> list[Req]:
+        """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step that also decodes
+        one token for each running request."""
         now = time.monotonic()
         new_seqs = queries = hits = 0
         for req in reqs:
@@ -256,37 +287,9 @@ class Scheduler:
                 new_seqs += 1
                 queries += len(req.origin_input_ids)
                 hits += req.kv_len
-            if req.req_pool_idx is None:
-                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
-                self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len] = req.prefix_indices
         total = sum(r.extend_len for r in reqs)
-        loc = self._alloc_kv(total)
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        offset = 0
-        for req in reqs:
-            start, end = req.kv_len, req.kv_len + req.extend_len
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] = loc[
-                offset : offset + req.extend_len
-            ]
-            input_ids.extend(req.fill_ids[start:end])
-            positions.append(torch.arange(start, end, dtype=torch.int64))
-            offset += req.extend_len
-        seq_lens = [r.kv_len + r.extend_len for r in reqs]
         plan = plan_prompt_logprobs(reqs)
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            batch_size=len(reqs),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.cat(positions),
-            out_cache_loc=loc,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=[r.kv_len for r in reqs],
-            extend_seq_lens_cpu=[r.extend_len for r in reqs],
-            **(plan.batch_fields() if plan else {}),
-        )
+        batch = self.builder.extend(reqs, decode, **(plan.batch_fields() if plan else {}))
         t0 = time.perf_counter()
         if plan is None:
             logits = self.runner.forward(batch)
@@ -294,9 +297,13 @@ class Scheduler:
             logits, scores = self.runner.forward_with_prompt_logprobs(batch)
             plan.deliver(scores)
         forward_seconds = time.perf_counter() - t0
+        self.tracing.on_prefill_step(reqs, now, time.monotonic())
+        self._observe_step(total, len(decode), forward_seconds)
         for req in reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
+        for req in decode:
+            req.kv_len += 1
         done = [i for i, r in enumerate(reqs) if not r.is_chunked and r.sampling_params.max_new_tokens > 0]
         for req in reqs:
             if req.is_chunked:
@@ -305,14 +312,16 @@ class Scheduler:
                 req.finished_reason = FinishReason("length")
                 self._release(req)
                 self.reporter.on_finished(req)
-        sampled = [reqs[i] for i in done]
+        # decoding requests first: a steady running batch keeps its order, and its sampling batch
+        rows = [len(reqs) + i for i in range(len(decode))] + done
+        sampled = decode + [reqs[i] for i in done]
         if sampled:
-            self._sample_and_append(logits[done] if len(done) < len(reqs) else logits, sampled)
-        for req in sampled:
-            if not req.finished:
-                self.running.append(req)
-        self.reporter.on_prefill(
-            self,
+            in_order = rows == list(range(batch.batch_size))
+            self._sample_and_append(logits if in_order else logits[rows], sampled)
+        if decode:
+            self._after_decode()
+        self.running.extend(r for r in (reqs[i] for i in done) if not r.finished)
+        report = dict(
             new_seqs=new_seqs,
             new_tokens=total,
             cached_tokens=hits,
@@ -320,38 +329,36 @@ class Scheduler:
             prefix_hits=hits,
             forward_seconds=forward_seconds,
         )
-        return reqs
+        if decode:
+            self.reporter.on_mixed(self, decode_tokens=len(decode), **report)
+        else:
+            self.reporter.on_prefill(self, **report)
+        return reqs + decode
 
     def _run_decode(self) -> list[Req]:
         self._ensure_decode_memory()
         reqs = self.running
         if not reqs:
             return []
-        loc = self._alloc_kv(len(reqs))
-        pool_idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        self.req_to_token_pool.req_to_token[pool_idx, positions] = loc
-        seq_lens = positions + 1
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            batch_size=len(reqs),
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
-            positions=positions,
-            out_cache_loc=loc,
-            req_pool_indices=pool_idx,
-            seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens.tolist(),
-        )
+        batch = self.builder.decode(reqs)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         forward_seconds = time.perf_counter() - t0
+        self._observe_step(0, len(reqs), forward_seconds)
         for req in reqs:
             req.kv_len += 1
         self._sample_and_append(logits, reqs)
-        self.running = [r for r in reqs if not r.finished]
-        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        self._after_decode()
         self.reporter.on_decode(self, num_tokens=len(reqs), forward_seconds=forward_seconds)
         return reqs
+
+    def _after_decode(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def _observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        if self.mixed_budget is not None:
+            self.mixed_budget.observe(prefill_tokens, decode_tokens, seconds)
 
     def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         mask = self.grammar.mask(reqs)
@@ -369,6 +376,7 @@ class Scheduler:
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
             req.req_pool_idx = None
+        self.sampler.release(req)
         req.reset_prefix()
 
     def _ensure_decode_memory(self) -> None:
@@ -388,6 +396,7 @@ class Scheduler:
             req = self.running.pop()
             self._release(req)
             req.num_retractions += 1
+            self.tracing.on_retraction(req)
             retracted.append(req)
         if room() < len(self.running):  # a single request larger than the whole pool
             req = self.running.pop()
@@ -414,4 +423,6 @@ class Scheduler:
         for req in reqs:
             if req.finished and self.live.get(req.rid) is req:
                 del self.live[req.rid]
-        return build_token_output(reqs)
+        out = build_token_output(reqs)
+        self.tracing.on_output(out, reqs)
+        return out

@@ -59,11 +59,42 @@ class SchedulerReporter(StepReporter):
         prefix_hits,
         forward_seconds,
     ) -> None:
+        self.on_mixed(
+            sched,
+            new_seqs=new_seqs,
+            new_tokens=new_tokens,
+            cached_tokens=cached_tokens,
+            prefix_queries=prefix_queries,
+            prefix_hits=prefix_hits,
+            decode_tokens=0,
+            forward_seconds=forward_seconds,
+        )
+
+    def on_mixed(
+        self,
+        sched: Scheduler,
+        *,
+        new_seqs,
+        new_tokens,
+        cached_tokens,
+        prefix_queries,
+        prefix_hits,
+        decode_tokens,
+        forward_seconds,
+    ) -> None:
+        """A prefill step, or a mixed one (`decode_tokens` > 0): its Prefill line, and for the decoded tokens
+        what a decode step counts (throughput, the Decode line's cadence)."""
         if prefix_queries:
             self.last_hit_rate = prefix_hits / prefix_queries
         if self.collector is not None:
             self.collector.on_prefill_batch(
-                new_seqs, new_tokens, cached_tokens, prefix_queries, prefix_hits, forward_seconds
+                new_seqs,
+                new_tokens,
+                cached_tokens,
+                prefix_queries,
+                prefix_hits,
+                forward_seconds,
+                decode_tokens,
             )
         self.summary.on_prefill(new_tokens, prefix_queries, prefix_hits, num_requests=new_seqs)
         logger.info(
@@ -76,27 +107,35 @@ class SchedulerReporter(StepReporter):
                 queue_req=len(sched.waiting),
             )
         )
+        if decode_tokens:
+            self._decoded(sched, decode_tokens)
         self.flush(sched)
 
     def on_decode(self, sched: Scheduler, *, num_tokens, forward_seconds) -> None:
         if self.collector is not None:
             self.collector.on_decode_batch(num_tokens, forward_seconds)
+        if self._decoded(sched, num_tokens):
+            self.flush(sched)
+
+    def _decoded(self, sched: Scheduler, num_tokens: int) -> bool:
+        """Count a step's decoded tokens; True when the step writes the Decode line."""
         self.summary.on_decode(num_tokens)
         self.decode_steps += 1
         self.throughput_meter.add(num_tokens)
-        if self.decode_steps % self.args.decode_log_interval == 0:
-            self.gen_throughput = self.throughput_meter.take()
-            used = sched.num_used_tokens
-            logger.info(
-                stat_logger.format_decode_line(
-                    running_req=len(sched.running),
-                    token=used,
-                    token_usage=used / self.capacity,
-                    gen_throughput=self.gen_throughput,
-                    queue_req=len(sched.waiting),
-                )
+        if self.decode_steps % self.args.decode_log_interval:
+            return False
+        self.gen_throughput = self.throughput_meter.take()
+        used = sched.num_used_tokens
+        logger.info(
+            stat_logger.format_decode_line(
+                running_req=len(sched.running),
+                token=used,
+                token_usage=used / self.capacity,
+                gen_throughput=self.gen_throughput,
+                queue_req=len(sched.waiting),
             )
-            self.flush(sched)
+        )
+        return True
 
     def on_retraction(self, sched: Scheduler, n: int) -> None:
         if self.collector is not None:

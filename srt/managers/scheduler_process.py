@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from srt.kv_events.publisher import start_kv_event_publisher
 from srt.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -24,6 +25,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from srt.managers.scheduler import Scheduler
+from srt.managers.scheduler_tracing import SchedulerTracing
 from srt.server_args import PortArgs, ServerArgs
 
 if TYPE_CHECKING:
@@ -59,7 +61,9 @@ def run_scheduler_process(
             peers = TpPeers.start(server_args, model_dir, dp_rank, dist_init_method)
         runner = build_runner(server_args, model_dir, tp_rank=0, dist_init_method=dist_init_method)
         reporter = build_reporter(server_args, runner, dp_rank, startup_seconds=time.monotonic() - start)
-        scheduler = Scheduler(server_args, runner, reporter)
+        kv_events = start_kv_event_publisher(server_args, dp_rank, reporter.collector)
+        tracing = SchedulerTracing.create(server_args, dp_rank)
+        scheduler = Scheduler(server_args, runner, reporter, kv_events=kv_events, tracing=tracing)
         ctx = zmq.Context()
         recv_sock = ctx.socket(zmq.PULL)
         recv_sock.bind(port_args.scheduler_input_for(dp_rank))
@@ -106,6 +110,7 @@ def build_runner(
         tp_rank=tp_rank,
         tp_size=server_args.tp_size,
         dist_init_method=dist_init_method,
+        quantization=server_args.quantization,
     )
 
 

@@ -34,6 +34,20 @@ class StepReporter:
 
     def on_decode(self, sched: Scheduler, *, num_tokens: int, forward_seconds: float) -> None: ...
 
+    def on_mixed(
+        self,
+        sched: Scheduler,
+        *,
+        new_seqs: int,
+        new_tokens: int,
+        cached_tokens: int,
+        prefix_queries: int,
+        prefix_hits: int,
+        decode_tokens: int,
+        forward_seconds: float,
+    ) -> None:
+        """A mixed step: a prefill of `new_tokens` and `decode_tokens` decoded tokens in one forward."""
+
     def on_retraction(self, sched: Scheduler, n: int) -> None: ...
 
     def on_finished(self, req: Req) -> None: ...

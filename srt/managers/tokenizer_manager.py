@@ -39,6 +39,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from srt.managers.request_metrics import RequestMetricsRecorder
+from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import get_zmq_socket
@@ -69,6 +70,8 @@ class ReqOutput:
     input_token_ids: list[int] | None = None
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # With the final output: the request's finished record (its timings; srt/managers/request_metrics.py).
+    stats: FinishedRequestStats | None = None
 
 
 @dataclass
@@ -87,6 +90,9 @@ class ReqState:
     last_token_ts: float | None = None  # scheduler clock
     abandoned: bool = False  # the handler is gone; outputs are only counted, not delivered
     logprob_ids: list[int] | None = None  # prompt[logprob_start_len:] when prompt logprobs are asked
+    labels: tuple[str, ...] = ()  # custom metric label values (srt/metrics/custom_labels.py)
+    params: SamplingParams | None = None
+    export: bool = True  # written to the request export (health checks are not)
 
 
 class TokenizerManager:
@@ -106,6 +112,7 @@ class TokenizerManager:
         self.group_rids: dict[str, list[str]] = {}
         self.dead_reason: str | None = None
         self.metrics: RequestMetricsRecorder | None = None
+        self.tracer = None  # srt/tracing/request_tracer.py's RequestTracer, with --enable-trace
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._recv_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, for the launcher's watchdog
@@ -127,6 +134,10 @@ class TokenizerManager:
         self.ready = ready
         self.inputs.set_limits(ready.context_len, ready.max_req_input_len)
         self.metrics = RequestMetricsRecorder(self.server_args, ready.context_len)
+        if self.server_args.enable_trace:  # the SDK is imported only then (srt/tracing/)
+            from srt.tracing.request_tracer import RequestTracer
+
+            self.tracer = RequestTracer(self.server_args)
 
     async def start(self) -> None:
         """Bind the PULL socket and start the output dispatcher; call inside the server's event loop."""
@@ -142,6 +153,8 @@ class TokenizerManager:
             self.recv_sock.close()
         for sock in self.send_socks:
             sock.close()
+        if self.metrics is not None:
+            self.metrics.close()  # writes the request export's queued lines
 
     @property
     def context_len(self) -> int:
@@ -169,41 +182,64 @@ class TokenizerManager:
             )
         return group, rids
 
-    def generate(self, obj: GenerateInput, request=None) -> AsyncIterator[ReqOutput]:
+    def generate(
+        self, obj: GenerateInput, request=None, *, health_check: bool = False
+    ) -> AsyncIterator[ReqOutput]:
         """Check and send the request(s) now — so a bad or duplicate request raises here, before any response
         is committed — and return an iterator over the outputs, tagged with their choice index.
 
         `request` (a Starlette Request) is polled for a disconnect; a disconnect, a cancellation or an
         early close of the iterator aborts every unfinished internal request in the scheduler. An iterator
-        never consumed leaves its requests to finish on their own (bounded by max_new_tokens)."""
+        never consumed leaves its requests to finish on their own (bounded by max_new_tokens).
+        `health_check` requests are left out of the request export."""
         per_prompt = self.check(obj)
         group, rids = self._internal_rids(obj)
         queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
         self.group_rids[group] = rids
+        labels = self.metrics.custom_labels(request.headers if request is not None else None)
+        export = not health_check
+        traces = (
+            None
+            if self.tracer is None or health_check
+            else self.tracer.begin(obj, per_prompt[0], group, rids, request)
+        )
         for i, rid in enumerate(rids):
             p = i // obj.n
             ids, params = obj.prompts[p], per_prompt[p]
             self.rid_to_state[rid] = ReqState(
-                rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n, group
-            )
+                rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n, group,
+                labels=labels, params=params, export=export,
+            )  # fmt: skip
             if params.logprob_start_len is not None:
                 self.rid_to_state[rid].logprob_ids = ids[params.logprob_start_len :]
             text = obj.input_texts[p] if obj.input_texts else None
             rank = self.router.route(rid)
-            self.send_socks[rank].send_pyobj(TokenizedGenerateReqInput(rid, ids, params, obj.stream, text))
-        return self._outputs(queue, rids, request)
+            trace = traces[i] if traces else None
+            self.send_socks[rank].send_pyobj(
+                TokenizedGenerateReqInput(rid, ids, params, obj.stream, text, trace)
+            )
+        return self._outputs(queue, rids, request, export)
 
-    async def _outputs(self, queue: asyncio.Queue, rids: list[str], request) -> AsyncIterator[ReqOutput]:
+    async def _outputs(
+        self, queue: asyncio.Queue, rids: list[str], request, export: bool
+    ) -> AsyncIterator[ReqOutput]:
+        """The final output of each request is stamped as handed to the response (and exported) here, as
+        the handler gets it; finals never taken (the handler went away) are exported unstamped."""
         unfinished = set(rids)
         try:
             while unfinished:
                 item = await self._next(queue, request)
                 if item.finish_reason is not None:
                     unfinished.discard(item.rid)
+                    self.metrics.handed_over(item.stats, export)
                 yield item
         finally:
             for rid in unfinished:
                 self._abandon(rid)
+            while not queue.empty():
+                left = queue.get_nowait()
+                if left.stats is not None and export:
+                    self.metrics.export(left.stats)
 
     async def _next(self, queue: asyncio.Queue, request) -> ReqOutput:
         if not queue.empty() or request is None:
@@ -257,6 +293,8 @@ class TokenizerManager:
         """A child died: fail every in-flight request at once instead of letting it hang."""
         if self.dead_reason is None:
             self.dead_reason = reason
+        if self.tracer is not None:
+            self.tracer.fail_all(reason, time.monotonic())
         for st in list(self.rid_to_state.values()):
             if not st.abandoned:
                 st.queue.put_nowait(
@@ -308,6 +346,7 @@ class TokenizerManager:
             new_ids = b.output_ids[i]
             reason = b.finished_reasons[i]
             self.metrics.on_tokens(st, b.token_ts[i], bool(new_ids), now)
+            stats = None if reason is None else self.metrics.finished_stats(st, b, i, reason, now)
             if not st.abandoned:
                 st.queue.put_nowait(
                     ReqOutput(
@@ -322,10 +361,11 @@ class TokenizerManager:
                         token_logprobs=b.output_token_logprobs[i] if b.output_token_logprobs else None,
                         top_logprobs=b.output_top_logprobs[i] if b.output_top_logprobs else None,
                         **self._prompt_logprobs(st, b, i),
+                        stats=stats,
                     )
                 )
             if reason is not None:
-                self._finish(st, b, i, reason, now)
+                self._finish(st, reason, stats)
 
     @staticmethod
     def _prompt_logprobs(st: ReqState, b: BatchStrOut, i: int) -> dict:
@@ -340,7 +380,7 @@ class TokenizerManager:
             "input_top_logprobs": tops if tops is not None else [None] * len(values),
         }
 
-    def _finish(self, st: ReqState, b: BatchStrOut, i: int, reason: FinishReason, now: float) -> None:
+    def _finish(self, st: ReqState, reason: FinishReason, stats: FinishedRequestStats) -> None:
         del self.rid_to_state[st.rid]
         if all(r not in self.rid_to_state for r in self.group_rids.get(st.group, ())):
             self.group_rids.pop(st.group, None)  # its last sample finished: the rid may be used again
@@ -349,4 +389,6 @@ class TokenizerManager:
             # still generates for it; an abort of a request the scheduler already finished is a no-op.
             self._send_abort(AbortReq(st.rid, silent=True))
         self.router.finished(st.rid)
-        self.metrics.on_finish(st, b, i, reason, now)
+        self.metrics.on_finish(st, stats)
+        if self.tracer is not None:
+            self.tracer.on_finish(st, stats, reason)

@@ -52,11 +52,14 @@ class ReqToTokenPool:
 
 
 class TokenToKVPoolAllocator:
-    """Free list of KV slots kept as one int64 tensor: alloc slices its head, free concatenates.
+    """Free list of KV slots: a head tensor that `alloc` slices, plus the chunks freed since, which are
+    concatenated onto the head only when an `alloc` needs more than the head holds.
 
-    Both operations are O(n) tensor ops with no per-token Python work, because the scheduler calls
-    them every step. Freeing a slot twice is a caller bug that this class does not detect (it would
-    cost a bitmap update per call); tests check the callers' accounting instead.
+    Both operations cost O(slots moved), never O(free list): the scheduler frees every step, and joining
+    the whole free list on each free cost O(pool size) per step. Slots come back in the order they were
+    freed (fresh slots first, then freed chunks oldest first). `free` copies its argument, so a caller may
+    pass a view of a table it later overwrites. Freeing a slot twice is a caller bug that this class does not
+    detect (it would cost a bitmap update per call); tests check the callers' accounting instead.
     """
 
     def __init__(self, size: int, device: str = "cpu"):
@@ -66,22 +69,32 @@ class TokenToKVPoolAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Take `n` slots as an int64 tensor, or None (taking nothing) if fewer than `n` are free."""
-        if n > self._free.numel():
-            return None
-        taken = self._free[:n]
-        self._free = self._free[n:]
+        if n > self._head.numel():
+            if n > self.available_size():
+                return None
+            self._merge()
+        taken = self._head[:n]
+        self._head = self._head[n:]
         return taken
 
     def free(self, indices: torch.Tensor) -> None:
         if indices.numel() == 0:
             return
-        self._free = torch.cat((self._free, indices.to(device=self.device, dtype=INDEX_DTYPE)))
+        self._freed.append(indices.to(device=self.device, dtype=INDEX_DTYPE, copy=True))
+        self._num_freed += indices.numel()
 
     def available_size(self) -> int:
-        return self._free.numel()
+        return self._head.numel() + self._num_freed
 
     def clear(self) -> None:
-        self._free = torch.arange(PADDING_SLOT + 1, self.size + 1, dtype=INDEX_DTYPE, device=self.device)
+        self._head = torch.arange(PADDING_SLOT + 1, self.size + 1, dtype=INDEX_DTYPE, device=self.device)
+        self._freed: list[torch.Tensor] = []
+        self._num_freed = 0
+
+    def _merge(self) -> None:
+        self._head = torch.cat((self._head, *self._freed))
+        self._freed.clear()
+        self._num_freed = 0
 
 
 class MHATokenToKVPool:

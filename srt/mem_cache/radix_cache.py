@@ -6,6 +6,15 @@ Invariants:
 - `lock_ref` of a node counts the requests using it or a descendant; the root is always locked.
 - Every non-root token is counted in `evictable_size` when its node's lock_ref is 0, else in
   `protected_size`. Splitting a node keeps its lock_ref on both halves, so sizes do not change.
+- A node's `start` is the position of its first token in the sequence (the sum of its ancestors' key
+  lengths).
+
+KV cache events (optional `kv_events` sink, see kv_events.py): the cached set is reported in blocks of
+`block_size` tokens; a node keeps the digests of the blocks whose last token it holds. A new leaf publishes
+`BlockStored` for its blocks, an evicted leaf `BlockRemoved`, `reset` `AllBlocksCleared`. A split changes
+which node owns a block but not which blocks are cached, so it publishes nothing: it only divides the
+digests between the two halves. Hence the blocks a subscriber has seen stored and not removed are always
+exactly the full blocks on the tree's paths.
 """
 
 from __future__ import annotations
@@ -18,6 +27,14 @@ from typing import Protocol
 import torch
 
 from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, Req, held_prefix_len
+from srt.mem_cache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventSink,
+    block_id,
+    chain_digests,
+)
 from srt.mem_cache.memory_pool import INDEX_DTYPE, ReqToTokenPool, TokenToKVPoolAllocator
 
 ROOT_NODE_ID = 0
@@ -32,10 +49,27 @@ class ResidencyObserver(Protocol):
 
 
 class TreeNode:
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time", "created_at")
+    __slots__ = (
+        "id",
+        "key",
+        "value",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access_time",
+        "created_at",
+        "start",
+        "block_digests",
+    )
 
     def __init__(
-        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, now: float
+        self,
+        node_id: int,
+        key: list[int],
+        value: torch.Tensor,
+        parent: TreeNode | None,
+        now: float,
+        start: int = 0,
     ):
         self.id = node_id
         self.key = key
@@ -45,6 +79,9 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access_time = now
         self.created_at = now
+        self.start = start
+        # digests of the event blocks ending in this node; stays empty unless KV events are on
+        self.block_digests: list[bytes] | tuple = ()
 
     def __lt__(self, other: TreeNode) -> bool:
         """Heap order for eviction: least recently used first, older node on ties."""
@@ -67,10 +104,12 @@ class RadixCache(BasePrefixCache):
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool_allocator: TokenToKVPoolAllocator,
         residency_observer: ResidencyObserver | None = None,
+        kv_events: KVEventSink | None = None,
     ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.residency_observer = residency_observer
+        self.kv_events = kv_events
         self.device = token_to_kv_pool_allocator.device
         self.reset()
 
@@ -83,6 +122,8 @@ class RadixCache(BasePrefixCache):
         self.root.lock_ref = 1
         self._evictable_size = 0
         self._protected_size = 0
+        if self.kv_events is not None:
+            self.kv_events.publish(AllBlocksCleared())
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         now = time.monotonic()
@@ -111,10 +152,13 @@ class RadixCache(BasePrefixCache):
         node = self.root
         node.last_access_time = now
         present = 0
+        full_key = key
         while key:
             child = node.children.get(key[0])
             if child is None:
-                self._add_leaf(node, key, value, now)
+                leaf = self._add_leaf(node, key, value, now, start=present)
+                if self.kv_events is not None:
+                    self._publish_stored(leaf, full_key)
                 break
             matched = _common_prefix_len(child.key, key)
             if matched < len(child.key):
@@ -132,6 +176,7 @@ class RadixCache(BasePrefixCache):
         freed = 0
         observer = self.residency_observer
         now = time.monotonic() if observer is not None else 0.0
+        removed: list[int] = []
         while freed < num_tokens and leaves:
             leaf = heapq.heappop(leaves)
             self.token_to_kv_pool_allocator.free(leaf.value)
@@ -141,8 +186,12 @@ class RadixCache(BasePrefixCache):
             del parent.children[leaf.key[0]]
             if observer is not None:
                 observer.node_evicted(leaf.id, now)
+            if leaf.block_digests:
+                removed.extend(block_id(d) for d in leaf.block_digests)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
+        if removed:
+            self.kv_events.publish(BlockRemoved(removed))
         return freed
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -206,26 +255,60 @@ class RadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free(kv_indices[held:present])
         return held
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, now: float) -> None:
-        leaf = TreeNode(next(self._ids), list(key), value.clone(), parent, now)
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, now: float, start: int
+    ) -> TreeNode:
+        leaf = TreeNode(next(self._ids), list(key), value.clone(), parent, now, start)
         parent.children[key[0]] = leaf
         self._evictable_size += len(key)
         if self.residency_observer is not None:
             self.residency_observer.node_created(leaf.id, now)
+        return leaf
+
+    def _publish_stored(self, leaf: TreeNode, path_key: list[int]) -> None:
+        """Publish the blocks whose last token is in the new `leaf`; `path_key` is the inserted key, from
+        the root, so it also holds the tokens of a first block that begins in an ancestor."""
+        size = self.kv_events.block_size
+        first, end = leaf.start // size, (leaf.start + len(leaf.key)) // size
+        if first == end:
+            return
+        # The block before `first` ends at or before leaf.start: it is the last block of the nearest
+        # ancestor that owns any (the root owns none).
+        owner = leaf.parent
+        while owner is not self.root and not owner.block_digests:
+            owner = owner.parent
+        parent_digest = owner.block_digests[-1] if owner.block_digests else None
+        tokens = path_key[first * size : end * size]
+        leaf.block_digests = chain_digests(parent_digest, tokens, size)
+        self.kv_events.publish(
+            BlockStored(
+                block_hashes=[block_id(d) for d in leaf.block_digests],
+                parent_block_hash=None if parent_digest is None else block_id(parent_digest),
+                token_ids=tokens,
+                block_size=size,
+            )
+        )
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut `node` after `at` tokens; returns the new parent holding the first `at` tokens.
 
         The new node inherits the lock count, access time and creation time (its tokens entered the
-        cache with the original), so neither sizes nor residency change.
+        cache with the original), so neither sizes nor residency nor the cached blocks change.
         """
-        head = TreeNode(next(self._ids), node.key[:at], node.value[:at], node.parent, node.created_at)
+        head = TreeNode(
+            next(self._ids), node.key[:at], node.value[:at], node.parent, node.created_at, node.start
+        )
         head.lock_ref = node.lock_ref
         head.last_access_time = node.last_access_time
         node.parent.children[head.key[0]] = head
         node.key = node.key[at:]
         node.value = node.value[at:]
         node.parent = head
+        node.start += at
+        if node.block_digests:  # the blocks ending in the head move to it; the cached set is unchanged
+            size = self.kv_events.block_size
+            n = node.start // size - head.start // size
+            head.block_digests, node.block_digests = node.block_digests[:n], node.block_digests[n:]
         head.children[node.key[0]] = node
         if self.residency_observer is not None:
             self.residency_observer.node_created(head.id, head.created_at)

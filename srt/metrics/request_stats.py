@@ -8,6 +8,12 @@ before it was scheduled, or before its first token) is None and is not observed.
 Preemption needs no special case: `scheduled_ts` is the *first* scheduling, so time lost to a preemption
 during prefill lands in prefill (and TTFT); one during decode widens the gap between two token stamps and
 so lands in decode, inference and that token's inter-token latency.
+
+This record is the one per-request timing record of DESIGN.md: the histograms observe its properties, and the
+timings in responses (`timings()`) and the request export read the very same properties, so the three views
+agree by construction. Wall-clock stamps (`request_received_ts`, `response_sent_to_client_ts`) are the only
+epoch values: the first is the main process's monotonic arrival moved onto the wall clock by `wall_offset`
+(taken once, at finish), the second is stamped when the final output is handed to the HTTP response.
 """
 
 from __future__ import annotations
@@ -38,6 +44,15 @@ class FinishedRequestStats:
     num_retractions: int = 0
     max_tokens_param: int = 0
     n_param: int = 1
+    # time.time() - time.monotonic() in the main process at finish: turns its monotonic stamps into epoch.
+    wall_offset: float = 0.0
+    # Epoch seconds at which the final output was handed to the HTTP response; None until then (or never,
+    # for a request whose client went away).
+    response_sent_ts: float | None = None
+    # What the request was, for the request export: its id, scalar sampling parameters, custom labels.
+    rid: str = ""
+    params: dict | None = None
+    labels: dict[str, str] | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -72,6 +87,52 @@ class FinishedRequestStats:
         if self.generation_tokens == 1:
             return 0.0
         return decode / (self.generation_tokens - 1)
+
+    @property
+    def decode_throughput(self) -> float | None:
+        """Output tokens per second after the first: 1 / TPOT (None when there is no decode interval)."""
+        decode = self.decode_time
+        if decode is None or decode <= 0 or self.generation_tokens < 2:
+            return None
+        return (self.generation_tokens - 1) / decode
+
+    @property
+    def request_received_ts(self) -> float:
+        return self.arrival_ts + self.wall_offset
+
+    def timings(self) -> dict[str, float | int | None]:
+        """The per-request timings of responses and of the request export, SGLang's `meta_info` names first;
+        None where the interval is undefined for this request (see the module docstring)."""
+        return {
+            "e2e_latency": self.e2e,
+            "queue_time": self.queue_time,
+            "prefill_latency": self.prefill_time,
+            "inference_time": self.inference_time,
+            "decode_throughput": self.decode_throughput,
+            "cached_tokens": self.cached_tokens,
+            "total_retractions": self.num_retractions,
+            "request_received_ts": self.request_received_ts,
+            "response_sent_to_client_ts": self.response_sent_ts,
+            "time_to_first_token": self.ttft,
+            "decode_latency": self.decode_time,
+            "time_per_output_token": self.tpot,
+        }
+
+    def export_record(self) -> dict:
+        """One line of the request export (srt/metrics/request_export.py): the request, its counts and
+        every timing of `timings()`, the same values the response reported."""
+        return {
+            "rid": self.rid,
+            "finish_ts": self.finish_recv_ts + self.wall_offset,
+            "finish_reason": self.finished_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.generation_tokens,
+            "n": self.n_param,
+            "max_tokens": self.max_tokens_param,
+            "params": self.params or {},
+            "labels": self.labels or {},
+            **self.timings(),
+        }
 
 
 def inter_token_latencies(previous_stamp: float | None, new_stamps: list[float]) -> list[float]:

@@ -116,6 +116,7 @@ class SchedulerMetricsCollector:
         max_batch_tokens: int | None = None,
     ) -> None:
         names = list(labels)
+        self._labels = labels
         self._capacity = max_total_num_tokens
         self._context_len = context_len
 
@@ -202,13 +203,17 @@ class SchedulerMetricsCollector:
         prefix_queries: int,
         prefix_hits: int,
         forward_seconds: float,
+        decode_tokens: int = 0,
     ) -> None:
+        """A prefill (extend) step; a mixed step also decoded `decode_tokens` tokens in the same forward,
+        which count as decode tokens and in the step's size (its time counts as extend: the mode it ran in)."""
         self._p_prefill_compute += new_tokens_computed
         self._p_prefill_cache += cached_tokens
         self._p_queries += prefix_queries
         self._p_hits += prefix_hits
         self._p_extend_seconds += forward_seconds
-        self._p_step_tokens.append(new_tokens_computed)
+        self._p_decode += decode_tokens
+        self._p_step_tokens.append(new_tokens_computed + decode_tokens)
 
     def on_decode_batch(self, num_tokens: int, forward_seconds: float) -> None:
         self._p_decode += num_tokens
@@ -220,6 +225,18 @@ class SchedulerMetricsCollector:
 
     def on_finished_request(self, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> None:
         self._recent.add(prompt_tokens + output_tokens)
+
+    def kv_event_counters(self) -> tuple[Counter, Counter]:
+        """(published, dropped) KV cache events; declared on first use, so only a scheduler that publishes
+        KV events (--kv-events-config) exports them. The publisher thread increases them."""
+        names = list(self._labels)
+        published = Counter("sglang:kv_events_published_total", "KV cache events sent to subscribers.", names)
+        dropped = Counter(
+            "sglang:kv_events_dropped_total",
+            "KV cache events dropped because the publisher queue was full.",
+            names,
+        )
+        return published.labels(**self._labels), dropped.labels(**self._labels)
 
     # ---- at log steps and when going idle ----
     def set_startup_times(self, startup_seconds: float, load_weights_seconds: float) -> None:

@@ -1,7 +1,7 @@
 """Request-level metrics, written by the TokenizerManager in the main process (METRICS.md "Request level").
 
 Histograms of request data are observed here, outside the scheduler's forward loop. Label children are
-resolved once at construction: a `.labels()` lookup per observation would cost more than the observation.
+resolved once per label set and kept: a `.labels()` lookup per observation would cost more than the observation.
 """
 
 from __future__ import annotations
@@ -24,10 +24,23 @@ from srt.metrics.request_stats import FinishedRequestStats
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
+class _Series:
+    """The label children of every family for one value of the custom labels, resolved once."""
+
+    def __init__(self, families: dict[str, Counter | Histogram], success: Counter, labels: dict[str, str]):
+        for attr, family in families.items():
+            setattr(self, attr, family.labels(**labels))
+        # Created up front so every reason is exported as 0 and rate() works from the first scrape.
+        self.success = {r: success.labels(**labels, finished_reason=r) for r in FINISHED_REASONS}
+
+
 class TokenizerMetricsCollector:
     """Every metric the main process derives from finished requests and their tokens.
 
-    `labels` is the constant label set (`model_name`); its keys become every family's label names.
+    `labels` is the constant label set (`model_name`); its keys become every family's label names, followed
+    by `custom_label_names` (bounded custom labels, srt/metrics/custom_labels.py). Each method takes the
+    request's custom label values (`custom`, in `custom_label_names` order; empty when there are none); the
+    children of one value set are resolved once and kept, which stays bounded because the values are.
     TTFT is observed by `observe_time_to_first_token` when the first token arrives (streaming or not), not
     at finish, so `observe_finished_request` leaves it alone. srt schedules each of the `n` samples of a
     request as its own request, so the parallel-sampling histograms are observed once per sample."""
@@ -39,135 +52,173 @@ class TokenizerMetricsCollector:
         bucket_time_to_first_token: Sequence[float] | None = None,
         bucket_inter_token_latency: Sequence[float] | None = None,
         bucket_e2e_request_latency: Sequence[float] | None = None,
+        custom_label_names: Sequence[str] = (),
     ) -> None:
-        names = list(labels)
+        self._labels = dict(labels)
+        self._custom_names = tuple(custom_label_names)
+        names = [*labels, *self._custom_names]
         ttft_buckets = bucket_time_to_first_token or TIME_TO_FIRST_TOKEN_BUCKETS
         itl_buckets = bucket_inter_token_latency or INTER_TOKEN_LATENCY_BUCKETS
         e2e_buckets = bucket_e2e_request_latency or E2E_REQUEST_LATENCY_BUCKETS
         token_buckets = one_two_five_buckets(context_len)
+        f: dict[str, Counter | Histogram] = {}
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names).labels(**labels)
+        def counter(attr: str, name: str, doc: str) -> None:
+            f[attr] = Counter(name, doc, names)
 
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets).labels(**labels)
+        def histogram(attr: str, name: str, doc: str, buckets: Sequence[float]) -> None:
+            f[attr] = Histogram(name, doc, names, buckets=buckets)
 
-        self._prompt_tokens = counter("sglang:prompt_tokens_total", "Prompt tokens of finished requests.")
-        self._generation_tokens = counter(
-            "sglang:generation_tokens_total", "Output tokens of finished requests."
+        counter("prompt_tokens", "sglang:prompt_tokens_total", "Prompt tokens of finished requests.")
+        counter("generation_tokens", "sglang:generation_tokens_total", "Output tokens of finished requests.")
+        counter(
+            "cached_tokens",
+            "sglang:cached_tokens_total",
+            "Prompt tokens of finished requests served from the prefix cache.",
         )
-        self._cached_tokens = counter(
-            "sglang:cached_tokens_total", "Prompt tokens of finished requests served from the prefix cache."
+        counter("num_requests", "sglang:num_requests_total", "Finished requests.")
+        counter(
+            "num_aborted",
+            "sglang:num_aborted_requests_total",
+            "Requests aborted by client disconnect or /abort_request.",
         )
-        self._num_requests = counter("sglang:num_requests_total", "Finished requests.")
-        self._num_aborted = counter(
-            "sglang:num_aborted_requests_total", "Requests aborted by client disconnect or /abort_request."
+        self._success_family = Counter(
+            "sglang:request_success_total", "Finished requests by finish reason.", [*names, "finished_reason"]
         )
-        success = Counter(
-            "sglang:request_success_total",
-            "Finished requests by finish reason.",
-            [*names, "finished_reason"],
-        )
-        # Created up front so every reason is exported as 0 and rate() works from the first scrape.
-        self._success = {r: success.labels(**labels, finished_reason=r) for r in FINISHED_REASONS}
-
-        self._ttft = histogram(
+        histogram(
+            "ttft",
             "sglang:time_to_first_token_seconds",
             "Time from the HTTP arrival to the first output token (main-process clock).",
             ttft_buckets,
         )
-        self._itl = histogram(
+        histogram(
+            "itl",
             "sglang:inter_token_latency_seconds",
             "Time between the forward steps that produced successive tokens of a request.",
             itl_buckets,
         )
-        self._tpot = histogram(
+        histogram(
+            "tpot",
             "sglang:time_per_output_token_seconds",
             "Per request: decode time / (output tokens - 1).",
             itl_buckets,
         )
-        self._e2e = histogram(
+        histogram(
+            "e2e",
             "sglang:e2e_request_latency_seconds",
             "Time from the HTTP arrival to the final output (main-process clock).",
             e2e_buckets,
         )
-        self._queue = histogram(
-            "sglang:queue_time_seconds", "Time waiting before first scheduled.", QUEUE_TIME_BUCKETS
+        histogram(
+            "queue", "sglang:queue_time_seconds", "Time waiting before first scheduled.", QUEUE_TIME_BUCKETS
         )
-        self._prefill = histogram(
+        histogram(
+            "prefill",
             "sglang:request_prefill_time_seconds",
             "First scheduled to first token (includes preemptions during prefill).",
             e2e_buckets,
         )
-        self._decode = histogram(
+        histogram(
+            "decode",
             "sglang:request_decode_time_seconds",
             "First token to last token (includes preemptions during decode).",
             e2e_buckets,
         )
-        self._inference = histogram(
-            "sglang:request_inference_time_seconds", "First scheduled to last token.", e2e_buckets
+        histogram(
+            "inference",
+            "sglang:request_inference_time_seconds",
+            "First scheduled to last token.",
+            e2e_buckets,
         )
-        self._prompt_hist = histogram(
-            "sglang:prompt_tokens_histogram", "Prompt tokens per finished request.", token_buckets
+        histogram(
+            "prompt_hist",
+            "sglang:prompt_tokens_histogram",
+            "Prompt tokens per finished request.",
+            token_buckets,
         )
-        self._generation_hist = histogram(
-            "sglang:generation_tokens_histogram", "Output tokens per finished request.", token_buckets
+        histogram(
+            "generation_hist",
+            "sglang:generation_tokens_histogram",
+            "Output tokens per finished request.",
+            token_buckets,
         )
-        self._max_tokens = histogram(
+        histogram(
+            "max_tokens",
             "sglang:request_params_max_tokens",
             "The max_tokens parameter of finished requests.",
             token_buckets,
         )
-        self._n = histogram(
-            "sglang:request_params_n", "The n parameter of finished requests.", PARAMS_N_BUCKETS
-        )
-        self._max_generation = histogram(
+        histogram("n", "sglang:request_params_n", "The n parameter of finished requests.", PARAMS_N_BUCKETS)
+        histogram(
+            "max_generation",
             "sglang:request_max_num_generation_tokens",
             "Output tokens of each finished sample (srt schedules each of n samples as a request).",
             token_buckets,
         )
-        self._retractions = histogram(
-            "sglang:num_retractions", "Times each finished request was preempted.", RETRACTION_BUCKETS
+        histogram(
+            "retractions",
+            "sglang:num_retractions",
+            "Times each finished request was preempted.",
+            RETRACTION_BUCKETS,
         )
+        self._families = f
+        self._series: dict[tuple[str, ...], _Series] = {}
+        self._default = self._get(("",) * len(self._custom_names))
 
-    def observe_time_to_first_token(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+    def _get(self, custom: tuple[str, ...]) -> _Series:
+        series = self._series.get(custom)
+        if series is None:
+            if len(custom) != len(self._custom_names):
+                raise ValueError(f"expected values for {self._custom_names}, got {custom!r}")
+            labels = {**self._labels, **dict(zip(self._custom_names, custom, strict=True))}
+            series = self._series[custom] = _Series(self._families, self._success_family, labels)
+        return series
 
-    def observe_inter_token_latencies(self, seconds: list[float]) -> None:
+    def _for(self, custom: tuple[str, ...]) -> _Series:
+        return self._get(custom) if custom else self._default
+
+    def observe_time_to_first_token(self, seconds: float, custom: tuple[str, ...] = ()) -> None:
+        self._for(custom).ttft.observe(seconds)
+
+    def observe_inter_token_latencies(self, seconds: list[float], custom: tuple[str, ...] = ()) -> None:
+        itl = self._for(custom).itl
         for s in seconds:
-            self._itl.observe(s)
+            itl.observe(s)
 
-    def inc_aborted_requests(self) -> None:
-        self._num_aborted.inc()
+    def inc_aborted_requests(self, custom: tuple[str, ...] = ()) -> None:
+        self._for(custom).num_aborted.inc()
 
-    def observe_finished_request(self, stats: FinishedRequestStats, counts_prompt: bool = True) -> None:
+    def observe_finished_request(
+        self, stats: FinishedRequestStats, counts_prompt: bool = True, custom: tuple[str, ...] = ()
+    ) -> None:
         """Counters and every per-request histogram, once per finished request; intervals that are
         undefined for it (see FinishedRequestStats) are skipped. The prompt and cached token counters follow
         the `usage` rule (each prompt once, however many samples): the caller passes `counts_prompt` for one
         sample per prompt only."""
+        s = self._for(custom)
         if counts_prompt:
-            self._prompt_tokens.inc(stats.prompt_tokens)
-            self._cached_tokens.inc(stats.cached_tokens)
-        self._generation_tokens.inc(stats.generation_tokens)
-        self._num_requests.inc()
-        success = self._success.get(stats.finished_reason)
+            s.prompt_tokens.inc(stats.prompt_tokens)
+            s.cached_tokens.inc(stats.cached_tokens)
+        s.generation_tokens.inc(stats.generation_tokens)
+        s.num_requests.inc()
+        success = s.success.get(stats.finished_reason)
         if success is None:  # a reason outside the documented four: keep it, label values stay bounded
-            success = self._success["error"]
+            success = s.success["error"]
         success.inc()
 
-        self._e2e.observe(stats.e2e)
+        s.e2e.observe(stats.e2e)
         for hist, value in (
-            (self._queue, stats.queue_time),
-            (self._prefill, stats.prefill_time),
-            (self._decode, stats.decode_time),
-            (self._inference, stats.inference_time),
-            (self._tpot, stats.tpot),
+            (s.queue, stats.queue_time),
+            (s.prefill, stats.prefill_time),
+            (s.decode, stats.decode_time),
+            (s.inference, stats.inference_time),
+            (s.tpot, stats.tpot),
         ):
             if value is not None:
                 hist.observe(value)
-        self._prompt_hist.observe(stats.prompt_tokens)
-        self._generation_hist.observe(stats.generation_tokens)
-        self._max_generation.observe(stats.generation_tokens)
-        self._max_tokens.observe(stats.max_tokens_param)
-        self._n.observe(stats.n_param)
-        self._retractions.observe(stats.num_retractions)
+        s.prompt_hist.observe(stats.prompt_tokens)
+        s.generation_hist.observe(stats.generation_tokens)
+        s.max_generation.observe(stats.generation_tokens)
+        s.max_tokens.observe(stats.max_tokens_param)
+        s.n.observe(stats.n_param)
+        s.retractions.observe(stats.num_retractions)

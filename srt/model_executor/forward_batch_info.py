@@ -12,6 +12,9 @@ import torch
 class ForwardMode(Enum):
     EXTEND = 1  # prefill: any number of new tokens per sequence, possibly after a cached prefix
     DECODE = 2  # exactly one new token per sequence
+    # An extend batch whose last `num_decode` sequences are decoding requests extending by exactly one token
+    # with their whole prefix in the pool: a prefill chunk and the running batch's decode in one step.
+    MIXED = 3
 
 
 @dataclass
@@ -38,6 +41,7 @@ class ForwardBatch:
     logprob_rows: torch.Tensor | None = None  # int64 [num_rows]
     logprob_targets: torch.Tensor | None = None  # int64 [num_rows]
     logprob_top_k: int = 0
+    num_decode: int = 0  # MIXED: how many sequences at the end of the batch decode one token each
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -46,6 +50,10 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.mode is ForwardMode.MIXED
 
     @property
     def num_tokens(self) -> int:

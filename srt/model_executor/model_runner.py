@@ -24,6 +24,7 @@ from srt.model_executor.attention.registry import backend_class, resolve_backend
 from srt.model_executor.forward_batch_info import ForwardBatch, PromptLogprobs, last_token_rows
 from srt.model_executor.model_loader import load_model
 from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.model_executor.quantization import apply_w8a8_int8, resolve_quantization
 from srt.model_source import resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         dist_init_method: str | None = None,
+        quantization: str = "none",
     ):
         torch.manual_seed(random_seed)
         # on a CPU the ranks share the cores: oversubscribed threads would only contend
@@ -179,9 +181,14 @@ class ModelRunner:
             attn.head_dim**-0.5,
             self.device,
         )
+        self.quantization = resolve_quantization(quantization, self.device)
+        if self.quantization == "w8a8_int8":
+            if self.dtype != torch.float32:
+                raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
+            apply_w8a8_int8(self)  # needs the pools: calibration runs the fp32 model once
         logger.info(
             "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
-            "max running requests %d, context %d, attention %s",
+            "max running requests %d, context %d, attention %s, quantization %s",
             self.hf_config.architectures,
             self.tp.rank,
             self.tp.size,
@@ -192,6 +199,7 @@ class ModelRunner:
             self.max_running_requests,
             self.context_len,
             self.attention_backend_name,
+            self.quantization,
         )
 
     def _kv_capacity(self, attn, max_total_tokens: int | None, mem_fraction_static: float) -> int:

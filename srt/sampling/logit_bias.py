@@ -1,7 +1,8 @@
 """OpenAI's `logit_bias`: per request, a bias added to chosen tokens' logits before temperature.
 
 Vectorised over the batch: one flattened (row, token, bias) triple per entry of the rows that have a bias,
-added with a single `index_put_`. A batch without any bias never reaches this module.
+built once per sampling batch and added each step with a single `index_put_`. A batch without any bias
+never reaches this module.
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ def uses_logit_bias(p: SamplingParams) -> bool:
     return bool(p.logit_bias)
 
 
-def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """Add each row's biases to `logits` ([batch, vocab], owned by the caller) in place. A token id outside
-    the vocabulary raises (the HTTP layer refuses it; the scheduler isolates a request that bypassed it)."""
+def logit_bias_triples(
+    params: list[SamplingParams], vocab_size: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row ids, token ids, biases) of every entry of the rows that have a bias, or None. A token id
+    outside the vocabulary raises (the HTTP layer refuses it; the scheduler isolates a request that
+    bypassed it)."""
     rows = [i for i, p in enumerate(params) if p.logit_bias]
     if not rows:
-        return
+        return None
     biases = [params[i].logit_bias for i in rows]
-    device = logits.device
     counts = torch.tensor([len(b) for b in biases], dtype=torch.int64)
     row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
     tokens = torch.tensor(list(itertools.chain.from_iterable(biases)), dtype=torch.int64)
-    values = torch.tensor(list(itertools.chain.from_iterable(b.values() for b in biases)), dtype=logits.dtype)
-    if tokens.min() < 0 or tokens.max() >= logits.shape[-1]:
-        raise ValueError(f"logit_bias token ids must be in [0, {logits.shape[-1]})")
-    logits.index_put_((row_ids.to(device), tokens.to(device)), values.to(device), accumulate=True)
+    values = torch.tensor(
+        list(itertools.chain.from_iterable(b.values() for b in biases)), dtype=torch.float32
+    )
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+    return row_ids.to(device), tokens.to(device), values.to(device)

@@ -7,7 +7,8 @@ the rest of the step on a CPU). A request with its own generator draws its numbe
 request's tokens do not depend on what else is in the batch.
 Log-probabilities are those of the raw model distribution (before penalties and temperature).
 
-Everything that depends on a request's parameters (penalties, masks, temperature, top-k/top-p/min-p, the
+The per-row parameters become tensors once per batch (`SamplingBatch`, rebuilt only when the batch
+changes); a decode step builds no parameter tensor. Everything that depends on a request's parameters (penalties, masks, temperature, top-k/top-p/min-p, the
 top-logprobs count) runs before the random draws: a batch that raises has consumed no generator's numbers,
 so the scheduler can retry it row by row and the rows that do not fail get exactly the tokens they would have.
 """
@@ -19,17 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt.sampling.logit_bias import apply_logit_bias, uses_logit_bias
-from srt.sampling.penalties import (
-    apply_min_new_tokens,
-    apply_penalties,
-    min_new_tokens_active,
-    uses_penalties,
-)
-from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.penalties import PenalizedRow, PenaltyPool, mask_tokens
 
 if TYPE_CHECKING:
     from srt.constrained.bitmask import GrammarMask
+    from srt.sampling.sampling_batch import SamplingBatch
 
 TOP_K_DISABLED = -1
 TOP_P_DISABLED = 1.0
@@ -55,86 +50,117 @@ def make_generator(seed: int | None, default: torch.Generator) -> torch.Generato
 
 
 class Sampler:
+    """Stateless but for the penalty pool: everything about a batch's parameters lives in its
+    `SamplingBatch`, built when the batch changes (`SamplingBatch.build`) and reused while it does not."""
+
     def __init__(self, vocab_size: int, eos_token_ids: list[int], device: str = "cpu"):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
+        self.penalty_pool = PenaltyPool(vocab_size, device)
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        input_ids: list[list[int]],
-        output_ids: list[list[int]],
-        generators: list[torch.Generator | None],
-        grammar_mask: GrammarMask | None = None,
+        self, logits: torch.Tensor, batch: SamplingBatch, grammar_mask: GrammarMask | None = None
     ) -> SampleOutput:
         """`grammar_mask`: the structured-output rows' allowed tokens, applied last before the draw."""
         logits = logits[:, : self.vocab_size].float()
-        want_logprobs = any(p.logprobs is not None for p in params)
-        penalized = any(uses_penalties(p) for p in params)
-        min_new = any(min_new_tokens_active(p, len(out)) for p, out in zip(params, output_ids, strict=True))
-        biased = any(uses_logit_bias(p) for p in params)
-        greedy = [p.is_greedy for p in params]
+        min_new_rows = batch.active_min_new_rows()
         masked = grammar_mask is not None
-        if all(greedy) and not (penalized or biased or min_new or want_logprobs or masked):
+        if batch.plain and not (min_new_rows or masked):
             return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)
 
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        top_logprobs = self._top_logprobs(raw_logprobs, params) if want_logprobs else None
-        if penalized or biased or min_new or masked:
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.logprob_ks is not None else None
+        top_logprobs = _top_logprobs(raw_logprobs, batch.logprob_ks) if raw_logprobs is not None else None
+        if batch.penalties is not None or batch.bias is not None or min_new_rows or masked:
             logits = logits.clone()  # the caller's tensor stays as the model produced it
-        if penalized:
-            apply_penalties(logits, params, input_ids, output_ids)
-        if biased:
-            apply_logit_bias(logits, params)
-        if min_new:
-            apply_min_new_tokens(logits, params, output_ids, self.eos_token_ids)
+        if batch.penalties is not None:
+            batch.penalties.apply(logits)
+        if batch.bias is not None:
+            row_ids, tokens, values = batch.bias
+            logits.index_put_((row_ids, tokens), values, accumulate=True)
+        if min_new_rows:
+            mask_tokens(logits, min_new_rows, [batch.banned[i] for i in min_new_rows])
         if masked:
             grammar_mask.apply(logits)  # one masked fill over the constrained rows
 
-        greedy_rows = [i for i, g in enumerate(greedy) if g]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        if not random_rows:
+        if batch.random is None:
             next_ids = logits.argmax(dim=-1)
-        elif not greedy_rows:
-            next_ids = self._sample_rows(logits, params, generators)
+        elif batch.greedy_rows is None:
+            next_ids = batch.random.sample(logits)
         else:
-            next_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
-            next_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-            next_ids[random_rows] = self._sample_rows(
-                logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
-            )
+            next_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            next_ids[batch.greedy_rows] = logits[batch.greedy_rows].argmax(dim=-1)
+            next_ids[batch.random.rows] = batch.random.sample(logits[batch.random.rows])
+        if batch.penalties is not None:
+            batch.penalties.record(next_ids)
 
         if raw_logprobs is None:
             return SampleOutput(next_ids.tolist(), None, None)
         token_logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
         return SampleOutput(next_ids.tolist(), token_logprobs, top_logprobs)
 
-    def _sample_rows(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-        probs = filtered_probs(
-            logits / temperature.unsqueeze(1),
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-        )
-        return sample_from_probs(probs, _uniforms(generators, probs.device))
+    def release(self, row: PenalizedRow) -> None:
+        """The request left the running batch: give back its penalty row (it rebuilds one if it resumes)."""
+        if row.penalty_row is not None:
+            self.penalty_pool.release(row.penalty_row)
+            row.penalty_row = None
 
-    @staticmethod
-    def _top_logprobs(
-        raw_logprobs: torch.Tensor, params: list[SamplingParams]
-    ) -> list[list[tuple[int, float]]]:
-        """Per row, its `params.logprobs` best (id, logprob) pairs."""
-        ks = [p.logprobs or 0 for p in params]
-        max_k = max(ks)
-        if max_k == 0:
-            return [[] for _ in params]
-        values, indices = raw_logprobs.topk(max_k, dim=-1)
-        values, indices = values.tolist(), indices.tolist()
-        return [list(zip(indices[i][:k], values[i][:k], strict=True)) for i, k in enumerate(ks)]
+
+def _top_logprobs(raw_logprobs: torch.Tensor, ks: list[int]) -> list[list[tuple[int, float]]]:
+    """Per row, its `params.logprobs` best (id, logprob) pairs."""
+    max_k = max(ks)
+    if max_k == 0:
+        return [[] for _ in ks]
+    values, indices = raw_logprobs.topk(max_k, dim=-1)
+    values, indices = values.tolist(), indices.tolist()
+    return [list(zip(indices[i][:k], values[i][:k], strict=True)) for i, k in enumerate(ks)]
+
+
+@dataclass
+class TokenFilters:
+    """top-k / top-p / min-p of a set of rows as tensors, built once per batch."""
+
+    top_k: torch.Tensor | None  # int64 [rows, 1]: index of each row's k-th best (k - 1); None: no row cuts
+    max_k: int
+    top_p_rows: torch.Tensor | None  # int64: rows with top_p < 1; None: no row cuts
+    top_p_all: bool
+    top_p_share: torch.Tensor | None  # [len(top_p_rows), 1]
+    min_p: torch.Tensor | None  # [rows, 1]; None: no row cuts
+
+    @classmethod
+    def build(
+        cls, top_k: list[int], top_p: list[float], min_p: list[float], vocab_size: int, device
+    ) -> TokenFilters:
+        k_tensor, max_k = None, 0
+        if any(k != TOP_K_DISABLED for k in top_k):
+            ks = [min(k, vocab_size) if k != TOP_K_DISABLED else vocab_size for k in top_k]
+            k_tensor = torch.tensor(ks, dtype=torch.int64, device=device).unsqueeze(1) - 1
+            max_k = max(ks)
+        p_rows = [i for i, p in enumerate(top_p) if p < TOP_P_DISABLED]
+        share = torch.tensor([top_p[i] for i in p_rows], device=device).unsqueeze(1) if p_rows else None
+        floor = None
+        if any(p > 0.0 for p in min_p):
+            floor = torch.tensor(min_p, device=device).unsqueeze(1)
+        return cls(
+            k_tensor,
+            max_k,
+            torch.tensor(p_rows, dtype=torch.int64, device=device) if p_rows else None,
+            len(p_rows) == len(top_p),
+            share,
+            floor,
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Softmax of (temperature-scaled) logits with top-k, then top-p, then min-p applied per row."""
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_k is not None:
+            kth = probs.topk(self.max_k, dim=-1).values.gather(1, self.top_k)
+            probs.masked_fill_(probs < kth, 0.0)
+        if self.top_p_rows is not None:
+            _apply_top_p(probs, self.top_p_rows, self.top_p_all, self.top_p_share)
+        if self.min_p is not None:
+            probs.masked_fill_(probs < self.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
 
 
 def filtered_probs(
@@ -146,35 +172,16 @@ def filtered_probs(
     row's remaining mass). top_k keeps tokens at least as likely as the k-th best (ties at the boundary
     stay); top_p keeps the smallest set of best tokens whose share of the top-k mass reaches top_p.
     """
-    probs = torch.softmax(logits, dim=-1)
-    if any(k != TOP_K_DISABLED for k in top_k):
-        _apply_top_k(probs, top_k)
-    if any(p < TOP_P_DISABLED for p in top_p):
-        _apply_top_p(probs, top_p)
-    if any(p > 0.0 for p in min_p):
-        floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
-        probs.masked_fill_(probs < floor * probs.amax(dim=-1, keepdim=True), 0.0)
-    return probs
+    return TokenFilters.build(top_k, top_p, min_p, logits.shape[-1], logits.device).apply(logits)
 
 
-def _apply_top_k(probs: torch.Tensor, top_k: list[int]) -> None:
-    vocab_size = probs.shape[-1]
-    ks = [min(k, vocab_size) if k != TOP_K_DISABLED else vocab_size for k in top_k]
-    best = probs.topk(max(ks), dim=-1).values
-    kth = best.gather(1, torch.tensor(ks, device=probs.device).unsqueeze(1) - 1)
-    probs.masked_fill_(probs < kth, 0.0)
-
-
-def _apply_top_p(probs: torch.Tensor, top_p: list[float]) -> None:
+def _apply_top_p(probs: torch.Tensor, rows: torch.Tensor, all_rows: bool, share: torch.Tensor) -> None:
     """Find each row's cut-off among its best few tokens, widening the search (up to a full sort)
     only for the rows whose candidates do not reach top_p (flat distributions)."""
-    rows = [i for i, p in enumerate(top_p) if p < TOP_P_DISABLED]
-    all_rows = len(rows) == probs.shape[0]
     sub = probs if all_rows else probs[rows]
-    share = torch.tensor([top_p[i] for i in rows], dtype=probs.dtype, device=probs.device)
-    target = share.unsqueeze(1) * sub.sum(dim=-1, keepdim=True)
+    target = share * sub.sum(dim=-1, keepdim=True)
     cutoff = torch.full_like(target, float("nan"))
-    pending = torch.arange(len(rows), device=probs.device)
+    pending = torch.arange(rows.numel(), device=probs.device)
     for candidates in (*TOP_P_CANDIDATES, sub.shape[-1]):
         candidates = min(candidates, sub.shape[-1])
         cutoff[pending] = _top_p_cutoff(sub[pending], target[pending], candidates)
@@ -208,12 +215,21 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return chosen
 
 
-def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) draw per row; rows sharing a generator draw together, a seeded row draws alone."""
-    uniforms = torch.empty(len(generators), device=device)
+def generator_groups(
+    generators: list[torch.Generator | None], device
+) -> list[tuple[torch.Generator | None, torch.Tensor]]:
+    """Rows sharing a generator draw together (one call); a seeded row draws alone."""
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for row, gen in enumerate(generators):
         groups.setdefault(id(gen), (gen, []))[1].append(row)
-    for gen, rows in groups.values():
-        uniforms[rows] = torch.rand(len(rows), generator=gen, device=device)
+    return [(gen, torch.tensor(rows, dtype=torch.int64, device=device)) for gen, rows in groups.values()]
+
+
+def draw_uniforms(
+    groups: list[tuple[torch.Generator | None, torch.Tensor]], num_rows: int, device
+) -> torch.Tensor:
+    """One U[0, 1) draw per row, group by group in the order the groups were built."""
+    uniforms = torch.empty(num_rows, device=device)
+    for gen, rows in groups:
+        uniforms[rows] = torch.rand(rows.numel(), generator=gen, device=device)
     return uniforms

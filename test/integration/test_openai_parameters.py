@@ -58,6 +58,7 @@ SAMPLE = {
     "prompt_cache_options": {"mode": "implicit"}, "top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0,
     "stop_token_ids": [1], "ignore_eos": False, "skip_special_tokens": True,
     "json_schema": '{"type": "object"}', "regex": "a", "ebnf": 'root ::= "a"', "min_tokens": 1, "rid": "x",
+    "return_timing": True,
 }  # fmt: skip
 
 
@@ -104,6 +105,7 @@ class Out:
     tops: list[list[int]] = field(default_factory=list)  # per choice, per token: alternatives returned
     logprob_sums: list[float] = field(default_factory=list)
     id: str = ""
+    timings: list[dict | None] = field(default_factory=list)  # per choice: its `timing` object, if any
 
 
 class Refused(Exception):
@@ -153,7 +155,9 @@ class Api:
                 i = c["index"]
                 while len(out.texts) <= i:
                     out.texts.append(""), out.finish.append(None), out.tops.append([])
-                    out.logprob_sums.append(0.0)
+                    out.logprob_sums.append(0.0), out.timings.append(None)
+                if c.get("timing"):
+                    out.timings[i] = c["timing"]
                 part = c.get("message") or c.get("delta")
                 out.texts[i] += (part["content"] or "") if part else c["text"]
                 out.finish[i] = c["finish_reason"] or out.finish[i]
@@ -343,6 +347,12 @@ def check_tools(api: Api, stream: bool, name: str) -> None:
     assert api.call(stream, tools=[TOOL], tool_choice="none", parallel_tool_calls=True).texts
 
 
+def check_return_timing(api: Api, stream: bool, name: str) -> None:
+    assert api.call(stream).timings == [None]  # strict OpenAI clients see nothing new
+    (timing,) = api.call(stream, return_timing=True).timings
+    assert timing["e2e_latency"] > 0 and timing["request_received_ts"] < timing["response_sent_to_client_ts"]
+
+
 HONOURED = {
     "messages": check_prompt, "prompt": check_prompt, "model": check_model, "max_tokens": check_max_tokens,
     "max_completion_tokens": check_max_tokens, "max_new_tokens": check_max_tokens,
@@ -359,6 +369,7 @@ HONOURED = {
     "modalities": check_modalities, "ignore_eos": lambda a, s, n: check_min_tokens(a, s, n, ignore_eos=True),
     "skip_special_tokens": check_skip_special_tokens, "rid": check_rid,
     "tools": check_tools, "tool_choice": check_tools, "parallel_tool_calls": check_tools,
+    "return_timing": check_return_timing,
 }  # fmt: skip
 
 

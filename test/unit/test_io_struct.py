@@ -19,6 +19,7 @@ from srt.managers.io_struct import (
     FlushCacheReqOutput,
     SchedulerReady,
     TokenizedGenerateReqInput,
+    TraceContext,
 )
 from srt.sampling.sampling_params import SamplingParams
 
@@ -46,6 +47,8 @@ MESSAGES = [
     TokenizedGenerateReqInput(
         "rid-1", [1, 2, 3], SamplingParams(max_new_tokens=7, stop=["\n"], seed=3, logprobs=2), True, "hé 🎉"
     ),
+    TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "srt=1", 3),
+    TokenizedGenerateReqInput("rid-2", [4], SamplingParams(), trace=TraceContext("00-ab-cd-01")),
     AbortReq("rid-1", silent=True),
     AbortReq(""),
     FlushCacheReq(),
@@ -53,6 +56,7 @@ MESSAGES = [
     SchedulerReady(1024, 1000, 2048, 32, "torch_native"),
     FinishReason("error", message="boom"),
     BatchTokenIDOut(**_meta(), skip_special_tokens=[True, False], stop_strs=[["x"], []]),
+    BatchTokenIDOut(**_meta(), trace_contexts=[TraceContext("00-ab-cd-01", level=2), None]),
     BatchStrOut(**_meta(), output_strs=["hé", "🎉"]),
 ]
 

@@ -17,6 +17,7 @@ from srt.managers.input_processor import GenerateInput, InvalidRequestError
 from srt.managers.io_struct import SchedulerReady
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.sampling.sampler import Sampler
+from srt.sampling.sampling_batch import one_off_batch
 from srt.sampling.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
 from srt.server_args import PortArgs, ServerArgs
 
@@ -25,7 +26,8 @@ VOCAB = 50
 
 def sample(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
     bs = len(params)
-    out = Sampler(VOCAB, eos_token_ids=[2]).sample(logits, params, [[]] * bs, [[]] * bs, [None] * bs)
+    batch = one_off_batch(params, [[]] * bs, [[]] * bs, [None] * bs, VOCAB, [2])
+    out = Sampler(VOCAB, eos_token_ids=[2]).sample(logits, batch)
     return out.next_token_ids
 
 

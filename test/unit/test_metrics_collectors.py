@@ -52,6 +52,7 @@ SCHEDULER_WRITER = """
         c.on_prefill_batch(2, 30, 10, 40, 10, 0.5)
         c.on_decode_batch(2, 0.01)
         c.on_decode_batch(2, 0.01)
+        c.on_prefill_batch(1, 8, 0, 8, 0, 0.25, 3)  # a mixed step: 8 prompt tokens and 3 decoded ones
         c.on_retraction(1)
         c.on_finished_request(prompt_tokens=150, output_tokens=50, cached_tokens=10)
         c.on_finished_request(prompt_tokens=250, output_tokens=150, cached_tokens=0)
@@ -155,7 +156,7 @@ def test_scheduler_gauges_are_zero_initialised_samples(samples):
 
 def test_flush_writes_gauges_counters_and_saturation(samples, metrics_dir):
     busy = metrics_dir["busy"]
-    assert busy["before_flush"] == 0 and busy["after_flush"] == 4, (
+    assert busy["before_flush"] == 0 and busy["after_flush"] == 7, (
         "per-step numbers reach prometheus at flush"
     )
     g = lambda name: select(samples, f"sglang:{name}", dp_rank="1")[0].value  # noqa: E731
@@ -169,14 +170,14 @@ def test_flush_writes_gauges_counters_and_saturation(samples, metrics_dir):
     idle_estimate = select(samples, "sglang:max_concurrency_estimate", dp_rank="0")[0].value
     assert idle_estimate == pytest.approx(CAPACITY / CONTEXT_LEN)
     c = lambda name, **kw: total(samples, f"sglang:{name}", dp_rank="1", **kw)  # noqa: E731
-    assert c("realtime_tokens_total", mode="prefill_compute") == 30
+    assert c("realtime_tokens_total", mode="prefill_compute") == 30 + 8
     assert c("realtime_tokens_total", mode="prefill_cache") == 10
-    assert c("realtime_tokens_total", mode="decode") == 4
-    assert c("prefix_cache_queries_total") == 40 and c("prefix_cache_hits_total") == 10
+    assert c("realtime_tokens_total", mode="decode") == 4 + 3
+    assert c("prefix_cache_queries_total") == 48 and c("prefix_cache_hits_total") == 10
     assert c("num_retracted_requests_total") == 1
-    assert c("forward_seconds_total", mode="extend") == pytest.approx(0.5)
+    assert c("forward_seconds_total", mode="extend") == pytest.approx(0.75)  # a mixed step runs as extend
     assert c("forward_seconds_total", mode="decode") == pytest.approx(0.02)
-    assert c("iteration_tokens_total_count") == 3 and c("iteration_tokens_total_sum") == 34
+    assert c("iteration_tokens_total_count") == 4 and c("iteration_tokens_total_sum") == 34 + 11
 
 
 def test_cache_config_info_is_a_gauge_at_one_with_capacity_and_concurrency(samples, exposition):
@@ -201,7 +202,7 @@ def test_dead_scheduler_live_gauges_disappear_but_counters_stay(metrics_dir):
     assert select(after, "sglang:num_running_reqs", dp_rank="1") == []
     assert select(after, "sglang:cache_config_info", dp_rank="1") == []
     assert [s.value for s in select(after, "sglang:num_running_reqs", dp_rank="0")] == [0.0]
-    assert total(after, "sglang:realtime_tokens_total", dp_rank="1", mode="decode") == 4
+    assert total(after, "sglang:realtime_tokens_total", dp_rank="1", mode="decode") == 7
 
 
 # promtool's lint rejects names METRICS.md requires for SGLang/vLLM compatibility: the `sglang:` prefix (colons

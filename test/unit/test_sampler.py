@@ -9,6 +9,7 @@ import torch
 from srt.sampling import sampler as sampler_module
 from srt.sampling.penalties import apply_min_new_tokens, apply_penalties
 from srt.sampling.sampler import Sampler, filtered_probs, make_generator, sample_from_probs
+from srt.sampling.sampling_batch import one_off_batch
 from srt.sampling.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -22,13 +23,15 @@ def sampler() -> Sampler:
 
 def run(sampler, logits, params, outputs=None, generators=None, inputs=None):
     bs = len(params)
-    return sampler.sample(
-        logits,
+    batch = one_off_batch(
         params,
         inputs or [[] for _ in range(bs)],
         outputs or [[] for _ in range(bs)],
         generators or [None] * bs,
+        VOCAB,
+        [EOS],
     )
+    return sampler.sample(logits, batch)
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:

@@ -49,8 +49,13 @@ def alone_outputs(tiny_model_dir):
     return refs
 
 
-def test_continuous_batching_matches_running_alone(tiny_model_dir, alone_outputs):
-    sched = make_scheduler(tiny_model_dir)
+# The equivalence tests run with and without mixed prefill/decode steps (--enable-mixed-chunk).
+MIXED = pytest.mark.parametrize("mixed", [False, True], ids=["unmixed", "mixed"])
+
+
+@MIXED
+def test_continuous_batching_matches_running_alone(tiny_model_dir, alone_outputs, mixed):
+    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=mixed)
     ps = prompts(6)
     arrivals = {
         0: [request("r0", ps[0], greedy(12)), request("r1", ps[1], greedy(12))],
@@ -82,12 +87,13 @@ def test_max_running_requests_is_respected(tiny_model_dir):
     assert max(seen) == 3
 
 
-def test_chunked_prefill_gives_same_tokens(tiny_model_dir):
+@MIXED
+def test_chunked_prefill_gives_same_tokens(tiny_model_dir, mixed):
     long_prompt = prompts(1, low=150, high=150, seed=3)[0]
     plain = drive(
         make_scheduler(tiny_model_dir, chunked_prefill_size=-1), {0: [request("a", long_prompt, greedy(8))]}
     )
-    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=32)
+    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=32, enable_mixed_chunk=mixed)
     prefill_steps = []
     res = drive(
         sched,
@@ -99,11 +105,17 @@ def test_chunked_prefill_gives_same_tokens(tiny_model_dir):
     assert_pool_whole(sched)
 
 
-def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir):
+@MIXED
+def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, mixed):
     shared = prompts(1, low=64, high=64, seed=5)[0]
-    sched = make_scheduler(tiny_model_dir)
+    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=mixed)
     first = drive(sched, {0: [request("a", shared + [11, 12], greedy(8))]})
-    second = drive(sched, {0: [request("b", shared + [11, 12], greedy(8))]})
+    # with mixed chunks, b's prefix hit is prefilled next to a decoding request
+    busy = {
+        0: [request("busy", prompts(1, seed=6)[0], greedy(12))],
+        2: [request("b", shared + [11, 12], greedy(8))],
+    }
+    second = drive(sched, busy)
     cold = drive(
         make_scheduler(tiny_model_dir, disable_radix_cache=True),
         {0: [request("c", shared + [11, 12], greedy(8))]},
@@ -114,7 +126,8 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir):
     assert second["b"].output_ids == first["a"].output_ids == cold["c"].output_ids
 
 
-def test_retraction_resumes_with_identical_output(tiny_model_dir):
+@MIXED
+def test_retraction_resumes_with_identical_output(tiny_model_dir, mixed):
     # 8 requests of 30 prompt + 40 output tokens need 560 slots; the pool has 300.
     ps = prompts(8, low=30, high=30, seed=7)
     ref_sched = make_scheduler(tiny_model_dir)
@@ -122,8 +135,11 @@ def test_retraction_resumes_with_identical_output(tiny_model_dir):
         f"r{i}": drive(ref_sched, {0: [request(f"r{i}", p, greedy(40))]})[f"r{i}"].output_ids
         for i, p in enumerate(ps)
     }
-    sched = make_scheduler(tiny_model_dir, max_total_tokens=300)
-    res = drive(sched, {0: [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps)]})
+    sched = make_scheduler(tiny_model_dir, max_total_tokens=300, enable_mixed_chunk=mixed)
+    # half arrive later, so that with mixed chunks they are admitted next to decoding requests
+    arrivals = {0: [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps[:4])]}
+    arrivals[3] = [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps) if i >= 4]
+    res = drive(sched, arrivals)
     assert sum(r.num_retractions for r in res.values()) > 0
     for rid, ref in refs.items():
         assert res[rid].output_ids == ref, rid

@@ -137,6 +137,8 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
     skip_special_tokens: bool = True
     stop_token_ids: StopTokenIds | None = None
     rid: Rid | None = None
+    # srt's: per-request timings in each choice (`timing`), README "Per-request timings".
+    return_timing: bool | None = None
 
     @property
     def num_samples(self) -> int:

@@ -18,10 +18,12 @@ from srt.entrypoints.openai.serving_common import (
     collect_response,
     stream_chunk,
     stream_with_errors,
+    timing,
     to_openai_error,
     token_text,
     usage,
     usage_chunk,
+    wants_timing,
 )
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, StreamDelta, create_tool_call_parser
 from srt.managers.input_processor import GenerateInput, InvalidRequestError
@@ -111,6 +113,7 @@ class ChatHandler:
 
     def _response(self, req: ChatCompletionRequest, choices: list[ChoiceAcc], rid: str, created: int) -> dict:
         tools = ChatTools(req, self.tool_parser)
+        with_timing = wants_timing(self.tm, req.return_timing)
         out = []
         for i, c in enumerate(choices):
             logprobs = (
@@ -120,6 +123,8 @@ class ChatHandler:
             )
             message, finish = tools.message(c.text, c.finish_reason.to_openai() if c.finish_reason else None)
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            if with_timing:
+                out[-1]["timing"] = timing(c.stats)
         return {
             "id": rid,
             "object": "chat.completion",
@@ -136,9 +141,12 @@ class ChatHandler:
         tools = ChatTools(req, self.tool_parser)
         streams = [tools.new_stream() for _ in range(n)]
         extra = {"usage": None} if req.include_usage else {}
+        with_timing = wants_timing(self.tm, req.return_timing)
 
-        def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def chunk(
+            index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None, **more
+        ) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **more}
             return stream_chunk(rid, "chat.completion.chunk", created, self.model_name, choice, extra)
 
         def on_output(out: ReqOutput) -> list[str]:
@@ -164,7 +172,8 @@ class ChatHandler:
                 finish = out.finish_reason.to_openai()
                 if stream is not None and stream.num_committed:
                     finish = finish_override(finish)
-                chunks.append(chunk(out.index, {}, finish=finish))
+                more = {"timing": timing(out.stats)} if with_timing else {}
+                chunks.append(chunk(out.index, {}, finish=finish, **more))
             return chunks
 
         def on_end() -> list[str]:

@@ -16,6 +16,7 @@ from srt.entrypoints.openai.errors import SERVER_ERROR, SERVICE_UNAVAILABLE, Ope
 from srt.managers.input_processor import ClientDisconnected, InvalidRequestError, ServerUnavailableError
 from srt.managers.io_struct import FinishReason
 from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.metrics.request_stats import FinishedRequestStats
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class ChoiceAcc:
     input_token_ids: list[int] | None = None
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    stats: FinishedRequestStats | None = None  # with the final output: the request's timings
 
     def add(self, out: ReqOutput) -> None:
         self.text += out.text
@@ -87,10 +89,22 @@ class ChoiceAcc:
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.stats = out.stats or self.stats
         if out.input_token_logprobs is not None:
             self.input_token_ids = out.input_token_ids
             self.input_token_logprobs = out.input_token_logprobs
             self.input_top_logprobs = out.input_top_logprobs
+
+
+def wants_timing(tm: TokenizerManager, asked: bool | None) -> bool:
+    """OpenAI responses carry timings when the body asks (`return_timing`) or the server always adds them."""
+    return bool(asked) or tm.server_args.return_timing
+
+
+def timing(stats: FinishedRequestStats | None) -> dict | None:
+    """A choice's `timing` object: the same values its request's histograms observed (README "Per-request
+    timings")."""
+    return None if stats is None else stats.timings()
 
 
 def usage(choices: list[ChoiceAcc], n: int) -> dict:

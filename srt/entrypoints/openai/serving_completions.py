@@ -16,10 +16,12 @@ from srt.entrypoints.openai.serving_common import (
     collect_response,
     stream_chunk,
     stream_with_errors,
+    timing,
     to_openai_error,
     token_text,
     usage,
     usage_chunk,
+    wants_timing,
 )
 from srt.entrypoints.request_types import MAX_SEQUENCES
 from srt.managers.input_processor import GenerateInput, InvalidRequestError
@@ -125,6 +127,7 @@ class CompletionHandler:
         self, req: CompletionRequest, samples: list[ChoiceAcc], texts: list[str], rid: str, created: int
     ):
         choices = best_of(samples, req.num_generated, req.num_samples)
+        with_timing = wants_timing(self.tm, req.return_timing)
         out = []
         for i, c in enumerate(choices):
             prefix = texts[i // req.num_samples] if req.echo else ""
@@ -143,6 +146,8 @@ class CompletionHandler:
                     "finish_reason": c.finish_reason.to_openai() if c.finish_reason else None,
                 }
             )
+            if with_timing:
+                out[-1]["timing"] = timing(c.stats)
         return {
             "id": rid,
             "object": "text_completion",
@@ -166,9 +171,12 @@ class CompletionHandler:
         offsets = [len(texts[i // req.num_samples]) if req.echo else 0 for i in range(total)]
         echoed = [not req.echo] * total
         extra = {"usage": None} if req.include_usage else {}
+        with_timing = wants_timing(self.tm, req.return_timing)
 
-        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None, stats=None) -> str:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if with_timing and finish is not None:
+                choice["timing"] = timing(stats)
             return stream_chunk(rid, "text_completion", created, self.model_name, choice, extra)
 
         def on_output(out: ReqOutput) -> list[str]:
@@ -188,7 +196,7 @@ class CompletionHandler:
             finish = out.finish_reason.to_openai() if out.finish_reason else None
             if not text and finish is None and logprobs is None:
                 return []
-            return [chunk(out.index, text, finish, logprobs)]
+            return [chunk(out.index, text, finish, logprobs, out.stats)]
 
         def on_end() -> list[str]:
             if not req.include_usage:

@@ -6,6 +6,9 @@ it attends over this step's own K/V (no gather); with a prefix it gathers the se
 pool and applies a causal mask shifted by the prefix length. Decode gathers every sequence's slots into one
 padded `[bs, max_len]` index table once per step and runs a single SDPA call per layer, with the query
 heads of each KV group laid out as that group's "query rows" so no K/V repetition is needed for GQA.
+A mixed batch runs its prefill sequences through the extend path and its decoding tail (`num_decode`
+sequences of one token each) through the decode path, so the running requests' attention costs what it
+costs in a decode step.
 """
 
 from __future__ import annotations
@@ -61,23 +64,34 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
-            self._decode = self._decode_metadata(batch)
-        else:
-            self._extend = self._extend_metadata(batch)
+            self._decode = self._decode_metadata(batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu)
+            return
+        num_extend = batch.batch_size - batch.num_decode
+        self._extend = self._extend_metadata(batch, num_extend)
+        if batch.is_mixed:
+            self._decode = self._decode_metadata(
+                batch.req_pool_indices[num_extend:],
+                batch.seq_lens[num_extend:],
+                batch.seq_lens_cpu[num_extend:],
+            )
+            self._num_extend_tokens = batch.num_tokens - batch.num_decode
 
-    def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
-        max_len = max(batch.seq_lens_cpu)
-        rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices, :max_len]
-        if min(batch.seq_lens_cpu) == max_len:
+    def _decode_metadata(
+        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]
+    ) -> _DecodeMeta:
+        max_len = max(seq_lens_cpu)
+        rows = self.req_to_token_pool.req_to_token[req_pool_indices, :max_len]
+        if min(seq_lens_cpu) == max_len:
             return _DecodeMeta(rows.reshape(-1), max_len, None)
-        valid = torch.arange(max_len, device=rows.device)[None, :] < batch.seq_lens[:, None]
+        valid = torch.arange(max_len, device=rows.device)[None, :] < seq_lens[:, None]
         kv_indices = rows.masked_fill(~valid, PADDING_SLOT).reshape(-1)
         return _DecodeMeta(kv_indices, max_len, valid[:, None, None, :])
 
-    def _extend_metadata(self, batch: ForwardBatch) -> list[_ExtendSeq]:
+    def _extend_metadata(self, batch: ForwardBatch, num_seqs: int) -> list[_ExtendSeq]:
+        """The first `num_seqs` sequences of the batch (a mixed batch's decoding tail is not extended)."""
         prefix_lens = batch.extend_prefix_lens_cpu or [0] * batch.batch_size
         seqs, start = [], 0
-        for i, num_new in enumerate(batch.new_token_counts()):
+        for i, num_new in enumerate(batch.new_token_counts()[:num_seqs]):
             prefix = prefix_lens[i]
             kv_indices = mask = None
             if prefix > 0:
@@ -95,7 +109,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.token_to_kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         if batch.is_decode:
             return self._forward_decode(q, layer_id, batch.batch_size)
-        return self._forward_extend(q, k, v, layer_id)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        if not batch.is_mixed:
+            self._forward_extend(q, k, v, layer_id, out)
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
+        split = self._num_extend_tokens
+        self._forward_extend(q[:split], k[:split], v[:split], layer_id, out[:split])
+        decoded = self._forward_decode(q[split:], layer_id, batch.num_decode)
+        out[split:] = decoded.view(batch.num_decode, self.num_heads, self.head_dim)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _forward_decode(self, q: torch.Tensor, layer_id: int, bs: int) -> torch.Tensor:
         meta = self._decode
@@ -111,9 +133,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.reshape(bs, self.num_heads * self.head_dim)
 
     def _forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
-    ) -> torch.Tensor:
-        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, out: torch.Tensor
+    ) -> None:
+        """Attention of the extend sequences' tokens, written into `out` [tokens, heads, head_dim]."""
         k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
         for seq in self._extend:
             rows = slice(seq.start, seq.start + seq.num_new)
@@ -131,4 +153,3 @@ class TorchNativeAttnBackend(AttentionBackend):
                 scale=self.scaling,
                 enable_gqa=True,
             )[0].transpose(0, 1)
-        return out.view(q.shape[0], self.num_heads * self.head_dim)

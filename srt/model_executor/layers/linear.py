@@ -8,6 +8,9 @@ one all-reduce per layer.
 Both take their part of a checkpoint tensor through `checkpoint_slice`, which the declarative loader calls:
 the loader keeps the shape check and the copy in one place, the layer alone knows which slice is its own.
 At one rank every slice is the whole tensor and the layers compute exactly `nn.Linear`.
+
+With `--quantization w8a8_int8` each layer's loaded (already sharded) fp32 weight is replaced by `quant`, an
+`Int8Weight` (`int8_linear.py`); the bias stays fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.model_executor.layers.int8_linear import Int8Weight, w8a8_linear
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 # Rank that adds a row-parallel bias: added once before the all-reduce, it is in the sum exactly once.
@@ -46,8 +50,11 @@ class ColumnParallelLinear(nn.Module):
             offset += local
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
+        self.quant: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return w8a8_linear(x, self.quant, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def checkpoint_slice(
@@ -68,9 +75,12 @@ class RowParallelLinear(nn.Module):
         self.in_local = split_size(in_features, tp, "input size of a row-parallel layer")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.quant: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == BIAS_RANK else None
+        if self.quant is not None:
+            return self.tp.all_reduce(w8a8_linear(x, self.quant, bias))
         return self.tp.all_reduce(F.linear(x, self.weight, bias))
 
     def checkpoint_slice(

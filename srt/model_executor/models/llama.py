@@ -24,6 +24,7 @@ from torch import nn
 
 from srt.model_executor.attention.base import AttentionBackend
 from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
+from srt.model_executor.layers.int8_linear import Int8Weight, w8a8_linear
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
 from srt.model_executor.parallel_state import TensorParallelGroup
 
@@ -211,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
         )
         # set by the model runner once the KV pool exists (the pool is sized after the weights are loaded)
         self.attn_backend: AttentionBackend | None = None
+        # the output head in int8 (`--quantization w8a8_int8`); the embedding itself stays fp32
+        self.lm_head_quant: Int8Weight | None = None
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rope = RotaryEmbedding(config, head_dim, max_positions, dtype, device)
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -238,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given rows of `hidden_states`."""
+        if self.lm_head_quant is not None:
+            return w8a8_linear(self.model.norm(hidden), self.lm_head_quant, None)
         return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
 
     # ---- declarative weight loading (used by model_loader) ----

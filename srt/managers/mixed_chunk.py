@@ -1,0 +1,67 @@
+"""How many prefill tokens a mixed step (`--enable-mixed-chunk`) may carry next to the running batch's decode.
+
+The rule: a mixed step may take at most `MIXED_STEP_COST_MULTIPLE` times as long as a decode step of the
+same running batch, so a prompt arriving while others decode stretches their inter-token gap by a bounded
+factor instead of by a whole prefill.
+
+The scheduler feeds every forward step's time to a step-cost model t = a + b x tokens, fitted online:
+`a` (the fixed cost of a step: on a CPU, streaming the weights once) from decode steps, `b` (seconds per
+token) from steps carrying at least `MIN_COST_SAMPLE_TOKENS` prefill tokens, both as exponential moving
+averages. With D decoding requests, the prefill budget C solves a + b (D + C) = K (a + b D):
+
+    C = (K - 1) (a + b D) / b
+
+clamped to [`MIN_MIXED_PREFILL_TOKENS`, the step's other limits] (`--chunked-prefill-size` and
+`--max-prefill-tokens` still cap it). Until both terms are measured, `DEFAULT_MIXED_PREFILL_TOKENS`.
+
+With tensor parallelism every rank must build the same batches, and measured times differ between ranks:
+there the model is not fed (`adaptive=False`) and the budget stays at the default, identical everywhere.
+"""
+
+from __future__ import annotations
+
+# A mixed step may cost this many decode steps of the same running batch (the decode step included).
+MIXED_STEP_COST_MULTIPLE = 4.0
+# Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
+MIN_MIXED_PREFILL_TOKENS = 32
+# The budget before the cost model has both terms (measured on this project's CPU with SmolLM2-135M fp32:
+# a ~ 60 ms, b ~ 2.2 ms/token, so about (4 - 1) x 60 / 2.2 ~ 80 tokens at a small batch).
+DEFAULT_MIXED_PREFILL_TOKENS = 64
+# Steps with fewer prefill tokens than this say too little about the per-token cost to be used.
+MIN_COST_SAMPLE_TOKENS = 16
+# Weight of a new observation in the moving averages.
+COST_EMA_WEIGHT = 0.25
+
+
+class MixedChunkBudget:
+    def __init__(self, adaptive: bool = True, multiple: float = MIXED_STEP_COST_MULTIPLE):
+        self.adaptive = adaptive
+        self.multiple = multiple
+        self.fixed_seconds: float | None = None  # a
+        self.token_seconds: float | None = None  # b
+
+    def observe(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """One forward step: its prefill tokens, its decoding requests, and how long the forward took."""
+        if not self.adaptive:
+            return
+        if prefill_tokens == 0:
+            if decode_tokens and self.token_seconds is not None:
+                sample = max(seconds - self.token_seconds * decode_tokens, 0.0)
+                self.fixed_seconds = _ema(self.fixed_seconds, sample)
+        elif prefill_tokens >= MIN_COST_SAMPLE_TOKENS:
+            fixed = self.fixed_seconds or 0.0
+            sample = max(seconds - fixed, 0.0) / (prefill_tokens + decode_tokens)
+            if sample > 0.0:
+                self.token_seconds = _ema(self.token_seconds, sample)
+
+    def prefill_tokens(self, decode_tokens: int) -> int:
+        """Prefill tokens the next mixed step may carry next to `decode_tokens` decoding requests."""
+        a, b = self.fixed_seconds, self.token_seconds
+        if a is None or b is None:
+            return DEFAULT_MIXED_PREFILL_TOKENS
+        budget = (self.multiple - 1.0) * (a + b * decode_tokens) / b
+        return max(MIN_MIXED_PREFILL_TOKENS, int(budget))
+
+
+def _ema(old: float | None, sample: float) -> float:
+    return sample if old is None else old + COST_EMA_WEIGHT * (sample - old)

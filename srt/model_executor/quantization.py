@@ -1,0 +1,233 @@
+"""`--quantization w8a8_int8`: turns a loaded fp32 model into int8 linear layers, once, and caches the result.
+
+Order of work, per tensor-parallel rank (each rank quantizes its own shard, so the scales are the shard's):
+1. calibrate: run the fp32 model over `calibration_text.txt` (shipped with srt, deliberately not the
+   evaluation text of `scripts/eval_quality.py`) and record each linear layer's per-input-channel activation
+   absmax, and that of the normed hidden state the output head reads;
+2. quantize every linear layer and the output head with SmoothQuant factors from those statistics
+   (`int8_linear.py`), then drop the fp32 copies of the linear weights (the embedding stays fp32: the head
+   gets its own int8 copy when the two are tied);
+3. save the int8 tensors in a safetensors file under the srt cache, keyed by the checkpoint, the rank and
+   the calibration settings; a later start loads it instead of calibrating.
+
+Attention, norms, the embedding and the KV cache stay fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.layers.int8_linear import Int8Weight, quantize_per_channel, smooth_factors
+from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from srt.model_source import cache_root
+
+if TYPE_CHECKING:
+    from srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("none", "w8a8_int8")
+# What `--quantization` means when unset on the CPU. int8 would be the default only if it passed the quality
+# gate of scripts/eval_quality.py; it does not (README "CPU int8": perplexity +1.5 % against fp32, but
+# llama.cpp's on the same GGUF is +0.2 %), so fp32 stays the default and int8 is opt-in.
+DEFAULT_CPU_QUANTIZATION = "none"
+# SmoothQuant migration strength, for the decoder's layers and for the output head: chosen by sweeping
+# 0.3-0.9 on the project's own DESIGN.md, never on the evaluation text of scripts/eval_quality.py.
+SMOOTH_ALPHA = 0.5
+HEAD_SMOOTH_ALPHA = 0.5
+CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "calibration_text.txt")
+# Calibration runs the text as independent sequences of this many tokens (bounded logits memory).
+CALIBRATION_WINDOW = 512
+CACHE_FORMAT = 1
+HEAD = "lm_head"
+
+
+def resolve_quantization(requested: str | None, device: str) -> str:
+    """The method a runner uses: the flag when given, else the CPU default (fp32 until int8 passes the gate)
+    and none on a GPU."""
+    if requested is None:
+        return DEFAULT_CPU_QUANTIZATION if device == "cpu" else "none"
+    if requested not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {requested!r}; choose one of {QUANTIZATION_METHODS}")
+    if requested == "w8a8_int8" and device != "cpu":
+        raise ValueError("--quantization w8a8_int8 runs on the CPU only; use --quantization none on a GPU")
+    return requested
+
+
+def linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [
+        (n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
+
+
+# ---- teacher-forced forward over a long token list (calibration here, evaluation in scripts/) ----
+@torch.inference_mode()
+def forward_windows(
+    runner: ModelRunner, ids: list[int], window: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp32 logits at every position, the window's token ids) for consecutive windows of `ids`, each run
+    as a fresh sequence (one extend step, nothing cached) through the runner's own pools."""
+    model = runner.model
+    for start in range(0, len(ids), window):
+        chunk = ids[start : start + window]
+        n = len(chunk)
+        slots = runner.token_to_kv_pool_allocator.alloc(n)
+        rows = runner.req_to_token_pool.alloc(1)
+        if slots is None or rows is None:
+            raise RuntimeError(f"the KV pool cannot hold a {n}-token window")
+        row = rows[0]
+        try:
+            runner.req_to_token_pool.req_to_token[row, :n] = slots
+            batch = ForwardBatch(
+                mode=ForwardMode.EXTEND,
+                batch_size=1,
+                input_ids=torch.tensor(chunk, dtype=torch.int64, device=runner.device),
+                positions=torch.arange(n, dtype=torch.int64, device=runner.device),
+                out_cache_loc=slots,
+                req_pool_indices=torch.tensor([row], dtype=torch.int64, device=runner.device),
+                seq_lens=torch.tensor([n], dtype=torch.int64, device=runner.device),
+                seq_lens_cpu=[n],
+                extend_prefix_lens_cpu=[0],
+                extend_seq_lens_cpu=[n],
+            )
+            model.attn_backend.init_forward_metadata(batch)
+            hidden = model.hidden_states(batch.input_ids, batch.positions, batch)
+            yield model.compute_logits(hidden), torch.tensor(chunk, dtype=torch.int64)
+        finally:
+            runner.token_to_kv_pool_allocator.free(slots)
+            runner.req_to_token_pool.free(row)
+
+
+def calibration_ids(model_dir: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    with open(CALIBRATION_TEXT, encoding="utf-8") as f:
+        text = f.read()
+    return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+
+
+def activation_absmax(runner: ModelRunner, ids: list[int]) -> dict[str, torch.Tensor]:
+    """Per-input-channel absmax of every linear layer's input, and of the head's input under `HEAD`."""
+    stats: dict[str, torch.Tensor] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        a = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float().cpu()
+        stats[name] = a if name not in stats else torch.maximum(stats[name], a)
+
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, inp, n=n: record(n, inp[0]))
+        for n, m in linear_layers(runner.model)
+    ]
+    hooks.append(runner.model.model.norm.register_forward_hook(lambda _m, _inp, out: record(HEAD, out)))
+    try:
+        for _ in forward_windows(runner, ids, min(CALIBRATION_WINDOW, runner.max_total_num_tokens)):
+            pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def quantize_from_stats(model: torch.nn.Module, stats: dict[str, torch.Tensor]) -> dict[str, Int8Weight]:
+    out = {}
+    for name, m in linear_layers(model):
+        w = m.weight.data
+        out[name] = quantize_per_channel(w, smooth_factors(stats[name], w, SMOOTH_ALPHA))
+    head = model.lm_head_weight.data
+    out[HEAD] = quantize_per_channel(head, smooth_factors(stats[HEAD], head, HEAD_SMOOTH_ALPHA))
+    return out
+
+
+# ---- the cache ----
+def cache_path(model_dir: str, tp_rank: int, tp_size: int) -> str:
+    """One file per (checkpoint, rank, settings). The key covers the weight files' names, sizes and mtimes,
+    the calibration text and the smoothing strengths, so any change quantizes anew."""
+    h = hashlib.sha256()
+    h.update(os.path.realpath(model_dir).encode())
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            st = os.stat(os.path.join(model_dir, name))
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    with open(CALIBRATION_TEXT, "rb") as f:
+        h.update(f.read())
+    h.update(json.dumps([CACHE_FORMAT, SMOOTH_ALPHA, HEAD_SMOOTH_ALPHA, CALIBRATION_WINDOW]).encode())
+    base = os.path.basename(os.path.normpath(model_dir))
+    return os.path.join(
+        cache_root(), "w8a8_int8", f"{base}-{h.hexdigest()[:16]}", f"tp{tp_size}-rank{tp_rank}.safetensors"
+    )
+
+
+def save_cache(path: str, weights: dict[str, Int8Weight]) -> None:
+    tensors = {}
+    for name, qw in weights.items():
+        tensors[f"{name}.weight"] = qw.weight
+        tensors[f"{name}.scale"] = qw.scale
+        tensors[f"{name}.smooth"] = qw.smooth.contiguous()
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file(tensors, tmp, metadata={"format": str(CACHE_FORMAT)})
+        os.replace(tmp, path)  # atomic: a concurrent start sees the whole file or none
+    except OSError as e:
+        logger.warning("could not cache the int8 weights at %s (%s); the next start quantizes again", path, e)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_cache(path: str, names: list[str]) -> dict[str, Int8Weight] | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            if f.metadata().get("format") != str(CACHE_FORMAT):
+                return None
+            out = {}
+            for name in names:
+                smooth = f.get_tensor(f"{name}.smooth")
+                out[name] = Int8Weight(
+                    f.get_tensor(f"{name}.weight"),
+                    f.get_tensor(f"{name}.scale"),
+                    smooth,
+                    (1.0 / smooth).contiguous(),
+                )
+            return out
+    except Exception as e:  # a truncated or foreign file: quantize again rather than fail the start
+        logger.warning("ignoring the unreadable int8 cache %s (%s)", path, e)
+        return None
+
+
+def apply_w8a8_int8(runner: ModelRunner) -> None:
+    """Quantize `runner.model` in place (from the cache when it has this checkpoint's rank)."""
+    start = time.monotonic()
+    model = runner.model
+    layers = linear_layers(model)
+    path = cache_path(runner.model_dir, runner.tp.rank, runner.tp.size)
+    weights = load_cache(path, [n for n, _ in layers] + [HEAD])
+    source = "cache"
+    if weights is None:
+        source = "calibration"
+        weights = quantize_from_stats(model, activation_absmax(runner, calibration_ids(runner.model_dir)))
+        save_cache(path, weights)
+    for name, m in layers:
+        m.quant = weights[name]
+        m.register_parameter("weight", None)  # the fp32 copy is never read again
+    model.lm_head_quant = weights[HEAD]
+    if model.lm_head is not None:
+        model.lm_head.register_parameter("weight", None)
+    logger.info(
+        "w8a8_int8: %d linear layers and the head in int8 (from %s) in %.2f s",
+        len(layers),
+        source,
+        time.monotonic() - start,
+    )

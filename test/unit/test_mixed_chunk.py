@@ -1,0 +1,122 @@
+"""Mixed prefill/decode steps (`--enable-mixed-chunk`): a prompt that arrives while others decode is prefilled
+in the same forward step as their decode, its tokens and theirs are counted once each in the step metrics,
+and the prefill budget follows the documented rule (srt/managers/mixed_chunk.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from srt.managers.mixed_chunk import (
+    DEFAULT_MIXED_PREFILL_TOKENS,
+    MIN_MIXED_PREFILL_TOKENS,
+    MixedChunkBudget,
+)
+from srt.managers.scheduler_logging import SchedulerReporter
+from srt.server_args import ServerArgs
+from test.unit.scheduler_driver import drive, greedy, request
+from test.unit.test_scheduler import assert_pool_whole, make_scheduler, prompts
+
+
+class RecordingCollector:
+    """Stands in for SchedulerMetricsCollector: records what the reporter hands it per step."""
+
+    def __init__(self):
+        self.prefill_compute = self.prefill_cache = self.decode = 0
+        self.step_tokens: list[int] = []
+        self.extend_seconds = self.decode_seconds = 0.0
+
+    def on_prefill_batch(self, new_seqs, new_tokens, cached, queries, hits, seconds, decode_tokens=0):
+        self.prefill_compute += new_tokens
+        self.prefill_cache += cached
+        self.decode += decode_tokens
+        self.extend_seconds += seconds
+        self.step_tokens.append(new_tokens + decode_tokens)
+
+    def on_decode_batch(self, num_tokens, seconds):
+        self.decode += num_tokens
+        self.decode_seconds += seconds
+        self.step_tokens.append(num_tokens)
+
+    def on_finished_request(self, *args):
+        pass
+
+    def flush(self, stats):
+        pass
+
+
+def test_a_prompt_arriving_while_others_decode_is_prefilled_in_a_mixed_step(tiny_model_dir):
+    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=True)
+    collector = RecordingCollector()
+    sched.reporter = SchedulerReporter(ServerArgs(), sched.allocator.size, collector)
+    ps = prompts(3, low=20, high=30, seed=11)
+    steps = []
+
+    def record(step, s):
+        steps.append((s.last_step_was_prefill, s.last_step_was_mixed, len(s.running)))
+
+    arrivals = {0: [request("a", ps[0], greedy(10))], 3: [request("b", ps[1], greedy(6))]}
+    arrivals[5] = [request("c", ps[2], greedy(4))]
+    res = drive(sched, arrivals, on_step=record)
+
+    # step 0 prefills a alone; b (step 3) and c (step 5) each join a's decode in one mixed step
+    assert steps[0] == (True, False, 1)
+    assert steps[3] == (True, True, 2) and steps[5] == (True, True, 3)
+    assert sum(mixed for _, mixed, _ in steps) == 2
+    # token accounting: every prompt token once, every token after a request's first one decoded once
+    outputs = {rid: len(r.output_ids) for rid, r in res.items()}
+    assert outputs == {"a": 10, "b": 6, "c": 4}
+    assert collector.prefill_compute + collector.prefill_cache == sum(map(len, ps))
+    assert collector.decode == sum(n - 1 for n in outputs.values())
+    # one iteration-size observation per forward step; a mixed step counts its prompt and decode tokens
+    assert len(collector.step_tokens) == len(steps)
+    assert collector.step_tokens[3] == len(ps[1]) + 1 and collector.step_tokens[5] == len(ps[2]) + 2
+    assert sum(collector.step_tokens) == collector.prefill_compute + collector.decode
+    assert_pool_whole(sched)
+
+
+def test_mixed_prefill_budget_is_capped_by_the_chunk_size_and_splits_long_prompts(tiny_model_dir):
+    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=True, chunked_prefill_size=16)
+    long_prompt = prompts(1, low=70, high=70, seed=12)[0]
+    chunks = []
+
+    def record(step, s):
+        if s.last_step_was_mixed:
+            chunks.append(s.chunked_req is not None)
+
+    plain = drive(make_scheduler(tiny_model_dir), {0: [request("b", long_prompt, greedy(5))]})
+    res = drive(
+        sched,
+        {0: [request("a", prompts(1, seed=13)[0], greedy(30))], 2: [request("b", long_prompt, greedy(5))]},
+        on_step=record,
+    )
+    assert chunks[:5] == [True, True, True, True, False]  # 70 tokens in mixed chunks of 16
+    assert res["b"].output_ids == plain["b"].output_ids
+    assert_pool_whole(sched)
+
+
+def test_budget_follows_the_documented_rule():
+    budget = MixedChunkBudget(multiple=3.0)
+    assert budget.prefill_tokens(4) == DEFAULT_MIXED_PREFILL_TOKENS  # nothing measured yet
+    fixed, per_token = 0.060, 0.002
+    for _ in range(40):  # prefill, decode and mixed steps of an exact linear cost model
+        budget.observe(256, 0, fixed + per_token * 256)
+        budget.observe(0, 4, fixed + per_token * 4)
+        budget.observe(64, 4, fixed + per_token * 68)
+    assert budget.fixed_seconds == pytest.approx(fixed, rel=0.01)
+    assert budget.token_seconds == pytest.approx(per_token, rel=0.01)
+    expected = (3.0 - 1) * (fixed + per_token * 8) / per_token  # a + b(D + C) = 3 (a + b D), D = 8
+    assert budget.prefill_tokens(8) == pytest.approx(expected, abs=1)
+    assert budget.prefill_tokens(8) > budget.prefill_tokens(1)
+    budget.observe(0, 1, 0.0)  # a step faster than the model's per-token cost never drives it negative
+    assert budget.fixed_seconds >= 0
+    slow = MixedChunkBudget()
+    slow.fixed_seconds, slow.token_seconds = 0.0, 1.0
+    assert slow.prefill_tokens(1) == MIN_MIXED_PREFILL_TOKENS
+
+
+def test_budget_without_timing_stays_at_the_default():
+    """With tensor parallelism the ranks' timings differ, and their scheduling must not."""
+    budget = MixedChunkBudget(adaptive=False)
+    budget.observe(256, 0, 0.5)
+    budget.observe(0, 4, 0.06)
+    assert budget.prefill_tokens(4) == DEFAULT_MIXED_PREFILL_TOKENS

@@ -44,7 +44,11 @@ def make_sampling_step(sampler: Sampler, rows: list[Row]):
     except ImportError:  # before issue 9: parameters passed (and penalties rebuilt) every step
         params = [r.sampling_params for r in rows]
         return lambda logits: sampler.sample(
-            logits, params, [r.origin_input_ids for r in rows], [r.output_ids for r in rows], [None] * len(rows)
+            logits,
+            params,
+            [r.origin_input_ids for r in rows],
+            [r.output_ids for r in rows],
+            [None] * len(rows),
         )
     batch = SamplingBatch.build(rows, VOCAB, sampler.eos_token_ids, sampler.penalty_pool)
     return lambda logits: sampler.sample(logits, batch)
@@ -85,7 +89,9 @@ def bench_free_list(batch: int, context: int, steps: int) -> list[float]:
 
 def summary(name: str, times: list[float]) -> str:
     ms = sorted(t * 1e3 for t in times[1:])  # the first step pays one-off costs (pool rows, page faults)
-    return f"{name}: median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms, first {times[0] * 1e3:.2f} ms"
+    return (
+        f"{name}: median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms, first {times[0] * 1e3:.2f} ms"
+    )
 
 
 def main() -> None:

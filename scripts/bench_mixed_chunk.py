@@ -106,7 +106,9 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=16384)
     ap.add_argument("--modes", default="unmixed,mixed")
     args = ap.parse_args()
-    runner = ModelRunner(resolve_model_dir(None), max_total_tokens=args.max_total_tokens, max_running_requests=64)
+    runner = ModelRunner(
+        resolve_model_dir(None), max_total_tokens=args.max_total_tokens, max_running_requests=64
+    )
     warm = argparse.Namespace(**{**vars(args), "initial": 2, "bursts": 0, "output_len": 4})
     run(runner, False, warm)
     print(

@@ -100,11 +100,11 @@ def main() -> None:
         "top1_agreement": (top == top_fp32).float().mean().item(),
         "seconds": time.monotonic() - t0,
     }
+    t0 = time.monotonic()
     llama = (
         None if args.no_llama_cpp or gguf is None else llama_cpp_windows(gguf, ids, args.window, args.threads)
     )
     if llama is not None:
-        t0 = time.monotonic()
         ppl_l, top_l, _ = score(llama)
         results["llama.cpp (GGUF)"] = {
             "perplexity": ppl_l,

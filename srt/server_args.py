@@ -107,8 +107,11 @@ class ServerArgs:
         choices=QUANTIZATIONS,
     )
     enable_mixed_chunk: bool = _f(
-        False, "run a prefill chunk and the running requests' decode tokens in one forward step"
+        False,
+        "run a prefill chunk and the running requests' decode tokens in one forward step "
+        "(the default on CPU, where scripts/bench_mixed_chunk.py measured it better; off elsewhere)",
     )
+    disable_mixed_chunk: bool = _f(False, "never mix prefill and decode in one step (the CPU default mixes)")
     # Observability beyond metrics (issue 11)
     enable_trace: bool = _f(False, "export OpenTelemetry request traces (OTLP) at trace level 1")
     otlp_traces_endpoint: str = _f(
@@ -184,6 +187,8 @@ class ServerArgs:
             problems.append("--log-stats-interval must be > 0")
         if self.enable_metrics and self.disable_metrics:
             problems.append("--enable-metrics and --disable-metrics contradict each other")
+        if self.enable_mixed_chunk and self.disable_mixed_chunk:
+            problems.append("--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
         if not (0 < self.kv_cache_metrics_sample <= 1):
             problems.append("--kv-cache-metrics-sample must be in (0, 1]")
         for name in (

@@ -20,17 +20,26 @@ there the model is not fed (`adaptive=False`) and the budget stays at the defaul
 
 from __future__ import annotations
 
+from srt.server_args import ServerArgs
+
 # A mixed step may cost this many decode steps of the same running batch (the decode step included).
 MIXED_STEP_COST_MULTIPLE = 4.0
 # Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
 MIN_MIXED_PREFILL_TOKENS = 32
 # The budget before the cost model has both terms (measured on this project's CPU with SmolLM2-135M fp32:
-# a ~ 60 ms, b ~ 2.2 ms/token, so about (4 - 1) x 60 / 2.2 ~ 80 tokens at a small batch).
+# a ~ 60 ms, b ~ 2.2 ms/token, so about (4 - 1) x 60 / 2.2 ~ 80 tokens at a small batch; 64 errs low).
 DEFAULT_MIXED_PREFILL_TOKENS = 64
 # Steps with fewer prefill tokens than this say too little about the per-token cost to be used.
 MIN_COST_SAMPLE_TOKENS = 16
 # Weight of a new observation in the moving averages.
 COST_EMA_WEIGHT = 0.25
+
+
+def mixed_chunk_enabled(args: ServerArgs, device: str) -> bool:
+    """On when asked for; on a CPU also by default (scripts/bench_mixed_chunk.py measured lower inter-token
+    latency and equal or better throughput there, at the cost of a later first token in bursts), unless
+    `--disable-mixed-chunk`. Elsewhere it has not been measured, so it stays opt-in."""
+    return args.enable_mixed_chunk or (device == "cpu" and not args.disable_mixed_chunk)
 
 
 class MixedChunkBudget:

@@ -30,7 +30,7 @@ from srt.managers.fault_isolation import (
     fail_request,
 )
 from srt.managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
-from srt.managers.mixed_chunk import MixedChunkBudget
+from srt.managers.mixed_chunk import MixedChunkBudget, mixed_chunk_enabled
 from srt.managers.prompt_logprobs import plan_prompt_logprobs
 from srt.managers.schedule_batch import Req, build_token_output
 from srt.managers.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
@@ -101,10 +101,12 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.last_step_was_prefill = False  # the last step ran a prefill (alone or mixed)
         self.last_step_was_mixed = False
-        # --enable-mixed-chunk: the prefill budget of mixed steps; timing-adaptive only without tensor
-        # parallelism (every rank must schedule the same batches)
+        # mixed prefill/decode steps: their prefill budget, timing-adaptive only without tensor parallelism
+        # (every rank must schedule the same batches)
         self.mixed_budget = (
-            MixedChunkBudget(adaptive=server_args.tp_size == 1) if server_args.enable_mixed_chunk else None
+            MixedChunkBudget(adaptive=server_args.tp_size == 1)
+            if mixed_chunk_enabled(server_args, model_runner.device)
+            else None
         )
         self.builder = StepBuilder(self.req_to_token_pool, self.allocator, self.tree_cache)
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
@@ -217,8 +219,9 @@ class Scheduler:
         """One forward step. Without mixed chunks: prefill when waiting work fits, else decode — but never two
         prefill steps in a row while requests are decoding: a burst of arrivals would otherwise stall every
         running stream until the whole queue is prefilled (inter-token gaps of tens of seconds on a CPU).
-        With mixed chunks (`--enable-mixed-chunk`), while requests decode, a prefill of at most the mixed
-        budget (srt/managers/mixed_chunk.py) rides along in the same step as their decode."""
+        With mixed chunks (the CPU default; `--enable-mixed-chunk`/`--disable-mixed-chunk`), while requests
+        decode, a prefill of at most the mixed budget (srt/managers/mixed_chunk.py) rides along in the same
+        step as their decode."""
         stepped: list[Req] = []
         ready, failed = self.grammar.pop_ready()
         self.waiting.extend(ready)

@@ -58,7 +58,9 @@ class PenaltyPool:
     """Per-request penalty state, one row per request that uses a penalty.
 
     `counts[row, t]`: occurrences of token t in the request's output (frequency and presence penalties).
-    `seen[row, t]`: t occurs in its prompt or output (repetition penalty).
+    `rep_factor[row, t]`: the request's repetition penalty where t occurs in its prompt or output, else 1.0
+    (kept as the factor itself, not a flag, so that applying it is plain arithmetic: a `torch.where` over
+    [rows, vocab] costs ten times a multiplication on this CPU).
     Contract: `acquire` fills a row from the request's whole context; after that the holder reports every
     token it appends with `add_tokens`, and `release`s the row when the request leaves the running batch
     (finished or retracted; a retracted request acquires a fresh row from its context when it resumes).
@@ -68,8 +70,10 @@ class PenaltyPool:
         self.vocab_size = vocab_size
         self.device = device
         self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
-        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.rep_factor = torch.ones(0, vocab_size, dtype=torch.float32, device=device)
+        self.repetition = torch.ones(0, dtype=torch.float32, device=device)  # each row's penalty
         self._free: list[int] = []
+        self._scratch = torch.empty(3, 0, vocab_size, device=device)
 
     @property
     def capacity(self) -> int:
@@ -78,16 +82,17 @@ class PenaltyPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int:
+    def acquire(self, prompt_ids: Sequence[int], output_ids: Sequence[int], repetition_penalty: float) -> int:
         prompt = _in_vocab(prompt_ids, self.vocab_size, self.device)
         output = _in_vocab(output_ids, self.vocab_size, self.device)
         if not self._free:
             self._grow()
         row = self._free.pop()
         self.counts[row] = torch.bincount(output, minlength=self.vocab_size)
-        self.seen[row] = False
-        self.seen[row, prompt] = True
-        self.seen[row, output] = True
+        self.repetition[row] = repetition_penalty
+        self.rep_factor[row] = NO_REPETITION_PENALTY
+        self.rep_factor[row, prompt] = repetition_penalty
+        self.rep_factor[row, output] = repetition_penalty
         return row
 
     def release(self, row: int) -> None:
@@ -96,16 +101,28 @@ class PenaltyPool:
     def add_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """One new token per row (rows are distinct): the incremental update after a sampling step."""
         self.counts[rows, tokens] += 1.0
-        self.seen[rows, tokens] = True
+        self.rep_factor[rows, tokens] = self.repetition[rows]
+
+    def scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [rows, vocab] fp32 work buffers, allocated once and reused by every step (a fresh
+        multi-megabyte tensor per step is a fresh mmap whose page faults cost more than the arithmetic)."""
+        if self._scratch.shape[1] < rows:
+            self._scratch = torch.empty(3, max(rows, self.capacity), self.vocab_size, device=self.device)
+        return self._scratch[0, :rows], self._scratch[1, :rows]
+
+    def gathered(self, rows: int) -> torch.Tensor:
+        """A third work buffer: the penalized rows of the logits when not every row is penalized."""
+        self.scratch(rows)
+        return self._scratch[2, :rows]
 
     def _grow(self) -> None:
         old = self.capacity
         new = max(MIN_POOL_ROWS, 2 * old)
         counts = torch.zeros(new, self.vocab_size, dtype=torch.float32, device=self.device)
-        seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
-        counts[:old] = self.counts
-        seen[:old] = self.seen
-        self.counts, self.seen = counts, seen
+        rep_factor = torch.ones(new, self.vocab_size, dtype=torch.float32, device=self.device)
+        repetition = torch.ones(new, dtype=torch.float32, device=self.device)
+        counts[:old], rep_factor[:old], repetition[:old] = self.counts, self.rep_factor, self.repetition
+        self.counts, self.rep_factor, self.repetition = counts, rep_factor, repetition
         self._free.extend(reversed(range(old, new)))  # lowest row first
 
 
@@ -117,7 +134,7 @@ class BatchPenalties:
     batch_rows: torch.Tensor  # int64 [P]: rows of the batch that use a penalty
     pool_rows: torch.Tensor  # int64 [P]: their rows in the pool
     all_rows: bool  # every batch row is penalized: no gather/scatter of logits
-    repetition: torch.Tensor | None  # [P, 1]; 1.0 where a row has none
+    repetition: str | None  # "min" when every penalty is >= 1, "max" when every one is <= 1, else "mixed"
     frequency: torch.Tensor | None  # [P, 1]; 0.0 where a row has none
     presence: torch.Tensor | None  # [P, 1]; 0.0 where a row has none
 
@@ -129,39 +146,62 @@ class BatchPenalties:
             return None
         for i in batch_rows:
             if rows[i].penalty_row is None:
-                rows[i].penalty_row = pool.acquire(rows[i].origin_input_ids, rows[i].output_ids)
+                row, params = rows[i], rows[i].sampling_params
+                row.penalty_row = pool.acquire(
+                    row.origin_input_ids, row.output_ids, params.repetition_penalty
+                )
         params = [rows[i].sampling_params for i in batch_rows]
 
-        def column(name: str, neutral: float) -> torch.Tensor | None:
+        def column(name: str) -> torch.Tensor | None:
             values = [getattr(p, name) for p in params]
-            if all(v == neutral for v in values):
+            if all(v == 0.0 for v in values):
                 return None
             return torch.tensor(values, dtype=torch.float32, device=pool.device).unsqueeze(1)
 
+        reps = [p.repetition_penalty for p in params]
+        repetition = None
+        if any(r != NO_REPETITION_PENALTY for r in reps):
+            repetition = "min" if min(reps) >= 1.0 else "max" if max(reps) <= 1.0 else "mixed"
         return cls(
             pool,
             torch.tensor(batch_rows, dtype=torch.int64, device=pool.device),
             torch.tensor([rows[i].penalty_row for i in batch_rows], dtype=torch.int64, device=pool.device),
             len(batch_rows) == len(rows),
-            column("repetition_penalty", NO_REPETITION_PENALTY),
-            column("frequency_penalty", 0.0),
-            column("presence_penalty", 0.0),
+            repetition,
+            column("frequency_penalty"),
+            column("presence_penalty"),
         )
 
     def apply(self, logits: torch.Tensor) -> None:
         """Repetition (HF-style: a seen token's positive logit is divided by the penalty, a negative one
         multiplied), then frequency (minus penalty x count) and presence (minus a flat penalty), in place.
-        A row's neutral coefficients leave its logits bit-for-bit unchanged."""
-        sub = logits if self.all_rows else logits[self.batch_rows]  # the gather copies
+        A row's neutral coefficients leave its logits bit-for-bit unchanged.
+
+        With a penalty p >= 1, x / p <= x * p exactly when x > 0 (and rounding keeps the order), so the HF
+        rule is the elementwise minimum of the two (the maximum when p <= 1): no per-element branch."""
+        rows = self.pool_rows.numel()
+        first, second = self.pool.scratch(rows)
+        sub = (
+            logits
+            if self.all_rows
+            else torch.index_select(logits, 0, self.batch_rows, out=self.pool.gathered(rows))
+        )
         if self.repetition is not None:
-            penalty = torch.where(self.pool.seen[self.pool_rows], self.repetition, NO_REPETITION_PENALTY)
-            sub.copy_(torch.where(sub > 0, sub / penalty, sub * penalty))
+            factor = torch.index_select(self.pool.rep_factor, 0, self.pool_rows, out=first)
+            divided = torch.div(sub, factor, out=second)
+            multiplied = factor.mul_(sub)
+            if self.repetition == "min":
+                torch.minimum(divided, multiplied, out=sub)
+            elif self.repetition == "max":
+                torch.maximum(divided, multiplied, out=sub)
+            else:  # penalties on both sides of 1 in one batch: rare, the plain rule
+                sub.copy_(torch.where(sub > 0, divided, multiplied))
         if self.frequency is not None or self.presence is not None:
-            counts = self.pool.counts[self.pool_rows]
+            counts = torch.index_select(self.pool.counts, 0, self.pool_rows, out=first)
             if self.frequency is not None:
                 sub.addcmul_(counts, self.frequency, value=-1.0)
             if self.presence is not None:
-                sub.sub_(self.presence * (counts > 0))
+                sub.sub_(counts.clamp_(max=1.0).mul_(self.presence))  # presence x (count > 0)
         if not self.all_rows:
             logits[self.batch_rows] = sub
 

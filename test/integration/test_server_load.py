@@ -35,7 +35,14 @@ ABORT_SETTLE_SECONDS = 15.0
 
 @pytest.fixture(scope="module")
 def small_server():
+    """Mixed prefill/decode steps on: the CPU default."""
     with running_server("--max-total-tokens", str(KV_TOKENS)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def unmixed_small_server():
+    with running_server("--max-total-tokens", str(KV_TOKENS), "--disable-mixed-chunk") as handle:
         yield handle
 
 
@@ -60,7 +67,9 @@ def complete(server, prompt: str, max_tokens: int, timeout: float = 300) -> dict
 
 
 @pytest.mark.timeout(OVERLOAD_TIMEOUT_SECONDS)
-def test_overload_completes_every_request_with_its_solo_output(small_server):
+@pytest.mark.parametrize("server_fixture", ["small_server", "unmixed_small_server"], ids=["mixed", "unmixed"])
+def test_overload_completes_every_request_with_its_solo_output(server_fixture, request):
+    small_server = request.getfixturevalue(server_fixture)
     alone = {p: complete(small_server, p, MAX_TOKENS)["choices"][0]["text"] for p in PROMPTS}
     prompt_tokens = complete(small_server, PROMPTS[0], 1)["usage"]["prompt_tokens"]
     assert NUM_REQUESTS * (prompt_tokens + MAX_TOKENS) >= 9 * KV_TOKENS  # ~10x what fits at once

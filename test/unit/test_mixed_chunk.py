@@ -10,6 +10,7 @@ from srt.managers.mixed_chunk import (
     DEFAULT_MIXED_PREFILL_TOKENS,
     MIN_MIXED_PREFILL_TOKENS,
     MixedChunkBudget,
+    mixed_chunk_enabled,
 )
 from srt.managers.scheduler_logging import SchedulerReporter
 from srt.server_args import ServerArgs
@@ -120,3 +121,13 @@ def test_budget_without_timing_stays_at_the_default():
     budget.observe(256, 0, 0.5)
     budget.observe(0, 4, 0.06)
     assert budget.prefill_tokens(4) == DEFAULT_MIXED_PREFILL_TOKENS
+
+
+def test_mixed_chunks_are_the_cpu_default_and_can_be_turned_off():
+    assert mixed_chunk_enabled(ServerArgs(), "cpu")
+    assert not mixed_chunk_enabled(ServerArgs(disable_mixed_chunk=True), "cpu")
+    assert not mixed_chunk_enabled(ServerArgs(), "cuda")  # not measured there: opt-in
+    assert mixed_chunk_enabled(ServerArgs(enable_mixed_chunk=True), "cuda")
+    with pytest.raises(ValueError, match="contradict"):
+        ServerArgs(enable_mixed_chunk=True, disable_mixed_chunk=True)
+    assert ServerArgs.parse(["--disable-mixed-chunk"]).disable_mixed_chunk

@@ -135,3 +135,24 @@ def test_batches_mix_requests_with_and_without_prompt_logprobs(tiny_model_dir, r
     while not sched.is_idle:
         sched.step()
     assert_pool_whole(sched)
+
+
+def test_prompt_logprobs_of_a_prompt_prefilled_in_mixed_steps(tiny_model_dir, reference):
+    """A prompt asking for its logprobs arrives while another request decodes: it is prefilled in mixed
+    chunks next to that decode (srt/managers/mixed_chunk.py) and its logprobs are still the reference's."""
+    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=True, chunked_prefill_size=16)
+    sched.add_request(request("busy", prompt(10, seed=4), greedy(30)))
+    sched.step()
+    ids = prompt(40, seed=5)
+    mixed_steps = []
+    step = sched.step
+
+    def counting_step():
+        out = step()
+        mixed_steps.append(sched.last_step_was_mixed)
+        return out
+
+    sched.step = counting_step
+    got = run(sched, "scored", ids, greedy(3, logprobs=TOP, logprob_start_len=0))
+    assert sum(mixed_steps) >= 3  # 40 prompt tokens in mixed chunks of 16
+    assert_matches(got, reference(ids), ids)

@@ -49,13 +49,17 @@ def alone_outputs(tiny_model_dir):
     return refs
 
 
-# The equivalence tests run with and without mixed prefill/decode steps (--enable-mixed-chunk).
+# The equivalence tests run with and without mixed prefill/decode steps (mixed is the CPU default).
 MIXED = pytest.mark.parametrize("mixed", [False, True], ids=["unmixed", "mixed"])
+
+
+def mixing(mixed: bool) -> dict[str, bool]:
+    return {"enable_mixed_chunk": True} if mixed else {"disable_mixed_chunk": True}
 
 
 @MIXED
 def test_continuous_batching_matches_running_alone(tiny_model_dir, alone_outputs, mixed):
-    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=mixed)
+    sched = make_scheduler(tiny_model_dir, **mixing(mixed))
     ps = prompts(6)
     arrivals = {
         0: [request("r0", ps[0], greedy(12)), request("r1", ps[1], greedy(12))],
@@ -93,7 +97,7 @@ def test_chunked_prefill_gives_same_tokens(tiny_model_dir, mixed):
     plain = drive(
         make_scheduler(tiny_model_dir, chunked_prefill_size=-1), {0: [request("a", long_prompt, greedy(8))]}
     )
-    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=32, enable_mixed_chunk=mixed)
+    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=32, **mixing(mixed))
     prefill_steps = []
     res = drive(
         sched,
@@ -108,7 +112,7 @@ def test_chunked_prefill_gives_same_tokens(tiny_model_dir, mixed):
 @MIXED
 def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, mixed):
     shared = prompts(1, low=64, high=64, seed=5)[0]
-    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=mixed)
+    sched = make_scheduler(tiny_model_dir, **mixing(mixed))
     first = drive(sched, {0: [request("a", shared + [11, 12], greedy(8))]})
     # with mixed chunks, b's prefix hit is prefilled next to a decoding request
     busy = {
@@ -135,7 +139,7 @@ def test_retraction_resumes_with_identical_output(tiny_model_dir, mixed):
         f"r{i}": drive(ref_sched, {0: [request(f"r{i}", p, greedy(40))]})[f"r{i}"].output_ids
         for i, p in enumerate(ps)
     }
-    sched = make_scheduler(tiny_model_dir, max_total_tokens=300, enable_mixed_chunk=mixed)
+    sched = make_scheduler(tiny_model_dir, max_total_tokens=300, **mixing(mixed))
     # half arrive later, so that with mixed chunks they are admitted next to decoding requests
     arrivals = {0: [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps[:4])]}
     arrivals[3] = [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps) if i >= 4]
@@ -213,7 +217,9 @@ def test_stop_conditions(tiny_model_dir, alone_outputs):
 
 def test_running_requests_are_not_starved_by_a_burst_of_prefills(tiny_model_dir):
     # One request is decoding when eight more arrive that need four prefill batches between them.
-    sched = make_scheduler(tiny_model_dir, max_prefill_tokens=40, chunked_prefill_size=-1)
+    sched = make_scheduler(
+        tiny_model_dir, max_prefill_tokens=40, chunked_prefill_size=-1, disable_mixed_chunk=True
+    )
     modes = []
 
     def record(step, s):

@@ -359,8 +359,14 @@ def test_prometheus_scrapes_srt_and_answers_promql(run, prometheus):
         assert time.monotonic() < deadline, got
         time.sleep(1)
     assert series[0]["metric"]["model_name"] == MODEL
-    q = prom_query(prometheus, "histogram_quantile(0.9, rate(sglang:time_to_first_token_seconds_bucket[1m]))")
-    assert q["status"] == "success" and q["data"]["result"], q
+    # rate() needs two samples in its window: Prometheus may have scraped the finished workload only once
+    while True:
+        q = prom_query(prometheus, "histogram_quantile(0.9, rate(sglang:time_to_first_token_seconds_bucket[1m]))")
+        assert q["status"] == "success", q
+        if q["data"]["result"]:
+            break
+        assert time.monotonic() < deadline, q
+        time.sleep(1)
 
 
 def test_every_dashboard_query_is_accepted_by_prometheus(run, prometheus):

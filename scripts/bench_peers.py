@@ -27,7 +27,7 @@ from srt.bench.peers import (
     comparison_table,
     llama_cpp_peer,
     machine_description,
-    srt_int8_peer,
+    srt_fp32_peer,
     srt_peer,
     transformers_peer,
 )
@@ -40,8 +40,8 @@ logger = logging.getLogger("bench_peers")
 
 # llama.cpp before transformers: the slowest peer last, so a cut-short run still compares most of them.
 PEER_FACTORIES = {
-    "srt": srt_peer,
-    "srt-int8": srt_int8_peer,
+    "srt": srt_peer,  # default flags: int8 on the CPU
+    "srt-fp32": srt_fp32_peer,
     "llama.cpp": llama_cpp_peer,
     "transformers": transformers_peer,
 }

@@ -102,8 +102,9 @@ class ServerArgs:
     # CPU execution (issue 9)
     quantization: str | None = _f(
         None,
-        "w8a8_int8 runs every linear layer in int8 (per-channel weights, per-token activations); none keeps "
-        "fp32 (the default: int8 has not passed the quality gate of scripts/eval_quality.py, see README)",
+        "w8a8_int8 runs every linear layer in int8 (per-channel GPTQ weights, two-level per-token "
+        "activations; the CPU default: it passed the quality gate of scripts/eval_quality.py, see README); "
+        "none keeps fp32 (the GPU default, and the reference srt is tested against transformers with)",
         choices=QUANTIZATIONS,
     )
     enable_mixed_chunk: bool = _f(

@@ -55,9 +55,9 @@ def srt_peer(port: int, model_dir: str, *flags: str, name: str = "srt") -> Peer:
     return Peer(name, cmd, target)
 
 
-def srt_int8_peer(port: int, model_dir: str) -> Peer:
-    """srt with every linear layer in int8 (`--quantization w8a8_int8`)."""
-    return srt_peer(port, model_dir, "--quantization", "w8a8_int8", name="srt-int8")
+def srt_fp32_peer(port: int, model_dir: str) -> Peer:
+    """srt in fp32 (`--quantization none`, the correctness reference)."""
+    return srt_peer(port, model_dir, "--quantization", "none", name="srt-fp32")
 
 
 def peak_rss_bytes(root_pid: int) -> int:
@@ -117,7 +117,8 @@ def llama_cpp_peer(port: int, gguf_path: str) -> Peer:
     if _missing_modules("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings"):
         missing = (
             "llama.cpp's server is not installed, skipping it: "
-            "CMAKE_ARGS='-DGGML_NATIVE=ON' pip install 'llama-cpp-python[server]' (compiles ~12 min)"
+            "CMAKE_ARGS='-DGGML_NATIVE=ON' pip install 'llama-cpp-python[server]' (compiles ~12 min; on a CPU "
+            "with AMX add -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF: its AMX kernels crash)"
         )
     return Peer("llama.cpp", cmd, target, missing)
 

@@ -81,6 +81,8 @@ class SchedulerReady:
     context_len: int
     max_running_requests: int
     attention_backend: str
+    # the method the runner resolved (--quantization unset means the device's default)
+    quantization: str = "none"
 
 
 @dataclass

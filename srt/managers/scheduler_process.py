@@ -85,6 +85,7 @@ def run_scheduler_process(
             context_len=runner.context_len,
             max_running_requests=runner.max_running_requests,
             attention_backend=runner.attention_backend_name,
+            quantization=runner.quantization,
         )
     )
     ready_writer.close()

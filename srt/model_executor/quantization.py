@@ -1,14 +1,15 @@
 """`--quantization w8a8_int8`: turns a loaded fp32 model into int8 linear layers, once, and caches the result.
 
-Order of work, per tensor-parallel rank (each rank quantizes its own shard, so the scales are the shard's):
+Order of work, per tensor-parallel rank (each rank quantizes its own shard, so scales and statistics are the
+shard's):
 1. calibrate: run the fp32 model over `calibration_text.txt` (shipped with srt, deliberately not the
-   evaluation text of `scripts/eval_quality.py`) and record each linear layer's per-input-channel activation
-   absmax, and that of the normed hidden state the output head reads;
-2. quantize every linear layer and the output head with SmoothQuant factors from those statistics
-   (`int8_linear.py`), then drop the fp32 copies of the linear weights (the embedding stays fp32: the head
-   gets its own int8 copy when the two are tied);
+   evaluation text of `scripts/eval_quality.py`) and sum each linear layer's input second moments X^T X,
+   and those of the normed hidden state the output head reads;
+2. quantize every linear layer and the output head to per-channel int8 with GPTQ's error-compensating
+   rounding under those moments (`layers/gptq.py`), then drop the fp32 copies of the linear weights (the
+   embedding stays fp32: the head gets its own int8 copy when the two are tied);
 3. save the int8 tensors in a safetensors file under the srt cache, keyed by the checkpoint, the rank and
-   the calibration settings; a later start loads it instead of calibrating.
+   the calibration settings; a later start loads it instead of calibrating (about 20 s saved here).
 
 Attention, norms, the embedding and the KV cache stay fp32.
 """
@@ -28,7 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from srt.model_executor.layers.int8_linear import Int8Weight, quantize_per_channel, smooth_factors
+from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
+from srt.model_executor.layers.int8_linear import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_source import cache_root
 
@@ -38,23 +40,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("none", "w8a8_int8")
-# What `--quantization` means when unset on the CPU. int8 would be the default only if it passed the quality
-# gate of scripts/eval_quality.py; it does not (README "CPU int8": perplexity +1.5 % against fp32, but
-# llama.cpp's on the same GGUF is +0.2 %), so fp32 stays the default and int8 is opt-in.
-DEFAULT_CPU_QUANTIZATION = "none"
-# SmoothQuant migration strength, for the decoder's layers and for the output head: chosen by sweeping
-# 0.3-0.9 on the project's own DESIGN.md, never on the evaluation text of scripts/eval_quality.py.
-SMOOTH_ALPHA = 0.5
-HEAD_SMOOTH_ALPHA = 0.5
+# What `--quantization` means when unset on the CPU: the one that passed the quality gate of
+# scripts/eval_quality.py (README "CPU int8"), and fp32 until one does.
+DEFAULT_CPU_QUANTIZATION = "w8a8_int8"
 CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "calibration_text.txt")
 # Calibration runs the text as independent sequences of this many tokens (bounded logits memory).
 CALIBRATION_WINDOW = 512
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 1: SmoothQuant-scaled weights (with a smooth vector per layer)
 HEAD = "lm_head"
 
 
 def resolve_quantization(requested: str | None, device: str) -> str:
-    """The method a runner uses: the flag when given, else the CPU default (fp32 until int8 passes the gate)
+    """The method a runner uses: the flag when given, else the CPU default (int8, which passed the gate)
     and none on a GPU."""
     if requested is None:
         return DEFAULT_CPU_QUANTIZATION if device == "cpu" else "none"
@@ -117,13 +114,15 @@ def calibration_ids(model_dir: str) -> list[int]:
     return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
 
 
-def activation_absmax(runner: ModelRunner, ids: list[int]) -> dict[str, torch.Tensor]:
-    """Per-input-channel absmax of every linear layer's input, and of the head's input under `HEAD`."""
-    stats: dict[str, torch.Tensor] = {}
+def input_second_moments(runner: ModelRunner, ids: list[int]) -> dict[str, torch.Tensor]:
+    """Sum of x x^T [K, K] over every input row x of every linear layer, and of the head's input under
+    `HEAD`: the Hessian of each layer's squared output error, which GPTQ's rounding minimizes."""
+    moments: dict[str, torch.Tensor] = {}
 
     def record(name: str, x: torch.Tensor) -> None:
-        a = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float().cpu()
-        stats[name] = a if name not in stats else torch.maximum(stats[name], a)
+        x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
+        xtx = x.t() @ x
+        moments[name] = xtx if name not in moments else moments[name].add_(xtx)
 
     hooks = [
         m.register_forward_pre_hook(lambda _m, inp, n=n: record(n, inp[0]))
@@ -136,23 +135,22 @@ def activation_absmax(runner: ModelRunner, ids: list[int]) -> dict[str, torch.Te
     finally:
         for h in hooks:
             h.remove()
-    return stats
+    return moments
 
 
-def quantize_from_stats(model: torch.nn.Module, stats: dict[str, torch.Tensor]) -> dict[str, Int8Weight]:
+def quantize_model(model: torch.nn.Module, moments: dict[str, torch.Tensor]) -> dict[str, Int8Weight]:
+    """Every linear layer and the head in int8, each freed of its moments as soon as it is done."""
     out = {}
     for name, m in linear_layers(model):
-        w = m.weight.data
-        out[name] = quantize_per_channel(w, smooth_factors(stats[name], w, SMOOTH_ALPHA))
-    head = model.lm_head_weight.data
-    out[HEAD] = quantize_per_channel(head, smooth_factors(stats[HEAD], head, HEAD_SMOOTH_ALPHA))
+        out[name] = quantize_per_channel_gptq(m.weight.data, moments.pop(name))
+    out[HEAD] = quantize_per_channel_gptq(model.lm_head_weight.data, moments.pop(HEAD))
     return out
 
 
 # ---- the cache ----
 def cache_path(model_dir: str, tp_rank: int, tp_size: int) -> str:
     """One file per (checkpoint, rank, settings). The key covers the weight files' names, sizes and mtimes,
-    the calibration text and the smoothing strengths, so any change quantizes anew."""
+    the calibration text and GPTQ's settings, so any change quantizes anew."""
     h = hashlib.sha256()
     h.update(os.path.realpath(model_dir).encode())
     for name in sorted(os.listdir(model_dir)):
@@ -161,7 +159,7 @@ def cache_path(model_dir: str, tp_rank: int, tp_size: int) -> str:
             h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
     with open(CALIBRATION_TEXT, "rb") as f:
         h.update(f.read())
-    h.update(json.dumps([CACHE_FORMAT, SMOOTH_ALPHA, HEAD_SMOOTH_ALPHA, CALIBRATION_WINDOW]).encode())
+    h.update(json.dumps([CACHE_FORMAT, DAMP, CALIBRATION_WINDOW]).encode())
     base = os.path.basename(os.path.normpath(model_dir))
     return os.path.join(
         cache_root(), "w8a8_int8", f"{base}-{h.hexdigest()[:16]}", f"tp{tp_size}-rank{tp_rank}.safetensors"
@@ -173,7 +171,6 @@ def save_cache(path: str, weights: dict[str, Int8Weight]) -> None:
     for name, qw in weights.items():
         tensors[f"{name}.weight"] = qw.weight
         tensors[f"{name}.scale"] = qw.scale
-        tensors[f"{name}.smooth"] = qw.smooth.contiguous()
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -192,16 +189,10 @@ def load_cache(path: str, names: list[str]) -> dict[str, Int8Weight] | None:
         with safe_open(path, framework="pt", device="cpu") as f:
             if f.metadata().get("format") != str(CACHE_FORMAT):
                 return None
-            out = {}
-            for name in names:
-                smooth = f.get_tensor(f"{name}.smooth")
-                out[name] = Int8Weight(
-                    f.get_tensor(f"{name}.weight"),
-                    f.get_tensor(f"{name}.scale"),
-                    smooth,
-                    (1.0 / smooth).contiguous(),
-                )
-            return out
+            return {
+                name: Int8Weight(f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.scale"))
+                for name in names
+            }
     except Exception as e:  # a truncated or foreign file: quantize again rather than fail the start
         logger.warning("ignoring the unreadable int8 cache %s (%s)", path, e)
         return None
@@ -217,7 +208,7 @@ def apply_w8a8_int8(runner: ModelRunner) -> None:
     source = "cache"
     if weights is None:
         source = "calibration"
-        weights = quantize_from_stats(model, activation_absmax(runner, calibration_ids(runner.model_dir)))
+        weights = quantize_model(model, input_second_moments(runner, calibration_ids(runner.model_dir)))
         save_cache(path, weights)
     for name, m in layers:
         m.quant = weights[name]

@@ -191,6 +191,7 @@ def server_factory():
 
 @pytest.fixture(scope="session")
 def default_server() -> Iterator[ServerHandle]:
-    """One embedded-model server with an API key, shared by the test_server_* modules."""
-    with running_server(api_key=API_KEY) as handle:
+    """One embedded-model server with an API key, shared by the test_server_* modules. fp32
+    (`--quantization none`): its greedy output is compared with transformers token for token."""
+    with running_server("--quantization", "none", api_key=API_KEY) as handle:
         yield handle

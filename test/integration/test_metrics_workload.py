@@ -361,7 +361,9 @@ def test_prometheus_scrapes_srt_and_answers_promql(run, prometheus):
     assert series[0]["metric"]["model_name"] == MODEL
     # rate() needs two samples in its window: Prometheus may have scraped the finished workload only once
     while True:
-        q = prom_query(prometheus, "histogram_quantile(0.9, rate(sglang:time_to_first_token_seconds_bucket[1m]))")
+        q = prom_query(
+            prometheus, "histogram_quantile(0.9, rate(sglang:time_to_first_token_seconds_bucket[1m]))"
+        )
         assert q["status"] == "success", q
         if q["data"]["result"]:
             break

@@ -415,3 +415,8 @@ def test_sglang_route_names_answer_beside_the_old_ones(server: ServerHandle):
         a, b = (httpx.get(f"{server.base_url}{path}", timeout=TIMEOUT) for path in (new, old))
         assert a.status_code == b.status_code == 200
         assert a.json().keys() == b.json().keys()
+
+
+def test_server_info_reports_the_quantization_in_effect_int8_by_default_on_the_cpu(server: ServerHandle):
+    info = httpx.get(f"{server.base_url}/server_info", timeout=TIMEOUT).json()
+    assert info["quantization"] == "w8a8_int8"

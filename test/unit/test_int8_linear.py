@@ -1,6 +1,6 @@
-"""`--quantization w8a8_int8`: int8 layers agree with fp32 within quantization error, SmoothQuant helps where
-activation outliers hurt, the loader quantizes a checkpoint once and reuses its cache, and the server's
-default stays fp32 until int8 passes the quality gate (scripts/eval_quality.py)."""
+"""`--quantization w8a8_int8`: int8 layers agree with fp32 within quantization error, two-level activations
+make outlier channels harmless, GPTQ rounding beats nearest rounding on the layer's output, and the loader
+quantizes a checkpoint once and reuses its cache."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from srt.model_executor.layers.gptq import quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import (
     quantize_per_channel,
     quantize_per_token,
-    smooth_factors,
+    quantize_two_level,
     w8a8_linear,
 )
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -48,17 +49,63 @@ def test_w8a8_linear_matches_fp32_within_quantization_error(rows):
     assert rel_err(out, F.linear(x, w, b)) < 0.02
 
 
-def test_smoothing_is_an_identity_in_real_numbers_and_cuts_the_error_of_outlier_channels():
+def test_two_level_activations_make_outlier_channels_harmless():
+    """Per-token int8 alone flattens every ordinary channel to a few levels next to a 50x outlier; the
+    residual level restores them, leaving only the weights' rounding."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(128, 64, generator=gen) * 0.1
-    calib, x = outlier_activations(256, 64, gen), outlier_activations(16, 64, gen)
-    ref = F.linear(x, w)
-    plain = rel_err(w8a8_linear(x, quantize_per_channel(w), None), ref)
-    smooth = smooth_factors(calib.abs().amax(0), w, alpha=0.5)
-    smoothed = rel_err(w8a8_linear(x, quantize_per_channel(w, smooth), None), ref)
-    assert smoothed < plain / 2
-    # the smoothed weight times the unsmoothed activation is the same product before rounding
-    torch.testing.assert_close(F.linear(x / smooth, w * smooth), ref, rtol=1e-4, atol=1e-4)
+    x = outlier_activations(16, 64, gen)
+    qw = quantize_per_channel(w)
+    w_int8 = qw.weight.float() * qw.scale.unsqueeze(1)
+    ref = F.linear(x, w_int8)  # exact activations against the same int8 weights: the activations' error alone
+    q, s = quantize_per_token(x)
+    one_level = F.linear(q.float() * s, w_int8)
+    two_level = w8a8_linear(x, qw, None)
+    assert rel_err(one_level, ref) > 0.005
+    assert rel_err(two_level, ref) < rel_err(one_level, ref) / 50
+    assert rel_err(two_level, F.linear(x, w)) < 0.01
+
+
+def test_the_second_level_quantizes_what_the_first_left():
+    gen = torch.Generator().manual_seed(5)
+    x = outlier_activations(3, 40, gen)
+    q, s = quantize_two_level(x)
+    assert q.dtype == torch.int8 and q.shape == (6, 40) and s.shape == (6, 1)
+    first, second = q[:3].float() * s[:3], q[3:].float() * s[3:]
+    assert (s[3:] < s[:3] / 100).all()  # the residual is at most half a step of the first level
+    assert (x - first - second).abs().max() <= s[3:].max() / 2 + 1e-6
+
+
+def correlated_inputs(rows: int, k: int, mix: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Rows whose channels are correlated through `mix`, as hidden states are."""
+    return torch.randn(rows, k, generator=gen) @ mix
+
+
+def test_gptq_rounding_cuts_the_output_error_on_unseen_inputs_of_the_calibrated_kind():
+    gen = torch.Generator().manual_seed(6)
+    k, n = 64, 48
+    mix = torch.randn(k, k, generator=gen) * 0.3 + torch.eye(k)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    calib, held_out = correlated_inputs(512, k, mix, gen), correlated_inputs(256, k, mix, gen)
+    nearest = quantize_per_channel(w)
+    gptq = quantize_per_channel_gptq(w, calib.t() @ calib)
+    assert torch.equal(gptq.scale, nearest.scale)  # same format, same scales: only the levels differ
+    assert gptq.weight.dtype == torch.int8 and not torch.equal(gptq.weight, nearest.weight)
+
+    def output_error(qw) -> float:
+        return rel_err(F.linear(held_out, qw.weight.float() * qw.scale.unsqueeze(1)), F.linear(held_out, w))
+
+    assert output_error(gptq) < output_error(nearest) * 0.8
+
+
+def test_gptq_rounds_channels_calibration_never_saw_to_their_nearest_level():
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(8, 16, generator=gen)
+    x = torch.randn(32, 16, generator=gen)
+    x[:, 0] = 0  # the first channel: rounded before any error reaches it, so nearest is all it can be
+    qw = quantize_per_channel_gptq(w, x.t() @ x)
+    assert torch.equal(qw.weight[:, 0], quantize_per_channel(w).weight[:, 0])
+    assert qw.weight[:, 0].abs().sum() > 0 and torch.isfinite(qw.scale).all()
 
 
 def test_inputs_of_any_leading_shape_and_all_zero_rows():
@@ -140,8 +187,8 @@ def test_an_unreadable_cache_file_is_rebuilt_not_fatal(tiny_model_dir, private_c
     assert os.path.getsize(path) > 100
 
 
-def test_int8_is_opt_in_until_it_passes_the_quality_gate_and_cpu_only():
-    assert resolve_quantization(None, "cpu") == DEFAULT_CPU_QUANTIZATION == "none"
+def test_int8_is_the_cpu_default_since_it_passed_the_quality_gate_and_is_cpu_only():
+    assert resolve_quantization(None, "cpu") == DEFAULT_CPU_QUANTIZATION == "w8a8_int8"
     assert resolve_quantization("w8a8_int8", "cpu") == "w8a8_int8"
     assert resolve_quantization(None, "cuda:0") == "none"
     assert resolve_quantization("none", "cpu") == "none"

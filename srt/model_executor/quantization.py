@@ -206,6 +206,10 @@ def apply_w8a8_int8(runner: ModelRunner) -> None:
     path = cache_path(runner.model_dir, runner.tp.rank, runner.tp.size)
     weights = load_cache(path, [n for n, _ in layers] + [HEAD])
     source = "cache"
+    # Calibration runs the model, whose collectives every rank must join: if any rank lacks its file (a
+    # start cut short between two ranks' saves), all ranks calibrate.
+    if runner.tp.min_across_ranks(int(weights is not None)) == 0:
+        weights = None
     if weights is None:
         source = "calibration"
         weights = quantize_model(model, input_second_moments(runner, calibration_ids(runner.model_dir)))

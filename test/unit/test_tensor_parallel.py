@@ -18,6 +18,7 @@ from srt.managers.scheduler_process import dispatch
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.model_executor.quantization import cache_path
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from test.unit.model_driver import PagedDriver
@@ -141,6 +142,14 @@ def rank_main(tp_rank: int, model_dir: str, init: str, cache_dir: str, results: 
         int8 = make_runner(model_dir, tp_rank, TP, f"{init}-int8", quantization="w8a8_int8")
         report["int8_logits"] = forward_trace(int8)
         int8.tp.destroy()
+        # a start cut short after rank 0 saved its file: rank 1 finds none, so both must calibrate again
+        # (rank 0 alone loading its file would leave rank 1's calibration waiting on its collectives)
+        if tp_rank == 1:
+            os.unlink(cache_path(int8.model_dir, tp_rank, TP))
+        again = make_runner(model_dir, tp_rank, TP, f"{init}-int8-again", quantization="w8a8_int8")
+        report["int8_again_logits"] = forward_trace(again)
+        report["int8_cache_restored"] = os.path.isfile(cache_path(again.model_dir, tp_rank, TP))
+        again.tp.destroy()
     except BaseException:
         report = {"rank": tp_rank, "error": traceback.format_exc()}
     # plain pickle copies tensor data (a Queue would share it through this soon-gone process)
@@ -218,6 +227,12 @@ def test_int8_ranks_quantize_their_own_shards_and_agree(rank_reports, single_ran
     assert not torch.equal(int8, reference)
     assert ((int8 - reference).norm() / reference.norm()).item() < 0.05
     assert torch.equal(rank_reports[0]["int8_logits"], rank_reports[1]["int8_logits"])
+
+
+def test_int8_ranks_calibrate_together_when_one_rank_lost_its_cache(rank_reports):
+    for r in range(TP):
+        assert rank_reports[r]["int8_cache_restored"]
+        assert torch.equal(rank_reports[r]["int8_again_logits"], rank_reports[r]["int8_logits"])
 
 
 def test_lockstep_schedulers_generate_what_one_rank_generates(rank_reports, single_rank):

@@ -7,6 +7,8 @@ positions (e.g. unused tail entries of `req_to_token`) can point at it and write
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
@@ -116,8 +118,8 @@ class MHATokenToKVPool:
         self.layer_num = layer_num
         self.device = device
         shape = (size + 1, head_num, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.k_buffer = [zeros_on_demand(shape, dtype, device) for _ in range(layer_num)]
+        self.v_buffer = [zeros_on_demand(shape, dtype, device) for _ in range(layer_num)]
         logger.info(
             "KV pool: %d slots, %.1f MiB",
             size,
@@ -139,3 +141,20 @@ class MHATokenToKVPool:
         """Bytes one token's K and V take across all layers; used to size the pool from a memory budget."""
         k_and_v = 2
         return k_and_v * head_num * head_dim * layer_num * torch.empty((), dtype=dtype).element_size()
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero tensor whose memory, on the CPU, is committed page by page as it is first written.
+
+    Why: the KV pool is sized for the worst case (10 % of memory by default, gigabytes), while a server
+    mostly holds far fewer tokens. `torch.zeros` writes every page at start-up, so the whole pool would be
+    resident from the first second; a private anonymous mapping reads as zeros and costs resident memory
+    only where K/V has been written. (`torch.empty` would not do: heap memory may hold stale bytes.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps `region` alive; the mapping is released with the tensor's last reference
+    return torch.frombuffer(region, dtype=dtype).view(shape)

@@ -113,3 +113,21 @@ def test_kv_pool_writes_only_the_given_slots():
 def test_bytes_per_token_counts_k_and_v_of_every_layer():
     assert MHATokenToKVPool.bytes_per_token(torch.float32, 3, 64, 30) == 2 * 3 * 64 * 30 * 4
     assert MHATokenToKVPool.bytes_per_token(torch.bfloat16, 1, 8, 2) == 2 * 1 * 8 * 2 * 2
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_kv_pool_is_zero_and_resident_only_where_written():
+    before = resident_mib()
+    pool = MHATokenToKVPool(100_000, torch.float32, 4, 64, 2)  # 2 layers x K and V x ~98 MiB
+    assert resident_mib() - before < 40  # sized for the worst case, resident for what is used
+    k, v = pool.get_kv_buffer(1)
+    assert k.shape == (100_001, 4, 64) and k.dtype == torch.float32
+    assert not k.any() and not v.any()
+    k[:50_000] = 1.0  # half of one buffer: ~49 MiB
+    grown = resident_mib() - before
+    assert 40 < grown < 100
+    assert k[:50_000].eq(1.0).all() and not k[50_000:].any()

@@ -278,6 +278,16 @@ CHILD_MALLOC_ENV = {
 }
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free memory back to the kernel once (glibc's malloc_trim), after a one-time phase that
+    freed a lot — the fp32 weights that int8 replaced — which CHILD_MALLOC_ENV would otherwise keep
+    resident for the process's life. A no-op where glibc is not the allocator."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def keep_heap_for_children() -> None:
     """Make spawned children (scheduler, detokenizer) keep freed memory in their heap; a value the user set
     wins."""

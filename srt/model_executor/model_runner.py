@@ -26,6 +26,7 @@ from srt.model_executor.model_loader import load_model
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import apply_w8a8_int8, resolve_quantization
 from srt.model_source import resolve_model_dir
+from srt.utils import release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class ModelRunner:
             if self.dtype != torch.float32:
                 raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
             apply_w8a8_int8(self)  # needs the pools: calibration runs the fp32 model once
+            release_free_heap()  # the dropped fp32 weights
         logger.info(
             "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
             "max running requests %d, context %d, attention %s, quantization %s",

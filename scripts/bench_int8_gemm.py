@@ -1,14 +1,19 @@
 """Which int8 GEMM is fastest here, for the embedded model's linear shapes (issue 9's measurement script).
 
-For each (N, K) weight shape and each number of rows M it times, best of `--repeat` after a warm-up:
-  fp32        F.linear(x, w)                                   (the baseline)
-  int_mm      per-token absmax quantization of x + torch._int_mm + dequantization (all inside the timing):
-              what srt's `--quantization w8a8_int8` runs
-  int8pack    torch._weight_int8pack_mm (weight-only int8, fp32 activations)
-and prints milliseconds and the speed-up over fp32. Run it on a quiet machine: on 2 cores anything else
-running makes every figure worthless.
+Two tables, each the best of `--repeat` after a warm-up, all inside the timing: the activation's two-level
+per-token quantization, the int8 product and the dequantization (what `--quantization w8a8_int8` runs).
 
-    .venv/bin/python scripts/bench_int8_gemm.py [--rows 1 8 32 128 512] [--threads N]
+1. One layer, its weight hot in cache, per (N, K) shape and number of rows M:
+     fp32      F.linear(x, w)                      (the baseline)
+     int_mm    torch._int_mm on the plain int8 weight (repacked by oneDNN at every call)
+     packed    oneDNN's int8 linear on a weight packed once (onednn::qlinear_prepack), srt's kernel
+     int8pack  torch._weight_int8pack_mm (weight-only int8, fp32 activations; --int8pack)
+2. A whole decode step's linear layers: 30 layers x (qkv, o, gate_up, down), each with its own weight, so
+   the weights come from memory as in the model (the head is in table 1).
+
+Run it on a quiet machine: on 2 cores anything else running makes every figure worthless.
+
+    .venv/bin/python scripts/bench_int8_gemm.py [--rows 1 8 32 128 512] [--threads N] [--int8pack]
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from srt.model_executor.layers.int8_linear import quantize_per_channel, w8a8_linear
+from srt.model_executor.layers.int8_linear import packed_kernel_available, quantize_per_channel, w8a8_linear
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query / 3 kv heads of 64, vocabulary 49152.
 SHAPES = {
@@ -29,6 +34,7 @@ SHAPES = {
     "down_proj": (576, 1536),
     "lm_head": (49152, 576),
 }
+LAYERS = 30
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -41,35 +47,73 @@ def best_ms(fn, repeat: int) -> float:
     return best * 1e3
 
 
+def quantized(w: torch.Tensor, packed: bool):
+    qw = quantize_per_channel(w)
+    if packed and not qw.pack():
+        raise SystemExit("oneDNN's packed int8 linear is not available in this torch build")
+    return qw
+
+
+def one_layer_table(args) -> None:
+    print("\none layer, weight hot in cache (ms; x = speed-up over fp32)")
+    head = f"{'layer':<13}{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}"
+    print(head + (f"{'int8pack':>10}{'x':>6}" if args.int8pack else ""))
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k) * 0.05
+        plain, packed = quantized(w, False), quantized(w, True)
+        for m in args.rows:
+            x = torch.randn(m, k)
+            fp32 = best_ms(lambda x=x, w=w: F.linear(x, w), args.repeat)
+            a = best_ms(lambda x=x, qw=plain: w8a8_linear(x, qw, None), args.repeat)
+            b = best_ms(lambda x=x, qw=packed: w8a8_linear(x, qw, None), args.repeat)
+            line = f"{name:<13}{m:>5}{fp32:>9.3f}{a:>9.3f}{fp32 / a:>6.2f}{b:>9.3f}{fp32 / b:>6.2f}"
+            if args.int8pack:
+                pack = best_ms(
+                    lambda x=x, w=plain.weight, s=plain.scale: torch._weight_int8pack_mm(x, w, s), args.repeat
+                )
+                line += f"{pack:>10.3f}{fp32 / pack:>6.2f}"
+            print(line, flush=True)
+
+
+def decode_step_table(args) -> None:
+    print(f"\n{LAYERS} layers x (qkv, o, gate_up, down), distinct weights (ms for all of them)")
+    print(f"{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}")
+    layer_shapes = [s for name, s in SHAPES.items() if name != "lm_head"]
+    weights = [[torch.randn(n, k) * 0.05 for n, k in layer_shapes] for _ in range(LAYERS)]
+    plain = [[quantized(w, False) for w in ws] for ws in weights]
+    packed = [[quantized(w, True) for w in ws] for ws in weights]
+    for m in args.rows:
+        xs = {k: torch.randn(m, k) for _, k in layer_shapes}
+
+        def step(layers, fn, xs=xs):
+            def run() -> None:  # results are dropped at once, as a forward pass drops them
+                for ws in layers:
+                    for w, (_, k) in zip(ws, layer_shapes, strict=True):
+                        fn(xs[k], w)
+
+            return run
+
+        fp32 = best_ms(step(weights, lambda x, w: F.linear(x, w)), args.repeat)
+        a = best_ms(step(plain, lambda x, qw: w8a8_linear(x, qw, None)), args.repeat)
+        b = best_ms(step(packed, lambda x, qw: w8a8_linear(x, qw, None)), args.repeat)
+        print(f"{m:>5}{fp32:>9.2f}{a:>9.2f}{fp32 / a:>6.2f}{b:>9.2f}{fp32 / b:>6.2f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
-    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--skip-int8pack", action="store_true", help="weight-only int8 is slow; skip it")
+    p.add_argument("--int8pack", action="store_true", help="also time weight-only int8 (slow here)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{torch.backends.cpu.get_cpu_capability()}, packed kernel exact: {packed_kernel_available()}"
     )
-    print(f"{'layer':<13}{'M':>5}{'fp32 ms':>10}{'int_mm ms':>11}{'x':>6}{'int8pack ms':>13}{'x':>6}")
-    torch.manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k) * 0.05
-        qw = quantize_per_channel(w)
-        w_pack = qw.weight_t.t().contiguous()  # [N, K] int8 for _weight_int8pack_mm
-        for m in args.rows:
-            x = torch.randn(m, k)
-            fp32 = best_ms(lambda x=x, w=w: F.linear(x, w), args.repeat)
-            int8 = best_ms(lambda x=x, qw=qw: w8a8_linear(x, qw, None), args.repeat)
-            line = f"{name:<13}{m:>5}{fp32:>10.3f}{int8:>11.3f}{fp32 / int8:>6.2f}"
-            if not args.skip_int8pack:
-                pack = best_ms(
-                    lambda x=x, w=w_pack, s=qw.scale: torch._weight_int8pack_mm(x, w, s), args.repeat
-                )
-                line += f"{pack:>13.3f}{fp32 / pack:>6.2f}"
-            print(line, flush=True)
+    one_layer_table(args)
+    decode_step_table(args)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,7 @@ def apply_w8a8_int8(runner: ModelRunner) -> None:
         source = "calibration"
         weights = quantize_model(model, input_second_moments(runner, calibration_ids(runner.model_dir)))
         save_cache(path, weights)
+    packed = all([qw.pack() for qw in weights.values()])
     for name, m in layers:
         m.quant = weights[name]
         m.register_parameter("weight", None)  # the fp32 copy is never read again
@@ -221,8 +222,9 @@ def apply_w8a8_int8(runner: ModelRunner) -> None:
     if model.lm_head is not None:
         model.lm_head.register_parameter("weight", None)
     logger.info(
-        "w8a8_int8: %d linear layers and the head in int8 (from %s) in %.2f s",
+        "w8a8_int8: %d linear layers and the head in int8 (from %s, %s) in %.2f s",
         len(layers),
         source,
+        "oneDNN packed kernel" if packed else "torch._int_mm",
         time.monotonic() - start,
     )

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from srt.model_executor.layers.gptq import quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import (
+    packed_kernel_available,
     quantize_per_channel,
     quantize_per_token,
     quantize_two_level,
@@ -108,6 +109,17 @@ def test_gptq_rounds_channels_calibration_never_saw_to_their_nearest_level():
     assert qw.weight[:, 0].abs().sum() > 0 and torch.isfinite(qw.scale).all()
 
 
+@pytest.mark.skipif(not packed_kernel_available(), reason="this torch build has no exact oneDNN int8 linear")
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_the_packed_kernel_gives_the_bits_of_int_mm(rows):
+    """Integer products are exact, so the two kernels must agree to the bit, at every batch size."""
+    gen = torch.Generator().manual_seed(8)
+    w, x, b = torch.randn(72, 48, generator=gen), torch.randn(rows, 48, generator=gen), torch.randn(72)
+    plain, packed = quantize_per_channel(w), quantize_per_channel(w)
+    assert packed.pack() and packed.packed is not None and plain.packed is None
+    assert torch.equal(w8a8_linear(x, packed, b), w8a8_linear(x, plain, b))
+
+
 def test_inputs_of_any_leading_shape_and_all_zero_rows():
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(16, 8, generator=gen)
@@ -168,6 +180,7 @@ def test_int8_model_tracks_fp32_and_its_cache_is_reused(tiny_model_dir, private_
     layers = [m for m in first.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
     assert layers and all(m.quant is not None and m.weight is None for m in layers)  # fp32 copies dropped
     assert first.model.lm_head_quant is not None
+    assert all((m.quant.packed is not None) == packed_kernel_available() for m in layers)
     int8 = logits_of(first)
     assert rel_err(int8, fp32) < 0.05
     mtime = os.stat(path).st_mtime_ns

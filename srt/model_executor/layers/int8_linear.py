@@ -1,9 +1,14 @@
 """W8A8 int8 linear layers for the CPU (`--quantization w8a8_int8`).
 
 Why int8: a decode step streams every weight once, and this CPU's fp32 matmuls are memory-bound at small
-batches; int8 weights are a quarter of the bytes, and `torch._int_mm` (int8 x int8 -> int32, oneDNN VNNI)
-runs 4-7x faster than the fp32 matmul for this model's shapes at 1-128 rows, with the activation
-quantization inside that figure (`scripts/bench_int8_gemm.py`).
+batches; int8 weights are a quarter of the bytes, and int8 x int8 -> int32 products run on the CPU's
+integer dot-product units (VNNI, AMX where present).
+
+The kernel: PyTorch's oneDNN int8 linear on a weight packed once at load (`onednn::qlinear_prepack`,
+`onednn::qlinear_pointwise`), which applies the per-channel scales itself. `torch._int_mm` repacks the
+weight at every call; `scripts/bench_int8_gemm.py` measured it 1.3x slower than the packed kernel for a
+whole decode step's layers at one sequence and 3-6x slower at 64-512 rows. Where the packed kernel is
+missing or disagrees with `_int_mm` on a probe, `_int_mm` is used.
 
 The numerics: weights are quantized symmetrically per output channel (once, at load: `quantization.py`,
 with GPTQ's error-compensating rounding from `gptq.py`), activations per token at every call (absmax of the
@@ -23,6 +28,7 @@ in fp32. Every row is quantized on its own, so a sequence's result does not depe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +41,26 @@ MIN_SCALE = 1e-8
 @dataclass
 class Int8Weight:
     """One layer's quantized weight. `weight` is [N, K] int8 (row-major, as nn.Linear's; `_int_mm` takes
-    its transposed view, measured fastest at one row), `scale` [N] fp32: weight ~= int8 * scale[:, None]."""
+    its transposed view, measured fastest at one row), `scale` [N] fp32: weight ~= int8 * scale[:, None].
+    `packed` is oneDNN's packed copy of `weight` (see `pack`), used instead of it when set."""
 
     weight: torch.Tensor
     scale: torch.Tensor
+    packed: torch.Tensor | None = None
+    zero_points: torch.Tensor | None = None  # [N] int64 zeros: oneDNN's kernel takes them
 
     @property
     def weight_t(self) -> torch.Tensor:
         return self.weight.t()
+
+    def pack(self) -> bool:
+        """Pack the weight for oneDNN's int8 linear when that kernel is there and exact (False otherwise).
+        Packing is a copy: the plain `weight` stays (`_int_mm` and the cache read it)."""
+        if not packed_kernel_available():
+            return False
+        self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
+        self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
+        return True
 
 
 def quantize_per_channel(w: torch.Tensor) -> Int8Weight:
@@ -64,19 +82,62 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
+# The residual of rounding lies within half a level: in units of the first level it is in [-0.5, 0.5], so
+# this factor maps it onto [-127, 127] with no absmax of its own to compute.
+RESIDUAL_LEVELS = 2 * INT8_MAX
+
+
 def quantize_two_level(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [2M, K], fp32 scales [2M, 1]) of a 2-D activation [M, K]: rows 0..M-1 are its per-token int8
-    image, rows M..2M-1 the per-token int8 image of the residual x - image."""
+    image (scale s = absmax / 127), rows M..2M-1 the int8 image of the residual, at scale s / 254.
+    Few ops on purpose: this runs for every linear layer of every step."""
     m = x.shape[0]
     q = torch.empty((2 * m, x.shape[1]), dtype=torch.int8, device=x.device)
     scale = torch.empty((2 * m, 1), dtype=torch.float32, device=x.device)
     torch.div(x.abs().amax(dim=1, keepdim=True), INT8_MAX, out=scale[:m]).clamp_min_(MIN_SCALE)
-    level1 = torch.round(x / scale[:m]).clamp_(-INT8_MAX, INT8_MAX)
+    units = x / scale[:m]  # within [-127, 127]
+    level1 = torch.round(units)
     q[:m].copy_(level1)
-    residual = level1.mul_(scale[:m]).neg_().add_(x)
-    torch.div(residual.abs().amax(dim=1, keepdim=True), INT8_MAX, out=scale[m:]).clamp_min_(MIN_SCALE)
-    q[m:].copy_(residual.div_(scale[m:]).round_().clamp_(-INT8_MAX, INT8_MAX))
+    q[m:].copy_(units.sub_(level1).mul_(RESIDUAL_LEVELS).round_())
+    torch.div(scale[:m], RESIDUAL_LEVELS, out=scale[m:])
     return q, scale
+
+
+_UNIT_SCALE = torch.tensor(1.0)
+_ZERO_POINT = torch.tensor(0, dtype=torch.int32)
+
+
+def packed_int8_matmul(q: torch.Tensor, qw: Int8Weight) -> torch.Tensor:
+    """(q @ W^T) * scale[n] in fp32 for int8 rows q [M, K], through oneDNN's packed kernel. The activation
+    scale is passed as 1: rows carry their own scales, applied by the caller."""
+    return torch.ops.onednn.qlinear_pointwise.tensor(
+        q, _UNIT_SCALE, _ZERO_POINT, qw.packed, qw.scale, qw.zero_points, None,
+        1.0, 0, torch.float32, "none", [], "",
+    )  # fmt: skip
+
+
+def int8_matmul(q: torch.Tensor, qw: Int8Weight) -> torch.Tensor:
+    """(q @ W^T) * scale[n] in fp32: the packed kernel when the weight is packed, else `_int_mm`."""
+    if qw.packed is not None:
+        return packed_int8_matmul(q, qw)
+    return torch._int_mm(q, qw.weight_t).to(torch.float32).mul_(qw.scale)
+
+
+@functools.cache
+def packed_kernel_available() -> bool:
+    """Whether oneDNN's packed int8 linear exists in this build and reproduces `_int_mm` exactly (integer
+    products with one per-channel fp32 scale must agree to the bit): probed once per process."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=gen)
+        probe = Int8Weight(w, torch.rand(24, generator=gen) + 0.5)
+        probe.packed = torch.ops.onednn.qlinear_prepack(w, None)
+        probe.zero_points = torch.zeros(24, dtype=torch.int64)
+        x = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=gen)
+        expected = torch._int_mm(x, w.t()).to(torch.float32).mul_(probe.scale)
+        return torch.equal(packed_int8_matmul(x, probe), expected)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,8 +146,8 @@ def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> t
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
     q, s = quantize_two_level(x2)
-    acc = torch._int_mm(q, qw.weight_t).to(torch.float32).mul_(s)
-    out = acc[:m].add_(acc[m:]).mul_(qw.scale)
+    acc = int8_matmul(q, qw).mul_(s)
+    out = acc[:m].add_(acc[m:])
     if bias is not None:
         out.add_(bias)
     return out.view(*shape[:-1], out.shape[-1])

@@ -186,6 +186,13 @@ def server(tmp_path_factory):
     srv.log_path.unlink(missing_ok=True)
 
 
+def test_the_audited_server_runs_the_cpu_default_int8(server):
+    """Every figure this module checks against the client is measured with int8 execution (and mixed
+    prefill/decode steps, the other CPU default)."""
+    info = httpx.get(f"{server.base_url}/server_info", timeout=10).json()
+    assert info["quantization"] == "w8a8_int8"
+
+
 @pytest.fixture(scope="module")
 def prometheus(server, tmp_path_factory):
     """A real Prometheus scraping srt every second for the whole workload."""

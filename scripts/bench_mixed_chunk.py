@@ -7,7 +7,7 @@
 apart (wall clock, so both modes see the same arrival times). Every request has a random `--input-len`-token
 prompt and decodes `--output-len` tokens greedily (ignore_eos). ITL is the gap between consecutive tokens of
 one request (the stall a running stream sees when a prompt is prefilled), TTFT is from arrival to the first
-token. Set `--quantization` to whatever ServerArgs accepts to bench another execution mode.
+token. `--quantization none` benches fp32 (default: int8, the CPU default).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from srt.managers.scheduler import Scheduler
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_source import resolve_model_dir
 from srt.sampling.sampling_params import SamplingParams
-from srt.server_args import ServerArgs
+from srt.server_args import QUANTIZATIONS, ServerArgs
 
 SEED = 0
 TOKEN_RANGE = (100, 40000)  # ordinary tokens of SmolLM2's vocabulary
@@ -54,7 +54,9 @@ def workload(args) -> list[tuple[float, TokenizedGenerateReqInput]]:
 
 
 def run(runner: ModelRunner, mixed: bool, args) -> dict:
-    sched = Scheduler(ServerArgs(enable_mixed_chunk=mixed, max_running_requests=64), runner)
+    # explicit both ways: unset, the CPU default would mix
+    modes = dict(enable_mixed_chunk=mixed, disable_mixed_chunk=not mixed)
+    sched = Scheduler(ServerArgs(**modes, max_running_requests=64), runner)
     pending = workload(args)
     arrival: dict[str, float] = {}
     stamps: dict[str, list[float]] = {}
@@ -105,9 +107,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
     ap.add_argument("--modes", default="unmixed,mixed")
+    ap.add_argument("--quantization", default="w8a8_int8", choices=QUANTIZATIONS, help="default: the CPU's")
     args = ap.parse_args()
     runner = ModelRunner(
-        resolve_model_dir(None), max_total_tokens=args.max_total_tokens, max_running_requests=64
+        resolve_model_dir(None),
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=64,
+        quantization=args.quantization,
     )
     warm = argparse.Namespace(**{**vars(args), "initial": 2, "bursts": 0, "output_len": 4})
     run(runner, False, warm)

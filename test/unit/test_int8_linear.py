@@ -117,6 +117,7 @@ def test_the_packed_kernel_gives_the_bits_of_int_mm(rows):
     w, x, b = torch.randn(72, 48, generator=gen), torch.randn(rows, 48, generator=gen), torch.randn(72)
     plain, packed = quantize_per_channel(w), quantize_per_channel(w)
     assert packed.pack() and packed.packed is not None and plain.packed is None
+    assert packed.weight is None  # the packed form replaces the plain one
     assert torch.equal(w8a8_linear(x, packed, b), w8a8_linear(x, plain, b))
 
 

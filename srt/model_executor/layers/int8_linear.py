@@ -42,9 +42,9 @@ MIN_SCALE = 1e-8
 class Int8Weight:
     """One layer's quantized weight. `weight` is [N, K] int8 (row-major, as nn.Linear's; `_int_mm` takes
     its transposed view, measured fastest at one row), `scale` [N] fp32: weight ~= int8 * scale[:, None].
-    `packed` is oneDNN's packed copy of `weight` (see `pack`), used instead of it when set."""
+    `packed` is oneDNN's packed form of `weight` (see `pack`), which then replaces it."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     scale: torch.Tensor
     packed: torch.Tensor | None = None
     zero_points: torch.Tensor | None = None  # [N] int64 zeros: oneDNN's kernel takes them
@@ -55,11 +55,12 @@ class Int8Weight:
 
     def pack(self) -> bool:
         """Pack the weight for oneDNN's int8 linear when that kernel is there and exact (False otherwise).
-        Packing is a copy: the plain `weight` stays (`_int_mm` and the cache read it)."""
+        The plain `weight` is dropped then (it would double the weights' memory): save it first."""
         if not packed_kernel_available():
             return False
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
         self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
+        self.weight = None
         return True
 
 

@@ -118,7 +118,8 @@ def llama_cpp_peer(port: int, gguf_path: str) -> Peer:
         missing = (
             "llama.cpp's server is not installed, skipping it: "
             "CMAKE_ARGS='-DGGML_NATIVE=ON' pip install 'llama-cpp-python[server]' (compiles ~12 min; on a CPU "
-            "with AMX add -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF: its AMX kernels crash)"
+            "with AMX, whose native kernels crash, use CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
+            "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON' instead)"
         )
     return Peer("llama.cpp", cmd, target, missing)
 

@@ -14,7 +14,6 @@ from srt.model_executor.layers.gptq import quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import (
     packed_kernel_available,
     quantize_per_channel,
-    quantize_per_token,
     quantize_two_level,
     w8a8_linear,
 )
@@ -59,8 +58,8 @@ def test_two_level_activations_make_outlier_channels_harmless():
     qw = quantize_per_channel(w)
     w_int8 = qw.weight.float() * qw.scale.unsqueeze(1)
     ref = F.linear(x, w_int8)  # exact activations against the same int8 weights: the activations' error alone
-    q, s = quantize_per_token(x)
-    one_level = F.linear(q.float() * s, w_int8)
+    q, s = quantize_two_level(x)
+    one_level = F.linear(q[:16].float() * s[:16], w_int8)  # the first level alone: plain per-token int8
     two_level = w8a8_linear(x, qw, None)
     assert rel_err(one_level, ref) > 0.005
     assert rel_err(two_level, ref) < rel_err(one_level, ref) / 50
@@ -129,8 +128,8 @@ def test_inputs_of_any_leading_shape_and_all_zero_rows():
     out = w8a8_linear(x, quantize_per_channel(w), None)
     assert out.shape == (2, 3, 16) and torch.isfinite(out).all()
     assert torch.equal(out[0, 1], torch.zeros(16))
-    q, s = quantize_per_token(torch.zeros(1, 8))
-    assert torch.equal(q, torch.zeros(1, 8, dtype=torch.int8)) and (s > 0).all()
+    q, s = quantize_two_level(torch.zeros(1, 8))
+    assert torch.equal(q, torch.zeros(2, 8, dtype=torch.int8)) and (s > 0).all()
 
 
 def test_quantized_values_use_the_whole_int8_range_per_channel_and_per_token():
@@ -138,8 +137,8 @@ def test_quantized_values_use_the_whole_int8_range_per_channel_and_per_token():
     qw = quantize_per_channel(torch.randn(10, 32, generator=gen))
     assert qw.weight.dtype == torch.int8 and qw.weight.shape == (10, 32)
     assert torch.equal(qw.weight.abs().amax(dim=1), torch.full((10,), 127, dtype=torch.int8))
-    q, _ = quantize_per_token(torch.randn(5, 32, generator=gen))
-    assert torch.equal(q.abs().amax(dim=1), torch.full((5,), 127, dtype=torch.int8))
+    q, _ = quantize_two_level(torch.randn(5, 32, generator=gen))
+    assert torch.equal(q[:5].abs().amax(dim=1), torch.full((5,), 127, dtype=torch.int8))
 
 
 def test_parallel_linear_layers_run_int8_when_quantized():

@@ -11,14 +11,14 @@ whole decode step's layers at one sequence and 3-6x slower at 64-512 rows. Where
 missing or disagrees with `_int_mm` on a probe, `_int_mm` is used.
 
 The numerics: weights are quantized symmetrically per output channel (once, at load: `quantization.py`,
-with GPTQ's error-compensating rounding from `gptq.py`), activations per token at every call (absmax of the
-row, round, clamp to +-127), with no loop over channels or blocks.
+with GPTQ's error-compensating rounding from `gptq.py`), activations per token at every call (scaled by the
+row's absmax / 127 and rounded), with no loop over channels or blocks.
 
 Per-token int8 alone leaves every activation with a rounding error of up to absmax/254, and a few outlier
 input channels (present in every Llama's hidden states) set that absmax: +1.5-1.8 % perplexity on this model,
 which SmoothQuant-style smoothing only brought to +1.5 %. So each activation row is quantized in two levels:
 its int8 image, then the int8 image of what that left (the residual, 127x smaller). Both go through one
-`_int_mm` call as 2M rows: at decode sizes the call is bound by reading the weight, so the second level is
+kernel call as 2M rows: at decode sizes the call is bound by reading the weight, so the second level is
 nearly free, and the activation is then exact to about 1/32,000 of its absmax. What remains is the weights'
 rounding (`scripts/eval_quality.py` measures the whole).
 
@@ -58,10 +58,13 @@ class Int8Weight:
         The plain `weight` is dropped then (it would double the weights' memory): save it first."""
         if not packed_kernel_available():
             return False
+        self._pack_unchecked()
+        return True
+
+    def _pack_unchecked(self) -> None:
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
         self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
         self.weight = None
-        return True
 
 
 def quantize_per_channel(w: torch.Tensor) -> Int8Weight:
@@ -75,12 +78,6 @@ def quantize_per_channel(w: torch.Tensor) -> Int8Weight:
 def channel_scales(w: torch.Tensor) -> torch.Tensor:
     """[N] fp32: each output channel's absmax over 127."""
     return (w.abs().amax(dim=1) / INT8_MAX).clamp_min(MIN_SCALE)
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 rows, fp32 scales [M, 1]) of a 2-D activation: each row by its own absmax."""
-    scale = (x.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min_(MIN_SCALE)
-    return torch.round(x / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 # The residual of rounding lies within half a level: in units of the first level it is in [-0.5, 0.5], so
@@ -132,8 +129,7 @@ def packed_kernel_available() -> bool:
         gen = torch.Generator().manual_seed(0)
         w = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=gen)
         probe = Int8Weight(w, torch.rand(24, generator=gen) + 0.5)
-        probe.packed = torch.ops.onednn.qlinear_prepack(w, None)
-        probe.zero_points = torch.zeros(24, dtype=torch.int64)
+        probe._pack_unchecked()
         x = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=gen)
         expected = torch._int_mm(x, w.t()).to(torch.float32).mul_(probe.scale)
         return torch.equal(packed_int8_matmul(x, probe), expected)

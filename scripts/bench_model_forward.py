@@ -123,6 +123,9 @@ def main() -> None:
         "--compare-hf", action="store_true", help="also time transformers on the same weights"
     )
     parser.add_argument(
+        "--quantization", default="w8a8_int8", choices=["none", "w8a8_int8"], help="as the server's flag"
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the runner's choice)"
     )
     args = parser.parse_args()
@@ -132,6 +135,7 @@ def main() -> None:
         resolve_model_dir(args.model_path),
         max_total_tokens=BENCH_KV_TOKENS,
         max_running_requests=max(args.batch_sizes),
+        quantization=args.quantization,
     )
     logger.info(
         "runner ready in %.2f s (weights %.2f s)", time.monotonic() - start, runner.load_weights_seconds

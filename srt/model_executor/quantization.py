@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -221,10 +222,16 @@ def apply_w8a8_int8(runner: ModelRunner) -> None:
     model.lm_head_quant = weights[HEAD]
     if model.lm_head is not None:
         model.lm_head.register_parameter("weight", None)
+    kernels = cpu_kernels.load()
+    if kernels is not None:  # the modules that have fused CPU forms (norms, the MLP's activation) use them
+        for module in model.modules():
+            if hasattr(module, "cpu_kernels"):
+                module.cpu_kernels = kernels
     logger.info(
-        "w8a8_int8: %d linear layers and the head in int8 (from %s, %s) in %.2f s",
+        "w8a8_int8: %d linear layers and the head in int8 (from %s, %s%s) in %.2f s",
         len(layers),
         source,
         "oneDNN packed kernel" if packed else "torch._int_mm",
+        "" if kernels is None else f", fused {kernels.isa} kernels",
         time.monotonic() - start,
     )

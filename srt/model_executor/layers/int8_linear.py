@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.model_executor.layers import cpu_kernels
+
 INT8_MAX = 127.0
 # Smallest scale: an all-zero row or channel must not divide by zero (its values quantize to 0 anyway).
 MIN_SCALE = 1e-8
@@ -42,29 +44,36 @@ MIN_SCALE = 1e-8
 class Int8Weight:
     """One layer's quantized weight. `weight` is [N, K] int8 (row-major, as nn.Linear's; `_int_mm` takes
     its transposed view, measured fastest at one row), `scale` [N] fp32: weight ~= int8 * scale[:, None].
-    `packed` is oneDNN's packed form of `weight` (see `pack`), which then replaces it."""
+    `packed` is oneDNN's packed form of `weight` (see `pack`)."""
 
     weight: torch.Tensor | None
     scale: torch.Tensor
     packed: torch.Tensor | None = None
     zero_points: torch.Tensor | None = None  # [N] int64 zeros: oneDNN's kernel takes them
+    wsum: torch.Tensor | None = None  # [N] int32 row sums of `weight`, for the fused small-batch kernel
 
     @property
     def weight_t(self) -> torch.Tensor:
         return self.weight.t()
 
     def pack(self) -> bool:
-        """Pack the weight for oneDNN's int8 linear when that kernel is there and exact (False otherwise).
-        The plain `weight` is dropped then (it would double the weights' memory): save it first."""
+        """Prepare the weight for the fastest kernels here: oneDNN's packed form when that kernel is there
+        and exact (False otherwise), and, for the fused small-batch kernel of `cpu_kernels` when that one
+        loads, the plain weight with its row sums; a plain weight no kernel reads is dropped (it would double
+        the weights' memory): save it first."""
+        kernels = cpu_kernels.load()
+        if kernels is not None:
+            self.wsum = self.weight.sum(dim=1, dtype=torch.int32)
         if not packed_kernel_available():
             return False
-        self._pack_unchecked()
+        self._pack_unchecked(keep_plain=kernels is not None)
         return True
 
-    def _pack_unchecked(self) -> None:
+    def _pack_unchecked(self, keep_plain: bool = False) -> None:
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
         self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
-        self.weight = None
+        if not keep_plain:
+            self.weight = None
 
 
 def quantize_per_channel(w: torch.Tensor) -> Int8Weight:
@@ -138,7 +147,27 @@ def packed_kernel_available() -> bool:
 
 
 def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, W, bias)` computed in int8: x [..., K] fp32 -> [..., N] fp32."""
+    """`F.linear(x, W, bias)` computed in int8: x [..., K] fp32 -> [..., N] fp32. Through `cpu_kernels`
+    when they loaded (one fused call for a few tokens; their quantize and combine around the int8 matmul
+    otherwise), else through PyTorch ops; both give the same bits."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return torch_w8a8_linear(x, qw, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    if qw.wsum is not None and qw.weight is not None and kernels.fits_small(m, k):
+        out = kernels.linear_small(x2, qw.weight, qw.scale, qw.wsum, bias)
+    else:
+        q, s = kernels.quantize_two_level(x2)
+        out = kernels.combine_two_level(int8_matmul(q, qw), s, bias)
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+def torch_w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`w8a8_linear` in PyTorch ops alone: the reference the fused kernels must reproduce."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]

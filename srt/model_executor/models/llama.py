@@ -24,6 +24,7 @@ from torch import nn
 
 from srt.model_executor.attention.base import AttentionBackend
 from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
+from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_linear import Int8Weight, w8a8_linear
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
 from srt.model_executor.parallel_state import TensorParallelGroup
@@ -48,8 +49,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        # set with the int8 model's fused CPU kernels (quantization.py): one call instead of six ops
+        self.cpu_kernels: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.rmsnorm(x, self.weight, self.eps)
         # fp32 statistics, as in HF, so reduced-precision runs normalize stably
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -151,8 +156,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp)
         self.inter = split_size(inter, tp, "intermediate_size")  # this rank's share
+        self.cpu_kernels: CpuKernels | None = None  # as RMSNorm's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None:
+            return self.down_proj(self.cpu_kernels.silu_mul(self.gate_up_proj(x), self.inter))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,0 +1,255 @@
+/* srt's CPU int8 kernels, built at first use by cpu_kernels.py with this machine's compiler and
+ * -march=native, and called through ctypes.
+ *
+ * Why they exist: at decode sizes a W8A8 linear layer through PyTorch is a dozen small ops (quantize,
+ * matmul, rescale, combine the two activation levels, bias) and oneDNN's packed int8 linear has a fixed
+ * cost of ~25 us per call; together they made int8 decode overhead-bound. Here one call does the whole layer
+ * for a few rows, and two more calls replace the quantize and combine op chains around oneDNN's kernel at
+ * larger sizes.
+ *
+ * Numerics: every function reproduces int8_linear.py's PyTorch path to the bit (checked at load on a probe
+ * and by the tests): the same fp32 operations in the same order, integer products accumulated exactly in
+ * int32, no FMA contraction (built with -ffp-contract=off), round half to even (nearbyintf in the default
+ * rounding mode, as torch.round). Each row is computed on its own, so results never depend on the batch.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SRT_ISA 2 /* 64-byte steps with vpdpbusd */
+#define STEP 64
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define SRT_ISA 1 /* 32-byte steps with vpmaddubsw / vpmaddwd */
+#define STEP 32
+#else
+#define SRT_ISA 0 /* portable loop: correct, not fast (cpu_kernels.py does not use it for speed) */
+#define STEP 1
+#endif
+
+#define INT8_MAX_F 127.0f
+#define MIN_SCALE 1e-8f
+#define RESIDUAL_LEVELS 254.0f
+/* The fused small-batch linear handles at most this many activation rows (two per token) ... */
+#define MAX_ROWS 16
+/* ... of at most this many input features (its quantized rows live on the caller's stack). */
+#define MAX_K 8192
+#define ROW_GROUP 4
+/* How far ahead of the weight rows being read the VNNI loop prefetches: a thread streams its share of the
+ * rows in order, and without the hint a decode step read its weights at ~15 GB/s. */
+#define PREFETCH_BYTES 8192
+
+int srt_isa(void) { return SRT_ISA; }
+int srt_k_multiple(void) { return STEP; }
+int srt_max_rows(void) { return MAX_ROWS; }
+int srt_max_k(void) { return MAX_K; }
+
+/* One row's two levels: q1 = round(x / s), q2 = round((x / s - q1) * 254), s = max(absmax / 127, 1e-8). */
+/* Reductions keep LANES independent partial results, which the compiler vectorizes (one running value
+ * would be a serial chain: floating-point addition is not associative, so it may not reorder it). */
+#define LANES 16
+
+/* max |x|, exact (a maximum is the same in any order, so this equals torch's amax). Taken over the bit
+ * patterns with the sign cleared: for non-negative floats their order is the integers' order, and a NaN
+ * (above infinity) wins as it does in torch; integer maxima vectorize where float ones do not. */
+static float absmax(const float *x, int64_t k) {
+    uint32_t lane[LANES] = {0}, best = 0;
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            uint32_t b;
+            memcpy(&b, x + i + l, sizeof b);
+            b &= 0x7fffffffu;
+            lane[l] = b > lane[l] ? b : lane[l];
+        }
+    for (; i < k; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, sizeof b);
+        b &= 0x7fffffffu;
+        best = b > best ? b : best;
+    }
+    for (int l = 0; l < LANES; l++) best = lane[l] > best ? lane[l] : best;
+    float amax;
+    memcpy(&amax, &best, sizeof amax);
+    return amax;
+}
+
+static float sum_squares(const float *x, int64_t k) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += x[i + l] * x[i + l];
+    float ss = 0.0f;
+    for (; i < k; i++) ss += x[i] * x[i];
+    for (int l = 0; l < LANES; l++) ss += lane[l];
+    return ss;
+}
+
+static void quantize_row(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
+    float amax = absmax(x, k);
+    float s = amax / INT8_MAX_F;
+    if (!(s >= MIN_SCALE)) s = MIN_SCALE;
+    for (int64_t i = 0; i < k; i++) {
+        float u = x[i] / s;
+        float l = nearbyintf(u);
+        q1[i] = (int8_t)l;
+        q2[i] = (int8_t)nearbyintf((u - l) * RESIDUAL_LEVELS);
+    }
+    *s1 = s;
+    *s2 = s / RESIDUAL_LEVELS;
+}
+
+/* x [m, k] (row stride x_stride) -> q [2m, k] int8, scale [2m]: rows m..2m-1 hold the residual level. */
+void srt_quantize_two_level(const float *x, int64_t m, int64_t k, int64_t x_stride, int8_t *q, float *scale) {
+#pragma omp parallel for if (m * k >= 65536) schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * x_stride, k, q + r * k, q + (m + r) * k, scale + r, scale + m + r);
+}
+
+/* out[r, j] = acc[r, j] * s[r] + acc[m + r, j] * s[m + r] (+ bias[j]), for acc [2m, n] from the int8 matmul
+ * (already multiplied by the channel scales). out may be acc itself (its first m rows). */
+void srt_combine_two_level(const float *acc, const float *scale, int64_t m, int64_t n, const float *bias,
+                           float *out) {
+#pragma omp parallel for if (m * n >= 65536) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *a1 = acc + r * n, *a2 = acc + (m + r) * n;
+        float s1 = scale[r], s2 = scale[m + r];
+        float *o = out + r * n;
+        if (bias) {
+            for (int64_t j = 0; j < n; j++) o[j] = (a1[j] * s1 + a2[j] * s2) + bias[j];
+        } else {
+            for (int64_t j = 0; j < n; j++) o[j] = a1[j] * s1 + a2[j] * s2;
+        }
+    }
+}
+
+/* Dot products of up to ROW_GROUP activation rows (each k bytes, `a` laid out as the ISA wants) with one
+ * weight row. With VNNI the activations are stored offset to unsigned (q + 128), as vpdpbusd multiplies
+ * u8 by s8; the caller removes the offset's share, 128 * sum(w). With AVX2, vpmaddubsw multiplies |q| by
+ * w * sign(q): |q| <= 127 and |w| <= 127, so its 16-bit pair sums never saturate. */
+static inline void dot_rows(const uint8_t *a, int64_t k, int64_t rows, const int8_t *w, int32_t *res) {
+#if SRT_ISA == 2
+    __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0, c3 = c0;
+    const uint8_t *a1 = a + (rows > 1 ? k : 0), *a2 = a + (rows > 2 ? 2 * k : 0), *a3 = a + (rows > 3 ? 3 * k : 0);
+    for (int64_t i = 0; i < k; i += STEP) {
+        _mm_prefetch((const char *)(w + i + PREFETCH_BYTES), _MM_HINT_T0);
+        __m512i wv = _mm512_loadu_si512((const void *)(w + i));
+        c0 = _mm512_dpbusd_epi32(c0, _mm512_loadu_si512((const void *)(a + i)), wv);
+        c1 = _mm512_dpbusd_epi32(c1, _mm512_loadu_si512((const void *)(a1 + i)), wv);
+        c2 = _mm512_dpbusd_epi32(c2, _mm512_loadu_si512((const void *)(a2 + i)), wv);
+        c3 = _mm512_dpbusd_epi32(c3, _mm512_loadu_si512((const void *)(a3 + i)), wv);
+    }
+    int32_t r4[4] = {_mm512_reduce_add_epi32(c0), _mm512_reduce_add_epi32(c1), _mm512_reduce_add_epi32(c2),
+                     _mm512_reduce_add_epi32(c3)};
+#elif SRT_ISA == 1
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i c[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                    _mm256_setzero_si256()};
+    for (int64_t i = 0; i < k; i += STEP) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
+        for (int r = 0; r < 4; r++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(a + (r < rows ? r : 0) * k + i));
+            __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(wv, q));
+            c[r] = _mm256_add_epi32(c[r], _mm256_madd_epi16(p, ones));
+        }
+    }
+    int32_t r4[4];
+    for (int r = 0; r < 4; r++) {
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(c[r]), _mm256_extracti128_si256(c[r], 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        r4[r] = _mm_cvtsi128_si32(s);
+    }
+#else
+    int32_t r4[4] = {0, 0, 0, 0};
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++) r4[r] += (int32_t)(int8_t)a[r * k + i] * (int32_t)w[i];
+#endif
+    for (int64_t r = 0; r < rows; r++) res[r] = r4[r];
+}
+
+/* The whole W8A8 linear layer for m <= MAX_ROWS / 2 tokens (decode): quantize x [m, k] in two levels,
+ * multiply by the int8 weight w [n, k] (row-major, channel scales wscale [n], row sums wsum [n]), combine
+ * and add the bias: out [m, n]. k must be a multiple of srt_k_multiple() and at most MAX_K. */
+void srt_w8a8_linear_small(const float *x, int64_t m, int64_t k, int64_t x_stride, const int8_t *w,
+                           const float *wscale, const int32_t *wsum, const float *bias, int64_t n,
+                           float *out) {
+    const int64_t rows = 2 * m;
+    int8_t q[MAX_ROWS * MAX_K] __attribute__((aligned(64)));
+    float scale[MAX_ROWS];
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * x_stride, k, q + r * k, q + (m + r) * k, scale + r, scale + m + r);
+#if SRT_ISA == 2
+    const int32_t offset = 128;
+    uint8_t *a = (uint8_t *)q;
+    for (int64_t i = 0; i < rows * k; i++) a[i] = (uint8_t)(q[i] + 128);
+#else
+    const int32_t offset = 0;
+    const uint8_t *a = (const uint8_t *)q;
+#endif
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *wj = w + j * k;
+        int32_t acc[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r += ROW_GROUP)
+            dot_rows(a + r * k, k, rows - r < ROW_GROUP ? rows - r : ROW_GROUP, wj, acc + r);
+        const int32_t off = offset * wsum[j];
+        const float ws = wscale[j];
+        for (int64_t r = 0; r < m; r++) {
+            /* as the PyTorch path: (acc * channel scale) * row scale, per level, then the sum, then bias */
+            float o = ((float)(acc[r] - off) * ws) * scale[r] + ((float)(acc[m + r] - off) * ws) * scale[m + r];
+            out[r * n + j] = bias ? o + bias[j] : o;
+        }
+    }
+}
+
+/* The decoder's elementwise steps, for the int8 path (cpu_kernels.py): one call each instead of a chain of
+ * PyTorch ops. They are not bit-equal to PyTorch's (sums and exp in another order) and need not be: the
+ * int8 model uses them at every batch size, so its results still do not depend on the batch. */
+
+/* RMSNorm of rows x [m, k] (row stride x_stride) into out [m, k] (contiguous): w * (x / sqrt(mean(x^2) + eps)),
+ * with fp32 statistics as Hugging Face's. */
+void srt_rmsnorm(const float *x, int64_t m, int64_t k, int64_t x_stride, const float *w, float eps, float *out) {
+#pragma omp parallel for if (m * k >= 65536) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * x_stride;
+        const float inv = 1.0f / sqrtf(sum_squares(xr, k) / (float)k + eps);
+        float *o = out + r * k;
+        for (int64_t i = 0; i < k; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* e^x to about 2 ulp in a form the compiler vectorizes (libm's expf is a scalar call): x = n ln2 + r with
+ * ln2 split in two for an exact reduction, then a degree-6 polynomial for e^r on |r| <= ln2 / 2 (the
+ * classic single-precision minimax coefficients), scaled by 2^n through the exponent bits. */
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* out [m, inter] = silu(gate) * up for gate_up [m, 2 * inter] (row stride gu_stride): the MLP's activation. */
+void srt_silu_mul(const float *gu, int64_t m, int64_t inter, int64_t gu_stride, float *out) {
+#pragma omp parallel for if (m * inter >= 65536) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * gu_stride, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + exp_vec(-g[i]))) * u[i];
+    }
+}

@@ -1,0 +1,222 @@
+"""Builds and loads `cpu_int8_kernels.c`, srt's fused int8 kernels for the CPU, and calls them.
+
+Why C and ctypes rather than a torch C++ extension: the source is plain C without torch's headers, so it
+builds in about a second with the system compiler (torch extensions take a minute), for this very CPU
+(`-march=native`), once per source, compiler and CPU, into the srt cache. The library links OpenMP by the
+same soname as torch's bundled runtime, which is already loaded, so both share one thread pool.
+
+Nothing depends on it: without a compiler, on a CPU without AVX2, or if the built library ever disagrees
+with the PyTorch path on the probe, `load()` returns None and `int8_linear.py` keeps its PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+
+import torch
+
+from srt.model_source import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_int8_kernels.c")
+COMPILER_ENV = "CC"
+DEFAULT_COMPILER = "cc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "srt_quantize_two_level": [_P, _I, _I, _I, _P, _P],
+    "srt_combine_two_level": [_P, _P, _I, _I, _P, _P],
+    "srt_w8a8_linear_small": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P],
+    "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
+    "srt_silu_mul": [_P, _I, _I, _I, _P],
+}
+
+
+class CpuKernels:
+    """The loaded library, with its limits read from it (they live in one place: the C source)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lib = lib = ctypes.CDLL(path)
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+        self.isa = ISA_NAMES.get(lib.srt_isa(), "unknown")
+        self.k_multiple = lib.srt_k_multiple()
+        self.max_small_rows = lib.srt_max_rows() // 2  # tokens: two activation rows each
+        self.max_k = lib.srt_max_k()
+
+    def fits_small(self, m: int, k: int) -> bool:
+        return m <= self.max_small_rows and k <= self.max_k and k % self.k_multiple == 0
+
+    def quantize_two_level(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `int8_linear.quantize_two_level` (x: fp32 [M, K] with unit column stride)."""
+        m, k = x.shape
+        q = torch.empty((2 * m, k), dtype=torch.int8)
+        scale = torch.empty((2 * m, 1), dtype=torch.float32)
+        self._lib.srt_quantize_two_level(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), scale.data_ptr())
+        return q, scale
+
+    def combine_two_level(
+        self, acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """acc[:m] * s[:m] + acc[m:] * s[m:] (+ bias), written over acc's first half, which it returns."""
+        rows, n = acc.shape
+        m = rows // 2
+        b = None if bias is None else bias.data_ptr()
+        self._lib.srt_combine_two_level(acc.data_ptr(), scale.data_ptr(), m, n, b, acc.data_ptr())
+        return acc[:m]
+
+    def linear_small(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        wsum: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The whole W8A8 linear for a few tokens (`fits_small`): x fp32 [M, K] -> [M, N]."""
+        m, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty((m, n), dtype=torch.float32)
+        b = None if bias is None else bias.data_ptr()
+        self._lib.srt_w8a8_linear_small(
+            x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), scale.data_ptr(), wsum.data_ptr(), b, n,
+            out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension of fp32 x (any leading shape): a new contiguous tensor."""
+        x2 = _rows(x)
+        m, k = x2.shape
+        out = torch.empty((m, k), dtype=torch.float32)
+        self._lib.srt_rmsnorm(x2.data_ptr(), m, k, x2.stride(0), weight.data_ptr(), eps, out.data_ptr())
+        return out.view(x.shape)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """silu(gate) * up for gate_up [..., 2 * inter] (gate first, as the fused projection lays it out)."""
+        x2 = _rows(gate_up)
+        m = x2.shape[0]
+        out = torch.empty((m, inter), dtype=torch.float32)
+        self._lib.srt_silu_mul(x2.data_ptr(), m, inter, x2.stride(0), out.data_ptr())
+        return out.view(*gate_up.shape[:-1], inter)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as 2-D rows of its last dimension with unit column stride (a view when it can be one): the
+    layout every kernel reads. Refuses what the kernels cannot read rather than reading it wrong."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"CPU kernels take fp32 CPU tensors, not {x.dtype} on {x.device}")
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _compiler_version(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and flags (a cache shared by machines must not mix)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def library_path(cc: str, flags: tuple[str, ...]) -> str:
+    with open(SOURCE, "rb") as f:
+        h = hashlib.sha256(f.read())
+    h.update(repr(flags).encode())
+    h.update(_compiler_version(cc).encode())
+    h.update(_cpu_signature().encode())
+    return os.path.join(cache_root(), "kernels", f"cpu_int8_kernels-{h.hexdigest()[:16]}.so")
+
+
+def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> str:
+    """Compile the library unless this source, compiler, flag set and CPU already have one; its path.
+    Written under a temporary name and renamed, so concurrent builders (tensor-parallel ranks) never load a
+    half-written file."""
+    cc = cc or os.environ.get(COMPILER_ENV) or DEFAULT_COMPILER
+    path = library_path(cc, flags)
+    if os.path.isfile(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *flags, SOURCE, "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=True,
+        )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def agrees_with_torch(kernels: CpuKernels) -> bool:
+    """The probe: every kernel reproduces the PyTorch path of `int8_linear.py` to the bit on random data
+    with an outlier channel, a bias, and rows of several sizes."""
+    from srt.model_executor.layers import int8_linear as ref  # import here: int8_linear imports this module
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 2 * kernels.k_multiple * 3, 40
+    w = torch.randn(n, k, generator=gen)
+    qw = ref.quantize_per_channel(w)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, kernels.max_small_rows):
+        x = torch.randn(m, k, generator=gen)
+        x[:, 1] *= 40.0
+        q, s = ref.quantize_two_level(x)
+        q2, s2 = kernels.quantize_two_level(x)
+        if not (torch.equal(q, q2) and torch.equal(s, s2)):
+            return False
+        expected = ref.torch_w8a8_linear(x, qw, bias)
+        acc = ref.int8_matmul(q, qw).clone()
+        if not torch.equal(kernels.combine_two_level(acc, s, bias), expected):
+            return False
+        wsum = qw.weight.sum(dim=1, dtype=torch.int32)
+        if not torch.equal(kernels.linear_small(x, qw.weight, qw.scale, wsum, bias), expected):
+            return False
+    # the elementwise kernels round differently from PyTorch: they must agree to float precision
+    x = torch.randn(7, 2 * k, generator=gen) * 4.0
+    rms = bias[:1] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    silu = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    return torch.allclose(
+        kernels.rmsnorm(x, bias[:1].expand(2 * k).contiguous(), 1e-5), rms, rtol=1e-5, atol=1e-6
+    ) and (torch.allclose(kernels.silu_mul(x, k), silu, rtol=1e-5, atol=1e-6))
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels for this process, or None where they cannot be built or are not exact (logged once)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        kernels = CpuKernels(build())
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("CPU int8 kernels unavailable, using PyTorch ops instead: %s", str(detail)[-500:])
+        return None
+    if kernels.isa == "portable" or not agrees_with_torch(kernels):
+        logger.warning("CPU int8 kernels (%s) not used: no AVX2, or they disagree with PyTorch", kernels.isa)
+        return None
+    return kernels

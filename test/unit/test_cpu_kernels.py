@@ -1,0 +1,149 @@
+"""srt's fused CPU int8 kernels (`cpu_int8_kernels.c`): they build with the system compiler, reproduce the
+PyTorch int8 path to the bit in every instruction-set variant, give a token the same result alone or in a
+batch, and their absence (no compiler) only means PyTorch ops."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers.int8_linear import (
+    int8_matmul,
+    quantize_per_channel,
+    quantize_two_level,
+    torch_w8a8_linear,
+    w8a8_linear,
+)
+
+HAS_COMPILER = shutil.which("cc") is not None
+CPU_FLAGS = open("/proc/cpuinfo").read() if HAS_COMPILER else ""
+# (name, -march): every variant this CPU can run; the native build is the one srt uses
+VARIANTS = [("native", "native")]
+if " avx2 " in CPU_FLAGS:
+    VARIANTS.append(("avx2", "haswell"))
+VARIANTS.append(("portable", "x86-64"))
+
+pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[name for name, _ in VARIANTS])
+def kernels(request, tmp_path_factory) -> cpu_kernels.CpuKernels:
+    name, march = request.param
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SRT_CACHE_DIR", str(tmp_path_factory.mktemp(name)))
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
+    built = cpu_kernels.CpuKernels(cpu_kernels.build(flags=flags))
+    mp.undo()
+    return built
+
+
+def test_the_native_build_is_the_fast_one_here(kernels):
+    native = cpu_kernels.load()
+    assert native is not None, "the kernels must build and pass their probe on this machine"
+    if " avx512_vnni " in CPU_FLAGS:
+        assert native.isa == "avx512-vnni"
+    elif " avx2 " in CPU_FLAGS:
+        assert native.isa == "avx2"
+
+
+def test_each_variant_passes_the_load_probe(kernels):
+    assert cpu_kernels.agrees_with_torch(kernels)
+
+
+def strided_rows(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows with an outlier channel, as a view into a wider tensor (a fused projection's slice)."""
+    wide = torch.randn(m, k + 32, generator=gen)
+    wide[:, 5] *= 60.0
+    return wide[:, 16 : 16 + k]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_fused_small_linear_gives_the_bits_of_the_pytorch_path(kernels, m, with_bias):
+    gen = torch.Generator().manual_seed(m)
+    k, n = 3 * kernels.k_multiple if kernels.k_multiple > 1 else 40, 72
+    qw = quantize_per_channel(torch.randn(n, k, generator=gen))
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    x = strided_rows(m, k, gen)
+    assert kernels.fits_small(m, k)
+    wsum = qw.weight.sum(dim=1, dtype=torch.int32)
+    assert torch.equal(
+        kernels.linear_small(x, qw.weight, qw.scale, wsum, bias), torch_w8a8_linear(x, qw, bias)
+    )
+
+
+def test_quantize_and_combine_give_the_pytorch_bits_at_prefill_sizes(kernels):
+    """300 rows of 576: large enough for the kernels' parallel loops."""
+    gen = torch.Generator().manual_seed(11)
+    x = strided_rows(300, 576, gen)
+    q, s = kernels.quantize_two_level(x)
+    q_ref, s_ref = quantize_two_level(x)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    qw = quantize_per_channel(torch.randn(256, 576, generator=gen))
+    bias = torch.randn(256, generator=gen)
+    combined = kernels.combine_two_level(int8_matmul(q, qw), s, bias)
+    assert torch.equal(combined, torch_w8a8_linear(x, qw, bias))
+
+
+def test_all_zero_and_huge_rows_quantize_like_pytorch(kernels):
+    x = torch.zeros(3, 64)
+    x[1] = 3e30
+    x[2, 7] = -1e-30
+    q, s = kernels.quantize_two_level(x)
+    q_ref, s_ref = quantize_two_level(x)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+def test_a_token_gets_the_same_bits_alone_and_in_any_batch():
+    """w8a8_linear takes the fused kernel for a few tokens and oneDNN's for more: a sequence's output must
+    not depend on which (the scheduler-equivalence tests rely on it)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the kernels did not load")
+    gen = torch.Generator().manual_seed(3)
+    qw = quantize_per_channel(torch.randn(192, 128, generator=gen))
+    qw.pack()
+    x = strided_rows(40, 128, gen)
+    alone = w8a8_linear(x[:1], qw, None)
+    for batch in (2, 8, 9, 40):
+        assert torch.equal(w8a8_linear(x[:batch], qw, None)[:1], alone)
+
+
+def test_rmsnorm_and_silu_mul_agree_with_pytorch_and_are_row_independent(kernels):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 3, 96, generator=gen) * 3.0
+    w = torch.randn(96, generator=gen)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = kernels.rmsnorm(x, w, 1e-6)
+    assert got.shape == x.shape and torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(kernels.rmsnorm(x[4:5], w, 1e-6), got[4:5])
+    gate_up = torch.randn(300, 2 * 200, generator=gen) * 6.0
+    ref = F.silu(gate_up[:, :200]) * gate_up[:, 200:]
+    got = kernels.silu_mul(gate_up, 200)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(kernels.silu_mul(gate_up[7:8], 200), got[7:8])
+
+
+def test_the_kernels_refuse_tensors_they_cannot_read(kernels):
+    with pytest.raises(TypeError, match="fp32 CPU"):
+        kernels.rmsnorm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+
+
+def test_without_a_compiler_srt_falls_back_to_pytorch_ops(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_kernels.load() is None
+        assert "unavailable" in caplog.text
+        gen = torch.Generator().manual_seed(1)
+        qw = quantize_per_channel(torch.randn(24, 64, generator=gen))
+        x = torch.randn(2, 64, generator=gen)
+        assert torch.equal(w8a8_linear(x, qw, None), torch_w8a8_linear(x, qw, None))
+    finally:
+        cpu_kernels.load.cache_clear()  # the next caller builds (or finds) the real library again

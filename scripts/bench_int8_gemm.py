@@ -5,8 +5,10 @@ per-token quantization, the int8 product and the dequantization (what `--quantiz
 
 1. One layer, its weight hot in cache, per (N, K) shape and number of rows M:
      fp32      F.linear(x, w)                      (the baseline)
-     int_mm    torch._int_mm on the plain int8 weight (repacked by oneDNN at every call)
-     packed    oneDNN's int8 linear on a weight packed once (onednn::qlinear_prepack), srt's kernel
+     int_mm    torch._int_mm on the plain int8 weight (repacked by oneDNN at every call), PyTorch ops around
+     packed    oneDNN's int8 linear on a weight packed once (onednn::qlinear_prepack), PyTorch ops around
+     srt       what srt runs: its fused C kernel (cpu_kernels.py) up to 8 rows, else the packed kernel with
+               the C kernels' quantization and combination around it (as `packed` without them)
      int8pack  torch._weight_int8pack_mm (weight-only int8, fp32 activations; --int8pack)
 2. A whole decode step's linear layers: 30 layers x (qkv, o, gate_up, down), each with its own weight, so
    the weights come from memory as in the model (the head is in table 1).
@@ -24,7 +26,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from srt.model_executor.layers.int8_linear import packed_kernel_available, quantize_per_channel, w8a8_linear
+from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers.int8_linear import (
+    packed_kernel_available,
+    quantize_per_channel,
+    torch_w8a8_linear,
+    w8a8_linear,
+)
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query / 3 kv heads of 64, vocabulary 49152.
 SHAPES = {
@@ -56,7 +64,7 @@ def quantized(w: torch.Tensor, packed: bool):
 
 def one_layer_table(args) -> None:
     print("\none layer, weight hot in cache (ms; x = speed-up over fp32)")
-    head = f"{'layer':<13}{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}"
+    head = f"{'layer':<13}{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}{'srt':>9}{'x':>6}"
     print(head + (f"{'int8pack':>10}{'x':>6}" if args.int8pack else ""))
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k) * 0.05
@@ -64,9 +72,11 @@ def one_layer_table(args) -> None:
         for m in args.rows:
             x = torch.randn(m, k)
             fp32 = best_ms(lambda x=x, w=w: F.linear(x, w), args.repeat)
-            a = best_ms(lambda x=x, qw=plain: w8a8_linear(x, qw, None), args.repeat)
-            b = best_ms(lambda x=x, qw=packed: w8a8_linear(x, qw, None), args.repeat)
+            a = best_ms(lambda x=x, qw=plain: torch_w8a8_linear(x, qw, None), args.repeat)
+            b = best_ms(lambda x=x, qw=packed: torch_w8a8_linear(x, qw, None), args.repeat)
+            c = best_ms(lambda x=x, qw=packed: w8a8_linear(x, qw, None), args.repeat)
             line = f"{name:<13}{m:>5}{fp32:>9.3f}{a:>9.3f}{fp32 / a:>6.2f}{b:>9.3f}{fp32 / b:>6.2f}"
+            line += f"{c:>9.3f}{fp32 / c:>6.2f}"
             if args.int8pack:
                 pack = best_ms(
                     lambda x=x, w=plain.weight, s=plain.scale: torch._weight_int8pack_mm(x, w, s), args.repeat
@@ -77,7 +87,7 @@ def one_layer_table(args) -> None:
 
 def decode_step_table(args) -> None:
     print(f"\n{LAYERS} layers x (qkv, o, gate_up, down), distinct weights (ms for all of them)")
-    print(f"{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}")
+    print(f"{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}{'srt':>9}{'x':>6}")
     layer_shapes = [s for name, s in SHAPES.items() if name != "lm_head"]
     weights = [[torch.randn(n, k) * 0.05 for n, k in layer_shapes] for _ in range(LAYERS)]
     plain = [[quantized(w, False) for w in ws] for ws in weights]
@@ -94,9 +104,13 @@ def decode_step_table(args) -> None:
             return run
 
         fp32 = best_ms(step(weights, lambda x, w: F.linear(x, w)), args.repeat)
-        a = best_ms(step(plain, lambda x, qw: w8a8_linear(x, qw, None)), args.repeat)
-        b = best_ms(step(packed, lambda x, qw: w8a8_linear(x, qw, None)), args.repeat)
-        print(f"{m:>5}{fp32:>9.2f}{a:>9.2f}{fp32 / a:>6.2f}{b:>9.2f}{fp32 / b:>6.2f}", flush=True)
+        a = best_ms(step(plain, lambda x, qw: torch_w8a8_linear(x, qw, None)), args.repeat)
+        b = best_ms(step(packed, lambda x, qw: torch_w8a8_linear(x, qw, None)), args.repeat)
+        c = best_ms(step(packed, lambda x, qw: w8a8_linear(x, qw, None)), args.repeat)
+        line = (
+            f"{m:>5}{fp32:>9.2f}{a:>9.2f}{fp32 / a:>6.2f}{b:>9.2f}{fp32 / b:>6.2f}{c:>9.2f}{fp32 / c:>6.2f}"
+        )
+        print(line, flush=True)
 
 
 def main() -> None:
@@ -110,7 +124,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{torch.backends.cpu.get_cpu_capability()}, packed kernel exact: {packed_kernel_available()}"
+        f"{torch.backends.cpu.get_cpu_capability()}, packed kernel exact: {packed_kernel_available()}, "
+        f"srt's C kernels: {kernels.isa if (kernels := cpu_kernels.load()) else 'unavailable'}"
     )
     one_layer_table(args)
     decode_step_table(args)

@@ -54,6 +54,28 @@ class _ProcessLabelFilter(logging.Filter):
         return True
 
 
+def load_tokenizer(path: str):
+    """`AutoTokenizer.from_pretrained(path)`, keeping torch out of a process that has not loaded it yet.
+
+    Why: transformers imports torch whenever it is installed, and torch's libraries then stay resident
+    (about 240 MB) in processes that only tokenize and detokenize (the HTTP process, the detokenizer).
+    Without torch, transformers still loads tokenizers ("only tokenizers, configuration and file/data
+    utilities"). The block is lifted afterwards, so a later `import torch` (an optional grammar backend's)
+    still works."""
+    import sys
+
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's "not importable"
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    finally:
+        if hide and "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
 def configure_logging(level: str, process_label: str) -> None:
     """Root logging for one process: every line carries the process label so interleaved logs stay readable."""
     handler = logging.StreamHandler()

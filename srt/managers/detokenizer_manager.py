@@ -17,14 +17,13 @@ the request's later entries are dropped. Only MemoryError ends the process.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field, fields
 
 import zmq
 
 from srt.managers.io_struct import BatchOutMeta, BatchStrOut, BatchTokenIDOut, FinishReason
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logging, get_zmq_socket
+from srt.utils import configure_logging, get_zmq_socket, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -226,26 +225,13 @@ class DetokenizerManager:
                 self.send_sock.send_pyobj(msg)
 
 
-def keep_torch_out() -> None:
-    """Make `import torch` fail in this process, unless it is already loaded.
-
-    Why: transformers imports torch whenever it is installed, and then torch's libraries stay resident
-    (about 270 MB) in a process that only turns token ids into text. Without torch, transformers still
-    loads tokenizers ("only tokenizers, configuration and file/data utilities")."""
-    if "torch" not in sys.modules:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's "not importable"
-
-
 def run_detokenizer_process(
     server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer
 ) -> None:
     """Entry point of the spawned detokenizer: load the tokenizer, report ready (True or an error string)."""
     configure_logging(server_args.log_level, "detokenizer")
     try:
-        keep_torch_out()
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or model_dir)
+        tokenizer = load_tokenizer(server_args.tokenizer_path or model_dir)
         context = zmq.Context()
         recv_sock = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_input, bind=True)
         send_sock = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_input, bind=False)

@@ -42,7 +42,7 @@ from srt.managers.request_metrics import RequestMetricsRecorder
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import get_zmq_socket
+from srt.utils import get_zmq_socket, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,7 @@ class TokenizerManager:
         self.port_args = port_args
         self.model_dir = model_dir
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or model_dir)
+            tokenizer = load_tokenizer(server_args.tokenizer_path or model_dir)
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.inputs = InputProcessor(tokenizer, server_args.grammar_backend)

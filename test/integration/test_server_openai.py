@@ -293,3 +293,30 @@ def test_api_key_is_enforced(default_server):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert default_server.api_key == API_KEY
+
+
+def mapped_libraries(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_only_the_scheduler_loads_torch_even_after_a_constrained_request(default_server, client):
+    """The HTTP process and the detokenizer tokenize and validate without torch (about 240 MB each saved);
+    a JSON-schema request, validated in the HTTP process, must not pull it in either."""
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give a number."}],
+        max_tokens=8,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "n",
+                "schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+            },
+        },
+    )
+    assert out.choices[0].message.content.startswith("{")
+    children = default_server.child_pids()
+    assert "libtorch_cpu" in mapped_libraries(children["srt-scheduler"])
+    assert "libtorch_cpu" not in mapped_libraries(default_server.proc.pid)
+    assert "libtorch_cpu" not in mapped_libraries(children["srt-detokenizer"])

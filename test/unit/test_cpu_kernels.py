@@ -147,3 +147,28 @@ def test_without_a_compiler_srt_falls_back_to_pytorch_ops(monkeypatch, tmp_path,
         assert torch.equal(w8a8_linear(x, qw, None), torch_w8a8_linear(x, qw, None))
     finally:
         cpu_kernels.load.cache_clear()  # the next caller builds (or finds) the real library again
+
+
+def test_rope_rotates_q_and_k_in_place_to_the_bits_of_the_model_code(kernels):
+    from types import SimpleNamespace
+
+    from srt.model_executor.models.llama import RotaryEmbedding
+
+    heads, kv_heads, head_dim, n = 4, 2, 16, 9
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), head_dim, 64, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    cos, sin = rope.tables(torch.randint(0, 64, (n,), generator=gen))
+    q = qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    expected_q, expected_k, v = (
+        rope.apply(q, cos, sin),
+        rope.apply(k, cos, sin),
+        qkv[:, -kv_heads * head_dim :],
+    )
+    v_before = v.clone()
+    kernels.rope_(qkv, heads + kv_heads, head_dim, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(v, v_before)  # v is not rotated
+    with pytest.raises(TypeError):
+        kernels.rope_(qkv[:, :8], heads + kv_heads, head_dim, cos, sin)  # too narrow for the heads

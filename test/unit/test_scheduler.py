@@ -19,11 +19,26 @@ VOCAB_LOW, VOCAB_HIGH = 10, 200  # token ids used in synthetic prompts (avoid sp
 
 
 def make_scheduler(model_dir: str, **overrides) -> Scheduler:
-    args = ServerArgs(**{"max_total_tokens": 4096, "max_running_requests": 16, **overrides})
+    """fp32 unless `quantization` says otherwise (the tiny model is not what int8's default was gated on)."""
+    args = ServerArgs(
+        **{"max_total_tokens": 4096, "max_running_requests": 16, "quantization": "none", **overrides}
+    )
     runner = ModelRunner(
-        model_dir, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests
+        model_dir,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        quantization=args.quantization,
     )
     return Scheduler(args, runner)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_int8_cache(tmp_path_factory):
+    """The int8 tests quantize the session's tiny model: its cache goes with it, not into ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SRT_CACHE_DIR", str(tmp_path_factory.mktemp("srt-cache")))
+    yield
+    mp.undo()
 
 
 def prompts(n: int, low: int = 5, high: int = 40, seed: int = 0) -> list[list[int]]:
@@ -37,10 +52,20 @@ def assert_pool_whole(sched: Scheduler) -> None:
     assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
 
 
+# The equivalence tests run in fp32 and in int8 (the CPU default), whose fused kernels switch from one
+# kernel to another with the number of tokens in a step: a sequence's tokens must not depend on that.
+QUANTIZATIONS = ["none", "w8a8_int8"]
+
+
+@pytest.fixture(scope="module", params=QUANTIZATIONS)
+def quant(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def alone_outputs(tiny_model_dir):
+def alone_outputs(tiny_model_dir, quant):
     """Reference: each prompt run alone on a fresh scheduler."""
-    sched = make_scheduler(tiny_model_dir)
+    sched = make_scheduler(tiny_model_dir, quantization=quant)
     refs = {}
     for i, p in enumerate(prompts(6)):
         res = drive(sched, {0: [request(f"r{i}", p, greedy(12))]})
@@ -58,8 +83,8 @@ def mixing(mixed: bool) -> dict[str, bool]:
 
 
 @MIXED
-def test_continuous_batching_matches_running_alone(tiny_model_dir, alone_outputs, mixed):
-    sched = make_scheduler(tiny_model_dir, **mixing(mixed))
+def test_continuous_batching_matches_running_alone(tiny_model_dir, alone_outputs, mixed, quant):
+    sched = make_scheduler(tiny_model_dir, quantization=quant, **mixing(mixed))
     ps = prompts(6)
     arrivals = {
         0: [request("r0", ps[0], greedy(12)), request("r1", ps[1], greedy(12))],
@@ -92,12 +117,13 @@ def test_max_running_requests_is_respected(tiny_model_dir):
 
 
 @MIXED
-def test_chunked_prefill_gives_same_tokens(tiny_model_dir, mixed):
+def test_chunked_prefill_gives_same_tokens(tiny_model_dir, mixed, quant):
     long_prompt = prompts(1, low=150, high=150, seed=3)[0]
     plain = drive(
-        make_scheduler(tiny_model_dir, chunked_prefill_size=-1), {0: [request("a", long_prompt, greedy(8))]}
+        make_scheduler(tiny_model_dir, chunked_prefill_size=-1, quantization=quant),
+        {0: [request("a", long_prompt, greedy(8))]},
     )
-    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=32, **mixing(mixed))
+    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=32, quantization=quant, **mixing(mixed))
     prefill_steps = []
     res = drive(
         sched,
@@ -110,9 +136,9 @@ def test_chunked_prefill_gives_same_tokens(tiny_model_dir, mixed):
 
 
 @MIXED
-def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, mixed):
+def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, mixed, quant):
     shared = prompts(1, low=64, high=64, seed=5)[0]
-    sched = make_scheduler(tiny_model_dir, **mixing(mixed))
+    sched = make_scheduler(tiny_model_dir, quantization=quant, **mixing(mixed))
     first = drive(sched, {0: [request("a", shared + [11, 12], greedy(8))]})
     # with mixed chunks, b's prefix hit is prefilled next to a decoding request
     busy = {
@@ -121,7 +147,7 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, mixed):
     }
     second = drive(sched, busy)
     cold = drive(
-        make_scheduler(tiny_model_dir, disable_radix_cache=True),
+        make_scheduler(tiny_model_dir, disable_radix_cache=True, quantization=quant),
         {0: [request("c", shared + [11, 12], greedy(8))]},
     )
     assert first["a"].cached_tokens == 0
@@ -131,15 +157,15 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, mixed):
 
 
 @MIXED
-def test_retraction_resumes_with_identical_output(tiny_model_dir, mixed):
+def test_retraction_resumes_with_identical_output(tiny_model_dir, mixed, quant):
     # 8 requests of 30 prompt + 40 output tokens need 560 slots; the pool has 300.
     ps = prompts(8, low=30, high=30, seed=7)
-    ref_sched = make_scheduler(tiny_model_dir)
+    ref_sched = make_scheduler(tiny_model_dir, quantization=quant)
     refs = {
         f"r{i}": drive(ref_sched, {0: [request(f"r{i}", p, greedy(40))]})[f"r{i}"].output_ids
         for i, p in enumerate(ps)
     }
-    sched = make_scheduler(tiny_model_dir, max_total_tokens=300, **mixing(mixed))
+    sched = make_scheduler(tiny_model_dir, max_total_tokens=300, quantization=quant, **mixing(mixed))
     # half arrive later, so that with mixed chunks they are admitted next to decoding requests
     arrivals = {0: [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps[:4])]}
     arrivals[3] = [request(f"r{i}", p, greedy(40)) for i, p in enumerate(ps) if i >= 4]

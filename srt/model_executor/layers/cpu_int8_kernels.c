@@ -253,3 +253,24 @@ void srt_silu_mul(const float *gu, int64_t m, int64_t inter, int64_t gu_stride, 
         for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + exp_vec(-g[i]))) * u[i];
     }
 }
+
+/* Rotary embedding, in place, of the first `heads` heads of every row of x [n, row_stride] (a fused qkv
+ * projection's output: q's heads, then k's), in the rotate-half layout: x1' = x1 cos - x2 sin,
+ * x2' = x2 cos + x1 sin for the two halves of each head, cos and sin [n, head_dim / 2] (row stride
+ * cs_stride). The same operations in the same order as PyTorch's, so the same bits. */
+void srt_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t head_dim, const float *cos,
+              const float *sin, int64_t cs_stride) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (n * heads * head_dim >= 65536) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}

@@ -40,6 +40,7 @@ _SIGNATURES = {
     "srt_w8a8_linear_small": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P],
     "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
     "srt_silu_mul": [_P, _I, _I, _I, _P],
+    "srt_rope": [_P, _I, _I, _I, _I, _P, _P, _I],
 }
 
 
@@ -112,6 +113,19 @@ class CpuKernels:
         out = torch.empty((m, inter), dtype=torch.float32)
         self._lib.srt_silu_mul(x2.data_ptr(), m, inter, x2.stride(0), out.data_ptr())
         return out.view(*gate_up.shape[:-1], inter)
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate, in place, the first `heads` heads of each row of x [n, >= heads * head_dim] (unit column
+        stride) by cos and sin tables of n rows of head_dim / 2 (any shape with those rows)."""
+        n = x.shape[0]
+        if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < heads * head_dim or x.dtype != torch.float32:
+            raise TypeError("rope_ takes 2-D fp32 rows with unit column stride, wide enough for the heads")
+        cos2, sin2 = cos.reshape(n, head_dim // 2), sin.reshape(n, head_dim // 2)
+        if cos2.stride(1) != 1 or sin2.stride(0) != cos2.stride(0) or sin2.stride(1) != 1:
+            raise TypeError("rope_ takes cos and sin tables with unit column stride and equal row strides")
+        self._lib.srt_rope(
+            x.data_ptr(), n, x.stride(0), heads, head_dim, cos2.data_ptr(), sin2.data_ptr(), cos2.stride(0)
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

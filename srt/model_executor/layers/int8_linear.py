@@ -4,11 +4,16 @@ Why int8: a decode step streams every weight once, and this CPU's fp32 matmuls a
 batches; int8 weights are a quarter of the bytes, and int8 x int8 -> int32 products run on the CPU's
 integer dot-product units (VNNI, AMX where present).
 
-The kernel: PyTorch's oneDNN int8 linear on a weight packed once at load (`onednn::qlinear_prepack`,
-`onednn::qlinear_pointwise`), which applies the per-channel scales itself. `torch._int_mm` repacks the
-weight at every call; `scripts/bench_int8_gemm.py` measured it 1.3x slower than the packed kernel for a
-whole decode step's layers at one sequence and 3-6x slower at 64-512 rows. Where the packed kernel is
-missing or disagrees with `_int_mm` on a probe, `_int_mm` is used.
+The kernels: for up to 8 tokens (decode), srt's own fused C kernel (`cpu_kernels.py`) does the whole
+layer in one call (quantize, integer dot products against the plain int8 weight, rescale, bias): at that
+size a layer through PyTorch was a dozen small ops and oneDNN's fixed cost, 4-5x the time of reading the
+weight. For more tokens, PyTorch's oneDNN int8 linear on a weight packed once at load
+(`onednn::qlinear_prepack`, `onednn::qlinear_pointwise`), with the quantization before it and the
+combination after it done by the C kernels too. Both give the same bits, so a token's result does not
+depend on its batch. `torch._int_mm` repacks the weight at every call; `scripts/bench_int8_gemm.py` measured
+it 1.3x slower than the packed kernel at one sequence and 3-6x slower at 64-512 rows. Where the packed
+kernel is missing or disagrees with `_int_mm` on a probe, `_int_mm` is used; where the C kernels cannot be
+built, PyTorch ops (`torch_w8a8_linear`).
 
 The numerics: weights are quantized symmetrically per output channel (once, at load: `quantization.py`,
 with GPTQ's error-compensating rounding from `gptq.py`), activations per token at every call (scaled by the

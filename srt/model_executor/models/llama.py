@@ -128,6 +128,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_total, config.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.cpu_kernels: CpuKernels | None = None  # as RMSNorm's (the rotary embedding in one call)
 
     def forward(
         self,
@@ -138,12 +139,16 @@ class LlamaAttention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.cpu_kernels is not None and self.q_norm is None:  # q's and k's heads rotated in one call
+            self.cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *cos_sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        if self.cpu_kernels is None or self.q_norm is not None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
         out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.layer_id, batch)
         return self.o_proj(out)
 

@@ -223,8 +223,10 @@ def apply_w8a8_int8(runner: ModelRunner) -> None:
     if model.lm_head is not None:
         model.lm_head.register_parameter("weight", None)
     kernels = cpu_kernels.load()
-    if kernels is not None:  # the modules that have fused CPU forms (norms, the MLP's activation) use them
-        for module in model.modules():
+    if (
+        kernels is not None
+    ):  # parts with fused CPU forms: norms, rotary embedding, MLP activation, decode attention
+        for module in [*model.modules(), model.attn_backend]:
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels
     logger.info(

@@ -172,3 +172,30 @@ def test_rope_rotates_q_and_k_in_place_to_the_bits_of_the_model_code(kernels):
     assert torch.equal(v, v_before)  # v is not rotated
     with pytest.raises(TypeError):
         kernels.rope_(qkv[:, :8], heads + kv_heads, head_dim, cos, sin)  # too narrow for the heads
+
+
+def test_decode_attention_reads_the_pool_in_place_and_matches_sdpa(kernels):
+    """Sequences of different lengths scattered over a pool: the result equals SDPA over each sequence's
+    gathered K/V (to float precision), and a sequence's bits do not depend on the rest of the batch."""
+    heads, kv_heads, head_dim, pool_slots = 6, 2, 32, 200
+    gen = torch.Generator().manual_seed(12)
+    k_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)
+    lens = [5, 37, 1, 20]
+    slots = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    for b, n in enumerate(lens):
+        slots[b, :n] = torch.randperm(pool_slots - 1, generator=gen)[:n] + 1
+    q = torch.randn(len(lens), heads, head_dim, generator=gen) * 2.0
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    scores = torch.empty(len(lens) * heads * max(lens))
+    out = kernels.decode_attention(q, k_pool, v_pool, slots, seq_lens, head_dim**-0.5, scores)
+    assert out.shape == (len(lens), heads * head_dim)
+    for b, n in enumerate(lens):
+        keys, values = k_pool[slots[b, :n]].transpose(0, 1), v_pool[slots[b, :n]].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), keys, values, enable_gqa=True)
+        assert torch.allclose(out[b].view(heads, head_dim), ref.squeeze(1), rtol=1e-5, atol=1e-5), b
+        alone = kernels.decode_attention(q[b : b + 1], k_pool, v_pool, slots[b : b + 1, :n].contiguous(),
+                                         seq_lens[b : b + 1], head_dim**-0.5, scores)  # fmt: skip
+        assert torch.equal(alone, out[b : b + 1])
+    with pytest.raises(ValueError, match="scratch"):
+        kernels.decode_attention(q, k_pool, v_pool, slots, seq_lens, 1.0, torch.empty(3))

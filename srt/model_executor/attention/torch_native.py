@@ -41,6 +41,7 @@ class _DecodeMeta:
     kv_indices: torch.Tensor  # int64 [bs * max_len], padding positions -> PADDING_SLOT
     max_len: int
     mask: torch.Tensor | None  # bool [bs, 1, 1, max_len]; None when every sequence has max_len tokens
+    seq_lens: torch.Tensor  # int64 [bs]
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -50,6 +51,10 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     _k_workspace: torch.Tensor | None = None
     _v_workspace: torch.Tensor | None = None
+    _scores: torch.Tensor | None = None
+    # Set with the int8 model's fused CPU kernels (quantization.py): decode then attends straight out of the
+    # pool in one call per layer, with no gathered copy of the K/V.
+    cpu_kernels = None
 
     def _workspaces(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._k_workspace is None or self._k_workspace.shape[0] < rows:
@@ -81,11 +86,16 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> _DecodeMeta:
         max_len = max(seq_lens_cpu)
         rows = self.req_to_token_pool.req_to_token[req_pool_indices, :max_len]
+        if self.cpu_kernels is not None:  # the kernel reads each row's first seq_lens[b] slots: no padding
+            scratch = len(seq_lens_cpu) * self.num_heads * max_len
+            if self._scores is None or self._scores.numel() < scratch:
+                self._scores = torch.empty(int(scratch * WORKSPACE_GROWTH), dtype=torch.float32)
+            return _DecodeMeta(rows, max_len, None, seq_lens.to(torch.int64).contiguous())
         if min(seq_lens_cpu) == max_len:
-            return _DecodeMeta(rows.reshape(-1), max_len, None)
+            return _DecodeMeta(rows.reshape(-1), max_len, None, seq_lens)
         valid = torch.arange(max_len, device=rows.device)[None, :] < seq_lens[:, None]
         kv_indices = rows.masked_fill(~valid, PADDING_SLOT).reshape(-1)
-        return _DecodeMeta(kv_indices, max_len, valid[:, None, None, :])
+        return _DecodeMeta(kv_indices, max_len, valid[:, None, None, :], seq_lens)
 
     def _extend_metadata(self, batch: ForwardBatch, num_seqs: int) -> list[_ExtendSeq]:
         """The first `num_seqs` sequences of the batch (a mixed batch's decoding tail is not extended)."""
@@ -122,6 +132,11 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _forward_decode(self, q: torch.Tensor, layer_id: int, bs: int) -> torch.Tensor:
         meta = self._decode
         k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
+        if self.cpu_kernels is not None:
+            queries = q.view(bs, self.num_heads, self.head_dim)
+            return self.cpu_kernels.decode_attention(
+                queries, k_buf, v_buf, meta.kv_indices, meta.seq_lens, self.scaling, self._scores
+            )
         shape = (bs, meta.max_len, self.num_kv_heads, self.head_dim)
         k_ws, v_ws = self._workspaces(meta.kv_indices.shape[0])
         keys = torch.index_select(k_buf, 0, meta.kv_indices, out=k_ws).view(shape).transpose(1, 2)

@@ -274,3 +274,68 @@ void srt_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t he
         }
     }
 }
+
+static inline float sum_f32(const float *a, int64_t n) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += a[i + l];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i];
+    for (int l = 0; l < LANES; l++) s += lane[l];
+    return s;
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int l = 0; l < LANES; l++) s += lane[l];
+    return s;
+}
+
+/* Decode attention straight out of the paged KV pool: one query token per sequence, each attending over its
+ * own seq_lens[b] cached tokens, whose pool slots are slots[b * slots_stride + t]. q [bs, heads * head_dim]
+ * (row stride q_stride), k_pool / v_pool [pool slots, kv_heads * head_dim], out [bs, heads * head_dim].
+ * Query heads g * group .. g * group + group - 1 share KV head g (grouped-query attention, as Hugging Face's
+ * repeat_kv). Nothing is gathered into a padded copy first, and each (sequence, KV head) is computed the same
+ * way whatever else is in the batch. Scratch: `scores` holds bs * heads * max_len floats. */
+void srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, const float *k_pool, const float *v_pool, const int64_t *slots,
+                          int64_t slots_stride, const int64_t *seq_lens, float scale, float *scores,
+                          float *out) {
+    const int64_t group = heads / kv_heads, kv_stride = kv_heads * head_dim;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < bs; b++) {
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t len = seq_lens[b];
+            const int64_t *idx = slots + b * slots_stride;
+            float *s = scores + (b * heads + g * group) * slots_stride;
+            const float *qg = q + b * q_stride + g * group * head_dim;
+            for (int64_t t = 0; t < len; t++) {
+                const float *kt = k_pool + idx[t] * kv_stride + g * head_dim;
+                for (int64_t j = 0; j < group; j++)
+                    s[j * slots_stride + t] = dot_f32(qg + j * head_dim, kt, head_dim) * scale;
+            }
+            for (int64_t j = 0; j < group; j++) {
+                float *sj = s + j * slots_stride;
+                float mx = -INFINITY;
+                for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
+                for (int64_t t = 0; t < len; t++) sj[t] = exp_vec(sj[t] - mx);
+                const float sum = sum_f32(sj, len);
+                float *o = out + b * heads * head_dim + (g * group + j) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
+                for (int64_t t = 0; t < len; t++) {
+                    const float *vt = v_pool + idx[t] * kv_stride + g * head_dim;
+                    const float p = sj[t];
+                    for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+            }
+        }
+    }
+}

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
     "srt_silu_mul": [_P, _I, _I, _I, _P],
     "srt_rope": [_P, _I, _I, _I, _I, _P, _P, _I],
+    "srt_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, ctypes.c_float, _P, _P],
 }
 
 
@@ -126,6 +127,41 @@ class CpuKernels:
         self._lib.srt_rope(
             x.data_ptr(), n, x.stride(0), heads, head_dim, cos2.data_ptr(), sin2.data_ptr(), cos2.stride(0)
         )
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        scores: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query token per sequence against its cached K/V, read from the pool in place.
+        q [bs, heads, head_dim]; k_pool, v_pool [pool slots, kv_heads, head_dim]; slots int64 [bs, max_len]
+        (row b's first seq_lens[b] entries are its tokens' slots); scores: fp32 scratch of at least
+        bs * heads * max_len. Returns [bs, heads * head_dim]."""
+        bs, heads, head_dim = q.shape
+        kv_heads = k_pool.shape[1]
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        for t, dtype in (
+            (k_pool, torch.float32),
+            (v_pool, torch.float32),
+            (slots, torch.int64),
+            (seq_lens, torch.int64),
+        ):
+            if t.dtype != dtype or not t.is_contiguous():
+                raise TypeError("decode_attention takes contiguous fp32 pools and int64 slots and lengths")
+        if scores.numel() < bs * heads * slots.shape[1] or k_pool.shape != v_pool.shape or heads % kv_heads:
+            raise ValueError("decode_attention: scratch too small, pools differ, or heads not a multiple")
+        out = torch.empty((bs, heads * head_dim), dtype=torch.float32)
+        self._lib.srt_decode_attention(
+            q.data_ptr(), bs, q.stride(0), heads, kv_heads, head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
+            slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, scores.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -286,15 +286,34 @@ static inline float sum_f32(const float *a, int64_t n) {
     return s;
 }
 
+/* Lanes summed pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): a fixed order, like the sequential one, but each
+ * level is one vector add instead of a chain of dependent scalar adds. */
+static inline float reduce_lanes(float *lane) {
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return lane[0];
+}
+
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float lane[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
-    float s = 0.0f;
+    float s = reduce_lanes(lane);
     for (; i < n; i++) s += a[i] * b[i];
-    for (int l = 0; l < LANES; l++) s += lane[l];
     return s;
+}
+
+static inline float max_f32(const float *a, int64_t n) {
+    float lane[LANES];
+    for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] = fmaxf(lane[l], a[i + l]);
+    float m = -INFINITY;
+    for (int l = 0; l < LANES; l++) m = fmaxf(m, lane[l]);
+    for (; i < n; i++) m = fmaxf(m, a[i]);
+    return m; /* a maximum is the same in any order */
 }
 
 /* Decode attention straight out of the paged KV pool: one query token per sequence, each attending over its
@@ -322,8 +341,7 @@ void srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t 
             }
             for (int64_t j = 0; j < group; j++) {
                 float *sj = s + j * slots_stride;
-                float mx = -INFINITY;
-                for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
+                const float mx = max_f32(sj, len);
                 for (int64_t t = 0; t < len; t++) sj[t] = exp_vec(sj[t] - mx);
                 const float sum = sum_f32(sj, len);
                 float *o = out + b * heads * head_dim + (g * group + j) * head_dim;

@@ -8,7 +8,7 @@ import torch
 
 from srt.sampling import sampler as sampler_module
 from srt.sampling.penalties import apply_min_new_tokens, apply_penalties
-from srt.sampling.sampler import Sampler, filtered_probs, make_generator, sample_from_probs
+from srt.sampling.sampler import Sampler, filtered_probs, greedy_ids, make_generator, sample_from_probs
 from srt.sampling.sampling_batch import one_off_batch
 from srt.sampling.sampling_params import SamplingParams
 
@@ -270,3 +270,13 @@ def test_logits_wider_than_the_vocab_never_yield_padding_tokens(sampler):
     logits = torch.zeros(1, VOCAB + 6)
     logits[0, VOCAB + 2] = 100.0
     assert run(sampler, logits, [SamplingParams(temperature=0.0)]).next_token_ids[0] < VOCAB
+
+
+def test_greedy_ids_is_argmax_ties_included():
+    """max(dim).indices stands in for argmax: the first maximal index of every row, as argmax's."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (64, 1000), generator=gen).float()  # many ties per row
+    logits[5] = 0.0  # an all-equal row
+    logits[7, 10] = float("inf")
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    assert greedy_ids(logits)[5] == 0

@@ -127,49 +127,64 @@ void srt_combine_two_level(const float *acc, const float *scale, int64_t m, int6
     }
 }
 
-/* Dot products of up to ROW_GROUP activation rows (each k bytes, `a` laid out as the ISA wants) with one
- * weight row. With VNNI the activations are stored offset to unsigned (q + 128), as vpdpbusd multiplies
- * u8 by s8; the caller removes the offset's share, 128 * sum(w). With AVX2, vpmaddubsw multiplies |q| by
- * w * sign(q): |q| <= 127 and |w| <= 127, so its 16-bit pair sums never saturate. */
-static inline void dot_rows(const uint8_t *a, int64_t k, int64_t rows, const int8_t *w, int32_t *res) {
+/* Dot products of R activation rows (each k bytes, `a` laid out as the ISA wants) with one weight row,
+ * R a compile-time constant after inlining (see dot_rows), so the R accumulators live in registers and no
+ * work is spent on absent rows. With VNNI the activations are stored offset to unsigned (q + 128), as
+ * vpdpbusd multiplies u8 by s8; the caller removes the offset's share, 128 * sum(w). With AVX2, vpmaddubsw
+ * multiplies |q| by w * sign(q): |q| <= 127 and |w| <= 127, so its 16-bit pair sums never saturate. */
+static inline __attribute__((always_inline)) void dot_rows_n(const uint8_t *a, int64_t k, const int R,
+                                                             const int8_t *w, int32_t *res) {
 #if SRT_ISA == 2
-    __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0, c3 = c0;
-    const uint8_t *a1 = a + (rows > 1 ? k : 0), *a2 = a + (rows > 2 ? 2 * k : 0), *a3 = a + (rows > 3 ? 3 * k : 0);
+    __m512i c[ROW_GROUP];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) c[r] = _mm512_setzero_si512();
     for (int64_t i = 0; i < k; i += STEP) {
         _mm_prefetch((const char *)(w + i + PREFETCH_BYTES), _MM_HINT_T0);
-        __m512i wv = _mm512_loadu_si512((const void *)(w + i));
-        c0 = _mm512_dpbusd_epi32(c0, _mm512_loadu_si512((const void *)(a + i)), wv);
-        c1 = _mm512_dpbusd_epi32(c1, _mm512_loadu_si512((const void *)(a1 + i)), wv);
-        c2 = _mm512_dpbusd_epi32(c2, _mm512_loadu_si512((const void *)(a2 + i)), wv);
-        c3 = _mm512_dpbusd_epi32(c3, _mm512_loadu_si512((const void *)(a3 + i)), wv);
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + i));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            c[r] = _mm512_dpbusd_epi32(c[r], _mm512_loadu_si512((const void *)(a + r * k + i)), wv);
     }
-    int32_t r4[4] = {_mm512_reduce_add_epi32(c0), _mm512_reduce_add_epi32(c1), _mm512_reduce_add_epi32(c2),
-                     _mm512_reduce_add_epi32(c3)};
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) res[r] = _mm512_reduce_add_epi32(c[r]);
 #elif SRT_ISA == 1
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i c[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                    _mm256_setzero_si256()};
+    __m256i c[ROW_GROUP];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) c[r] = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i += STEP) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
-        for (int r = 0; r < 4; r++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(a + (r < rows ? r : 0) * k + i));
-            __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(wv, q));
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(a + r * k + i));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(wv, q));
             c[r] = _mm256_add_epi32(c[r], _mm256_madd_epi16(p, ones));
         }
     }
-    int32_t r4[4];
-    for (int r = 0; r < 4; r++) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
         __m128i s = _mm_add_epi32(_mm256_castsi256_si128(c[r]), _mm256_extracti128_si256(c[r], 1));
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-        r4[r] = _mm_cvtsi128_si32(s);
+        res[r] = _mm_cvtsi128_si32(s);
     }
 #else
-    int32_t r4[4] = {0, 0, 0, 0};
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < k; i++) r4[r] += (int32_t)(int8_t)a[r * k + i] * (int32_t)w[i];
+    for (int r = 0; r < R; r++) {
+        int32_t acc = 0;
+        for (int64_t i = 0; i < k; i++) acc += (int32_t)(int8_t)a[r * k + i] * (int32_t)w[i];
+        res[r] = acc;
+    }
 #endif
-    for (int64_t r = 0; r < rows; r++) res[r] = r4[r];
+}
+
+/* dot_rows_n for 1..ROW_GROUP rows, each count its own specialized copy. */
+static inline void dot_rows(const uint8_t *a, int64_t k, int64_t rows, const int8_t *w, int32_t *res) {
+    switch (rows) {
+    case 1: dot_rows_n(a, k, 1, w, res); break;
+    case 2: dot_rows_n(a, k, 2, w, res); break;
+    case 3: dot_rows_n(a, k, 3, w, res); break;
+    default: dot_rows_n(a, k, 4, w, res); break;
+    }
 }
 
 /* The whole W8A8 linear layer for m <= MAX_ROWS / 2 tokens (decode): quantize x [m, k] in two levels,

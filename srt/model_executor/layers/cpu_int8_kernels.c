@@ -1,16 +1,19 @@
-/* srt's CPU int8 kernels, built at first use by cpu_kernels.py with this machine's compiler and
- * -march=native, and called through ctypes.
+/* srt's CPU kernels for the int8 model, built at first use by cpu_kernels.py with this machine's compiler
+ * and -march=native, and called through ctypes.
  *
  * Why they exist: at decode sizes a W8A8 linear layer through PyTorch is a dozen small ops (quantize,
  * matmul, rescale, combine the two activation levels, bias) and oneDNN's packed int8 linear has a fixed
  * cost of ~25 us per call; together they made int8 decode overhead-bound. Here one call does the whole layer
  * for a few rows, and two more calls replace the quantize and combine op chains around oneDNN's kernel at
- * larger sizes.
+ * larger sizes. The decoder's other op chains (RMSNorm, SiLU x up, rotary embedding, decode attention over
+ * the paged pool) get one call each as well.
  *
- * Numerics: every function reproduces int8_linear.py's PyTorch path to the bit (checked at load on a probe
- * and by the tests): the same fp32 operations in the same order, integer products accumulated exactly in
- * int32, no FMA contraction (built with -ffp-contract=off), round half to even (nearbyintf in the default
- * rounding mode, as torch.round). Each row is computed on its own, so results never depend on the batch.
+ * Numerics: the linear-layer functions and the rotary embedding reproduce the PyTorch ops they replace to
+ * the bit (checked at load on a probe and by the tests): the same fp32 operations in the same order,
+ * integer products accumulated exactly in int32, no FMA contraction (built with -ffp-contract=off), round
+ * half to even (nearbyintf in the default rounding mode, as torch.round). The norm, activation and
+ * attention kernels sum in their own fixed order instead (see below). Every row is computed on its own, so
+ * no result depends on the batch.
  */
 
 #include <math.h>

@@ -14,6 +14,7 @@ import resource
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -62,8 +63,6 @@ def load_tokenizer(path: str):
     Without torch, transformers still loads tokenizers ("only tokenizers, configuration and file/data
     utilities"). The block is lifted afterwards, so a later `import torch` (an optional grammar backend's)
     still works."""
-    import sys
-
     hide = "torch" not in sys.modules
     if hide:
         sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's "not importable"

@@ -223,9 +223,8 @@ def apply_w8a8_int8(runner: ModelRunner) -> None:
     if model.lm_head is not None:
         model.lm_head.register_parameter("weight", None)
     kernels = cpu_kernels.load()
-    if (
-        kernels is not None
-    ):  # parts with fused CPU forms: norms, rotary embedding, MLP activation, decode attention
+    if kernels is not None:
+        # the parts with fused CPU forms: norms, rotary embedding, MLP activation, decode attention
         for module in [*model.modules(), model.attn_backend]:
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels

@@ -38,10 +38,11 @@ class _ExtendSeq:
 
 @dataclass
 class _DecodeMeta:
-    kv_indices: torch.Tensor  # int64 [bs * max_len], padding positions -> PADDING_SLOT
+    # int64 [bs * max_len], padding positions -> PADDING_SLOT; for the CPU kernel, [bs, max_len] unpadded
+    kv_indices: torch.Tensor
     max_len: int
     mask: torch.Tensor | None  # bool [bs, 1, 1, max_len]; None when every sequence has max_len tokens
-    seq_lens: torch.Tensor  # int64 [bs]
+    seq_lens: torch.Tensor | None = None  # int64 [bs], for the CPU kernel only
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -92,10 +93,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                 self._scores = torch.empty(int(scratch * WORKSPACE_GROWTH), dtype=torch.float32)
             return _DecodeMeta(rows, max_len, None, seq_lens.to(torch.int64).contiguous())
         if min(seq_lens_cpu) == max_len:
-            return _DecodeMeta(rows.reshape(-1), max_len, None, seq_lens)
+            return _DecodeMeta(rows.reshape(-1), max_len, None)
         valid = torch.arange(max_len, device=rows.device)[None, :] < seq_lens[:, None]
         kv_indices = rows.masked_fill(~valid, PADDING_SLOT).reshape(-1)
-        return _DecodeMeta(kv_indices, max_len, valid[:, None, None, :], seq_lens)
+        return _DecodeMeta(kv_indices, max_len, valid[:, None, None, :])
 
     def _extend_metadata(self, batch: ForwardBatch, num_seqs: int) -> list[_ExtendSeq]:
         """The first `num_seqs` sequences of the batch (a mixed batch's decoding tail is not extended)."""

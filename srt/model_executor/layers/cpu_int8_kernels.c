@@ -51,7 +51,6 @@ int srt_k_multiple(void) { return STEP; }
 int srt_max_rows(void) { return MAX_ROWS; }
 int srt_max_k(void) { return MAX_K; }
 
-/* One row's two levels: q1 = round(x / s), q2 = round((x / s - q1) * 254), s = max(absmax / 127, 1e-8). */
 /* Reductions keep LANES independent partial results, which the compiler vectorizes (one running value
  * would be a serial chain: floating-point addition is not associative, so it may not reorder it). */
 #define LANES 16
@@ -92,6 +91,7 @@ static float sum_squares(const float *x, int64_t k) {
     return ss;
 }
 
+/* One row's two levels: q1 = round(x / s), q2 = round((x / s - q1) * 254), s = max(absmax / 127, 1e-8). */
 static void quantize_row(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
     float amax = absmax(x, k);
     float s = amax / INT8_MAX_F;

@@ -63,15 +63,16 @@ class Int8Weight:
 
     def pack(self) -> bool:
         """Prepare the weight for the fastest kernels here: oneDNN's packed form when that kernel is there
-        and exact (False otherwise), and, for the fused small-batch kernel of `cpu_kernels` when that one
-        loads, the plain weight with its row sums; a plain weight no kernel reads is dropped (it would double
+        and exact (False otherwise), and, for the fused small-batch kernel of `cpu_kernels` where that one
+        is used, the plain weight with its row sums; a plain weight no kernel reads is dropped (it would double
         the weights' memory): save it first."""
         kernels = cpu_kernels.load()
-        if kernels is not None:
+        fused = kernels is not None and kernels.use_small_linear
+        if fused:
             self.wsum = self.weight.sum(dim=1, dtype=torch.int32)
         if not packed_kernel_available():
             return False
-        self._pack_unchecked(keep_plain=kernels is not None)
+        self._pack_unchecked(keep_plain=fused)
         return True
 
     def _pack_unchecked(self, keep_plain: bool = False) -> None:

@@ -140,14 +140,16 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if self.cpu_kernels is not None and self.q_norm is None:  # q's and k's heads rotated in one call
+        # q's and k's heads rotated in one call, unless they are normed first (Qwen3)
+        fused_rope = self.cpu_kernels is not None and self.q_norm is None
+        if fused_rope:
             self.cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *cos_sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
-        if self.cpu_kernels is None or self.q_norm is not None:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not fused_rope:
             q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
         out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.layer_id, batch)
         return self.o_proj(out)

@@ -62,19 +62,28 @@ def strided_rows(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return wide[:, 16 : 16 + k]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 33, 70])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_the_fused_small_linear_gives_the_bits_of_the_pytorch_path(kernels, m, with_bias):
+def test_the_fused_linear_gives_the_bits_of_the_pytorch_path(kernels, m, with_bias):
+    """Up to 8 tokens on the kernel's stack, more with scratch and in blocks of 32 tokens (33 and 70 end
+    in a partial block)."""
     gen = torch.Generator().manual_seed(m)
     k, n = 3 * kernels.k_multiple if kernels.k_multiple > 1 else 40, 72
     qw = quantize_per_channel(torch.randn(n, k, generator=gen))
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = strided_rows(m, k, gen)
-    assert kernels.fits_small(m, k) == (kernels.isa == "avx512-vnni")  # used where it beats oneDNN
     wsum = qw.weight.sum(dim=1, dtype=torch.int32)
-    assert torch.equal(
-        kernels.linear_small(x, qw.weight, qw.scale, wsum, bias), torch_w8a8_linear(x, qw, bias)
-    )
+    assert torch.equal(kernels.linear(x, qw.weight, qw.scale, wsum, bias), torch_w8a8_linear(x, qw, bias))
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 300])
+def test_the_fused_linear_takes_what_oneDNN_cannot_and_a_few_tokens_with_VNNI(kernels, m):
+    k = 4 * kernels.k_multiple
+    assert kernels.takes_linear(m, k, has_packed=False)  # AVX2 without VNNI: oneDNN's int8 is not exact
+    few_tokens = m <= kernels.max_small_rows
+    assert kernels.takes_linear(m, k, has_packed=True) == (kernels.isa == "avx512-vnni" and few_tokens)
+    if kernels.k_multiple > 1:
+        assert not kernels.takes_linear(m, k + 1, has_packed=False)  # a width its vector steps cannot split
 
 
 def test_quantize_and_combine_give_the_pytorch_bits_at_prefill_sizes(kernels):
@@ -100,16 +109,17 @@ def test_all_zero_and_huge_rows_quantize_like_pytorch(kernels):
 
 
 def test_a_token_gets_the_same_bits_alone_and_in_any_batch():
-    """w8a8_linear takes the fused kernel for a few tokens and oneDNN's for more: a sequence's output must
-    not depend on which (the scheduler-equivalence tests rely on it)."""
+    """w8a8_linear takes the fused kernel for a few tokens and oneDNN's for more (or the fused one for all,
+    in blocks, where oneDNN is not exact): a sequence's output must not depend on which (the
+    scheduler-equivalence tests rely on it)."""
     if cpu_kernels.load() is None:
         pytest.skip("the kernels did not load")
     gen = torch.Generator().manual_seed(3)
     qw = quantize_per_channel(torch.randn(192, 128, generator=gen))
     qw.pack()
-    x = strided_rows(40, 128, gen)
+    x = strided_rows(70, 128, gen)
     alone = w8a8_linear(x[:1], qw, None)
-    for batch in (2, 8, 9, 40):
+    for batch in (2, 8, 9, 40, 70):
         assert torch.equal(w8a8_linear(x[:batch], qw, None)[:1], alone)
 
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers import cpu_kernels, int8_linear
 from srt.model_executor.layers.gptq import quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import (
     packed_kernel_available,
     quantize_per_channel,
     quantize_two_level,
+    torch_w8a8_linear,
     w8a8_linear,
 )
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -117,7 +118,7 @@ def test_the_packed_kernel_gives_the_bits_of_int_mm(rows):
     w, x, b = torch.randn(72, 48, generator=gen), torch.randn(rows, 48, generator=gen), torch.randn(72)
     plain, packed = quantize_per_channel(w), quantize_per_channel(w)
     assert packed.pack() and packed.packed is not None and plain.packed is None
-    # the packed form replaces the plain one, unless the fused small-batch kernel reads it
+    # the packed form replaces the plain one, unless the fused linear reads it (a few tokens, with VNNI)
     kernels = cpu_kernels.load()
     assert (packed.weight is None) == (kernels is None or not kernels.use_small_linear)
     assert torch.equal(w8a8_linear(x, packed, b), w8a8_linear(x, plain, b))
@@ -212,3 +213,17 @@ def test_int8_is_the_cpu_default_since_it_passed_the_quality_gate_and_is_cpu_onl
     assert resolve_quantization("none", "cpu") == "none"
     with pytest.raises(ValueError, match="CPU only"):
         resolve_quantization("w8a8_int8", "cuda:0")
+
+
+def test_without_an_exact_onednn_kernel_the_fused_linear_takes_every_batch(monkeypatch):
+    """On AVX2 without VNNI oneDNN's int8 linear saturates (the probe rejects it) and `_int_mm` is many
+    times slower than fp32: the plain weight and its row sums stay, for srt's fused kernel at any size."""
+    monkeypatch.setattr(int8_linear, "packed_kernel_available", lambda: False)
+    gen = torch.Generator().manual_seed(9)
+    w, b = torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    qw = quantize_per_channel(w)
+    assert not qw.pack() and qw.packed is None and qw.weight is not None
+    assert (qw.wsum is not None) == (cpu_kernels.load() is not None)
+    for rows in (1, 50):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(w8a8_linear(x, qw, b), torch_w8a8_linear(x, qw, b))

@@ -37,10 +37,13 @@
 #define INT8_MAX_F 127.0f
 #define MIN_SCALE 1e-8f
 #define RESIDUAL_LEVELS 254.0f
-/* The fused small-batch linear handles at most this many activation rows (two per token) ... */
+/* The fused linear keeps up to this many activation rows (two per token) of up to MAX_K features on the
+ * stack; larger calls bring their own scratch. */
 #define MAX_ROWS 16
-/* ... of at most this many input features (its quantized rows live on the caller's stack). */
 #define MAX_K 8192
+/* Tokens whose quantized rows one pass over the weights multiplies: 2 * 32 rows of up to 1536 int8 features
+ * (96 KiB) sit in a core's L2 next to its share of the weights. */
+#define TOKEN_BLOCK 32
 #define ROW_GROUP 4
 /* How far ahead of the weight rows being read the VNNI loop prefetches: a thread streams its share of the
  * rows in order, and without the hint a decode step read its weights at ~15 GB/s. */
@@ -134,7 +137,8 @@ void srt_combine_two_level(const float *acc, const float *scale, int64_t m, int6
  * R a compile-time constant after inlining (see dot_rows), so the R accumulators live in registers and no
  * work is spent on absent rows. With VNNI the activations are stored offset to unsigned (q + 128), as
  * vpdpbusd multiplies u8 by s8; the caller removes the offset's share, 128 * sum(w). With AVX2, vpmaddubsw
- * multiplies |q| by w * sign(q): |q| <= 127 and |w| <= 127, so its 16-bit pair sums never saturate. */
+ * multiplies |w| (taken once per weight vector for all R rows) by q * sign(w): both are at most 127 in
+ * magnitude, so its 16-bit pair sums never saturate. */
 static inline __attribute__((always_inline)) void dot_rows_n(const uint8_t *a, int64_t k, const int R,
                                                              const int8_t *w, int32_t *res) {
 #if SRT_ISA == 2
@@ -157,10 +161,11 @@ static inline __attribute__((always_inline)) void dot_rows_n(const uint8_t *a, i
     for (int r = 0; r < R; r++) c[r] = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i += STEP) {
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
+        const __m256i wabs = _mm256_abs_epi8(wv); /* once for all R rows */
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(a + r * k + i));
-            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(wv, q));
+            const __m256i p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q, wv));
             c[r] = _mm256_add_epi32(c[r], _mm256_madd_epi16(p, ones));
         }
     }
@@ -190,37 +195,65 @@ static inline void dot_rows(const uint8_t *a, int64_t k, int64_t rows, const int
     }
 }
 
-/* The whole W8A8 linear layer for m <= MAX_ROWS / 2 tokens (decode): quantize x [m, k] in two levels,
- * multiply by the int8 weight w [n, k] (row-major, channel scales wscale [n], row sums wsum [n]), combine
- * and add the bias: out [m, n]. k must be a multiple of srt_k_multiple() and at most MAX_K. */
-void srt_w8a8_linear_small(const float *x, int64_t m, int64_t k, int64_t x_stride, const int8_t *w,
-                           const float *wscale, const int32_t *wsum, const float *bias, int64_t n,
-                           float *out) {
-    const int64_t rows = 2 * m;
-    int8_t q[MAX_ROWS * MAX_K] __attribute__((aligned(64)));
-    float scale[MAX_ROWS];
-    for (int64_t r = 0; r < m; r++)
-        quantize_row(x + r * x_stride, k, q + r * k, q + (m + r) * k, scale + r, scale + m + r);
+/* One token's two quantized rows, each laid out as dot_rows_n reads them (offset to unsigned with VNNI). */
+static inline void quantize_token(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
+    quantize_row(x, k, q1, q2, s1, s2);
+#if SRT_ISA == 2
+    for (int64_t i = 0; i < k; i++) {
+        q1[i] = (int8_t)(uint8_t)(q1[i] + 128);
+        q2[i] = (int8_t)(uint8_t)(q2[i] + 128);
+    }
+#endif
+}
+
+/* The whole W8A8 linear layer: quantize x [m, k] in two levels, multiply by the int8 weight w [n, k]
+ * (row-major, channel scales wscale [n], row sums wsum [n]), combine and add the bias: out [m, n]. k must be
+ * a multiple of srt_k_multiple(). Tokens go in blocks of TOKEN_BLOCK, whose 2 * TOKEN_BLOCK quantized rows
+ * (first levels, then residuals) stay in cache while every weight row passes over them; each thread takes a
+ * share of the weight rows. Up to MAX_ROWS / 2 tokens (decode) the quantized rows live on the stack; more
+ * need the caller's scratch q [2m, k] and qscale [2m]. Exact integer products, then the same fp32
+ * operations in the same order as the PyTorch path, so a token's bits depend neither on m nor on its block. */
+void srt_w8a8_linear(const float *x, int64_t m, int64_t k, int64_t x_stride, const int8_t *w,
+                     const float *wscale, const int32_t *wsum, const float *bias, int64_t n, float *out,
+                     int8_t *q, float *qscale) {
+    int8_t small_q[MAX_ROWS * MAX_K] __attribute__((aligned(64)));
+    float small_scale[MAX_ROWS];
+    if (2 * m <= MAX_ROWS && k <= MAX_K) {
+        q = small_q;
+        qscale = small_scale;
+    }
 #if SRT_ISA == 2
     const int32_t offset = 128;
-    uint8_t *a = (uint8_t *)q;
-    for (int64_t i = 0; i < rows * k; i++) a[i] = (uint8_t)(q[i] + 128);
 #else
     const int32_t offset = 0;
-    const uint8_t *a = (const uint8_t *)q;
 #endif
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const int8_t *wj = w + j * k;
-        int32_t acc[MAX_ROWS];
-        for (int64_t r = 0; r < rows; r += ROW_GROUP)
-            dot_rows(a + r * k, k, rows - r < ROW_GROUP ? rows - r : ROW_GROUP, wj, acc + r);
-        const int32_t off = offset * wsum[j];
-        const float ws = wscale[j];
-        for (int64_t r = 0; r < m; r++) {
-            /* as the PyTorch path: (acc * channel scale) * row scale, per level, then the sum, then bias */
-            float o = ((float)(acc[r] - off) * ws) * scale[r] + ((float)(acc[m + r] - off) * ws) * scale[m + r];
-            out[r * n + j] = bias ? o + bias[j] : o;
+#pragma omp parallel if (m * n * k >= 32768)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m; t++) {
+            /* token t of block b = t / TOKEN_BLOCK (tb tokens): its rows are 2 * b0 + (t - b0) and that + tb */
+            const int64_t b0 = t - t % TOKEN_BLOCK, tb = m - b0 < TOKEN_BLOCK ? m - b0 : TOKEN_BLOCK;
+            const int64_t r1 = 2 * b0 + (t - b0), r2 = r1 + tb;
+            quantize_token(x + t * x_stride, k, q + r1 * k, q + r2 * k, qscale + r1, qscale + r2);
+        }
+        for (int64_t b0 = 0; b0 < m; b0 += TOKEN_BLOCK) {
+            const int64_t tb = m - b0 < TOKEN_BLOCK ? m - b0 : TOKEN_BLOCK, rows = 2 * tb;
+            const uint8_t *a = (const uint8_t *)q + 2 * b0 * k;
+            const float *s = qscale + 2 * b0;
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n; j++) {
+                const int8_t *wj = w + j * k;
+                int32_t acc[2 * TOKEN_BLOCK];
+                for (int64_t r = 0; r < rows; r += ROW_GROUP)
+                    dot_rows(a + r * k, k, rows - r < ROW_GROUP ? rows - r : ROW_GROUP, wj, acc + r);
+                const int32_t off = offset * wsum[j];
+                const float ws = wscale[j];
+                for (int64_t r = 0; r < tb; r++) {
+                    /* as the PyTorch path: (acc * channel scale) * row scale, per level, then the sum, then bias */
+                    float o = ((float)(acc[r] - off) * ws) * s[r] + ((float)(acc[tb + r] - off) * ws) * s[tb + r];
+                    out[(b0 + r) * n + j] = bias ? o + bias[j] : o;
+                }
+            }
         }
     }
 }

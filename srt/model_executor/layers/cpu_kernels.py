@@ -32,12 +32,14 @@ DEFAULT_COMPILER = "cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
+# the probe's largest call spans three of the linear kernel's token blocks (TOKEN_BLOCK in the C source)
+TOKEN_BLOCK_PROBE = 32
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "srt_quantize_two_level": [_P, _I, _I, _I, _P, _P],
     "srt_combine_two_level": [_P, _P, _I, _I, _P, _P],
-    "srt_w8a8_linear_small": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P],
+    "srt_w8a8_linear": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P],
     "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
     "srt_silu_mul": [_P, _I, _I, _I, _P],
     "srt_rope": [_P, _I, _I, _I, _I, _P, _P, _I],
@@ -58,19 +60,18 @@ class CpuKernels:
         self.k_multiple = lib.srt_k_multiple()
         self.max_small_rows = lib.srt_max_rows() // 2  # tokens: two activation rows each
         self.max_k = lib.srt_max_k()
-        # The fused linear replaces oneDNN only where it measured faster: with VNNI (one instruction per 64
-        # bytes of weight and row). The AVX2 build needs five per 32 bytes and row, and on this project's
-        # machine it ran a batch-1 decode step in 20-25 ms against 15 ms through oneDNN.
+        # The fused linear replaces oneDNN's exact int8 kernel only where it measured faster: for a few tokens
+        # with VNNI (one instruction per 64 bytes of weight and row). The AVX2 build needs five per 32 bytes
+        # and row, and on a VNNI machine it ran a batch-1 decode step in 20-25 ms against 15 ms through
+        # oneDNN. Where oneDNN has no exact int8 kernel (AVX2 without VNNI: it saturates), it takes every call.
         self.use_small_linear = self.isa == "avx512-vnni"
 
-    def fits_small(self, m: int, k: int) -> bool:
-        """Whether `linear_small` takes this layer call (m tokens of k features) instead of oneDNN."""
-        return (
-            self.use_small_linear
-            and m <= self.max_small_rows
-            and k <= self.max_k
-            and k % self.k_multiple == 0
-        )
+    def takes_linear(self, m: int, k: int, has_packed: bool) -> bool:
+        """Whether `linear` takes this layer call (m tokens of k features): every call of a weight that
+        oneDNN's kernel cannot take, and a few tokens where the fused kernel beats oneDNN."""
+        if k % self.k_multiple:
+            return False
+        return not has_packed or (self.use_small_linear and m <= self.max_small_rows and k <= self.max_k)
 
     def quantize_two_level(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As `int8_linear.quantize_two_level` (x: fp32 [M, K] with unit column stride)."""
@@ -90,7 +91,7 @@ class CpuKernels:
         self._lib.srt_combine_two_level(acc.data_ptr(), scale.data_ptr(), m, n, b, acc.data_ptr())
         return acc[:m]
 
-    def linear_small(
+    def linear(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -98,14 +99,18 @@ class CpuKernels:
         wsum: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The whole W8A8 linear for a few tokens (`fits_small`): x fp32 [M, K] -> [M, N]."""
+        """The whole W8A8 linear layer in one call: x fp32 [M, K] (K a multiple of `k_multiple`) -> [M, N]."""
         m, k = x.shape
         n = weight.shape[0]
         out = torch.empty((m, n), dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        self._lib.srt_w8a8_linear_small(
+        q = qscale = None  # a few tokens' quantized rows live on the kernel's stack
+        if m > self.max_small_rows or k > self.max_k:
+            q = torch.empty((2 * m, k), dtype=torch.int8)
+            qscale = torch.empty(2 * m, dtype=torch.float32)
+        self._lib.srt_w8a8_linear(
             x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), scale.data_ptr(), wsum.data_ptr(), b, n,
-            out.data_ptr(),
+            out.data_ptr(), None if q is None else q.data_ptr(), None if qscale is None else qscale.data_ptr(),
         )  # fmt: skip
         return out
 
@@ -242,7 +247,7 @@ def agrees_with_torch(kernels: CpuKernels) -> bool:
     w = torch.randn(n, k, generator=gen)
     qw = ref.quantize_per_channel(w)
     bias = torch.randn(n, generator=gen)
-    for m in (1, kernels.max_small_rows):
+    for m in (1, kernels.max_small_rows, 2 * TOKEN_BLOCK_PROBE + 3):
         x = torch.randn(m, k, generator=gen)
         x[:, 1] *= 40.0
         q, s = ref.quantize_two_level(x)
@@ -254,7 +259,7 @@ def agrees_with_torch(kernels: CpuKernels) -> bool:
         if not torch.equal(kernels.combine_two_level(acc, s, bias), expected):
             return False
         wsum = qw.weight.sum(dim=1, dtype=torch.int32)
-        if not torch.equal(kernels.linear_small(x, qw.weight, qw.scale, wsum, bias), expected):
+        if not torch.equal(kernels.linear(x, qw.weight, qw.scale, wsum, bias), expected):
             return False
     # the elementwise kernels round differently from PyTorch: they must agree to float precision
     x = torch.randn(7, 2 * k, generator=gen) * 4.0

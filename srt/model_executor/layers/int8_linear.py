@@ -63,14 +63,15 @@ class Int8Weight:
 
     def pack(self) -> bool:
         """Prepare the weight for the fastest kernels here: oneDNN's packed form when that kernel is there
-        and exact (False otherwise), and, for the fused small-batch kernel of `cpu_kernels` where that one
-        is used, the plain weight with its row sums; a plain weight no kernel reads is dropped (it would double
-        the weights' memory): save it first."""
+        and exact (False otherwise), and, for the fused linear of `cpu_kernels` where that one is used (a
+        few tokens with VNNI; every call where oneDNN is not exact), the plain weight with its row sums; a
+        plain weight no kernel reads is dropped (it would double the weights' memory): save it first."""
         kernels = cpu_kernels.load()
-        fused = kernels is not None and kernels.use_small_linear
+        packed = packed_kernel_available()
+        fused = kernels is not None and (kernels.use_small_linear or not packed)
         if fused:
             self.wsum = self.weight.sum(dim=1, dtype=torch.int32)
-        if not packed_kernel_available():
+        if not packed:
             return False
         self._pack_unchecked(keep_plain=fused)
         return True
@@ -154,8 +155,8 @@ def packed_kernel_available() -> bool:
 
 def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, W, bias)` computed in int8: x [..., K] fp32 -> [..., N] fp32. Through `cpu_kernels`
-    when they loaded (one fused call for a few tokens; their quantize and combine around the int8 matmul
-    otherwise), else through PyTorch ops; both give the same bits."""
+    when they loaded (one fused call where `takes_linear`; else their quantize and combine around oneDNN's
+    int8 matmul), else through PyTorch ops; all give the same bits."""
     kernels = cpu_kernels.load()
     if kernels is None:
         return torch_w8a8_linear(x, qw, bias)
@@ -164,8 +165,8 @@ def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> t
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
-    if qw.wsum is not None and qw.weight is not None and kernels.fits_small(m, k):
-        out = kernels.linear_small(x2, qw.weight, qw.scale, qw.wsum, bias)
+    if qw.wsum is not None and qw.weight is not None and kernels.takes_linear(m, k, qw.packed is not None):
+        out = kernels.linear(x2, qw.weight, qw.scale, qw.wsum, bias)
     else:
         q, s = kernels.quantize_two_level(x2)
         out = kernels.combine_two_level(int8_matmul(q, qw), s, bias)

@@ -22,7 +22,7 @@ from transformers import AutoConfig, GenerationConfig
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.forward_batch_info import ForwardBatch, PromptLogprobs, last_token_rows
-from srt.model_executor.model_loader import load_model
+from srt.model_executor.model_loader import load_model, map_checkpoint_tensor
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import apply_w8a8_int8, resolve_quantization
 from srt.model_source import resolve_model_dir
@@ -46,6 +46,8 @@ MIN_KV_TOKENS = 16
 # Prompt-logprob rows go through the LM head this many at a time, so the fp32 [rows, vocab] logits held at
 # once stay bounded (a 2,048-token chunk of a 128k vocabulary would be a gigabyte).
 PROMPT_LOGPROB_BLOCK_ROWS = 256
+# the checkpoint name of the input embedding table (Llama-family layout)
+EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 MEMINFO_PATH = "/proc/meminfo"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -187,6 +189,7 @@ class ModelRunner:
             if self.dtype != torch.float32:
                 raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
             apply_w8a8_int8(self)  # needs the pools: calibration runs the fp32 model once
+            self._map_lookup_only_embedding()
             release_free_heap()  # the dropped fp32 weights
         logger.info(
             "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
@@ -203,6 +206,16 @@ class ModelRunner:
             self.attention_backend_name,
             self.quantization,
         )
+
+    def _map_lookup_only_embedding(self) -> None:
+        """Once the int8 head has its own copy of a tied embedding, the fp32 table is only looked up: map it
+        from the checkpoint (only the rows of tokens seen become resident) instead of holding it."""
+        embedding = self.model.model.embed_tokens
+        if self.device != "cpu" or self.model.lm_head_quant is None:
+            return
+        mapped = map_checkpoint_tensor(self.model_dir, EMBEDDING_WEIGHT, embedding.weight)
+        if mapped is not None:
+            embedding.weight = torch.nn.Parameter(mapped, requires_grad=False)
 
     def _kv_capacity(self, attn, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         if max_total_tokens is not None:

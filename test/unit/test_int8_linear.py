@@ -227,3 +227,26 @@ def test_without_an_exact_onednn_kernel_the_fused_linear_takes_every_batch(monke
     for rows in (1, 50):
         x = torch.randn(rows, 64, generator=gen)
         assert torch.equal(w8a8_linear(x, qw, b), torch_w8a8_linear(x, qw, b))
+
+
+def mapped_file_of(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds t's data, from /proc/self/maps (None: anonymous memory, [heap] included)."""
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if lo <= addr < hi:
+                return fields[5] if len(fields) > 5 and not fields[5].startswith("[") else None
+    return None
+
+
+def test_the_int8_model_maps_its_lookup_only_embedding_from_the_checkpoint(tiny_model_dir, private_cache):
+    """With the head in int8 the fp32 table is only looked up: a memory map of the checkpoint (only the rows
+    of tokens seen become resident), with the same values."""
+    fp32 = ModelRunner(tiny_model_dir, max_total_tokens=256)
+    int8 = ModelRunner(tiny_model_dir, max_total_tokens=256, quantization="w8a8_int8")
+    held, mapped = fp32.model.model.embed_tokens.weight, int8.model.model.embed_tokens.weight
+    assert mapped_file_of(held) is None  # the fp32 model's head may read all of it: held in memory
+    assert mapped_file_of(mapped).startswith(os.path.realpath(int8.model_dir))
+    assert torch.equal(mapped, held)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from srt.model_executor.model_loader import iter_checkpoint, load_weights
+from srt.model_executor.model_loader import iter_checkpoint, load_weights, map_checkpoint_tensor
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.models.llama import LlamaForCausalLM, rope_inv_freq
 from srt.model_executor.models.registry import get_model_class
@@ -129,3 +129,12 @@ def test_unknown_architecture_is_rejected():
     with pytest.raises(ValueError, match="unsupported architectures"):
         get_model_class(["GPT2LMHeadModel"])
     assert get_model_class(None)[0] == "LlamaForCausalLM"
+
+
+def test_a_checkpoint_tensor_is_mapped_only_when_stored_as_the_model_holds_it(tiny_model_dir):
+    name = "model.embed_tokens.weight"
+    table = dict(iter_checkpoint(tiny_model_dir))[name]
+    assert torch.equal(map_checkpoint_tensor(tiny_model_dir, name, table), table)
+    assert map_checkpoint_tensor(tiny_model_dir, name, table.double()) is None  # another dtype
+    assert map_checkpoint_tensor(tiny_model_dir, name, table[:-1]) is None  # another shape
+    assert map_checkpoint_tensor(tiny_model_dir, "model.no_such.weight", table) is None

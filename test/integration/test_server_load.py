@@ -33,12 +33,10 @@ CLIENT_GIVES_UP_SECONDS = 3.0
 ABORT_SETTLE_SECONDS = 15.0
 
 
-# Without the prefix cache: a prompt whose prefix is cached attends with fewer query rows than the same
-# prompt prefilled cold, and PyTorch's CPU attention kernel rounds a row differently with the number of rows
-# in the call (last bits only, but enough to flip a greedy near-tie of the embedded model on one of these
-# prompts). Prefix hits are compared with cold prefills token for token on the tiny model in
-# test/unit/test_scheduler.py; this test is about overload: queueing and retraction lose nothing.
-SMALL_SERVER_FLAGS = ("--max-total-tokens", str(KV_TOKENS), "--disable-radix-cache")
+# The default model here is the int8 CPU model, which is batch-invariant (test/unit/test_batch_invariance.py):
+# queueing, retraction and re-prefill, prefix-cache hits, chunking and mixed steps cannot change a greedy
+# request's tokens, so every overloaded request must reproduce its solo run exactly.
+SMALL_SERVER_FLAGS = ("--max-total-tokens", str(KV_TOKENS))
 
 
 @pytest.fixture(scope="module")

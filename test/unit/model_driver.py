@@ -50,7 +50,17 @@ class PagedDriver:
     def decode(self, seqs: list[Seq], tokens: list[int]) -> torch.Tensor:
         return self._step(ForwardMode.DECODE, seqs, [[t] for t in tokens])
 
-    def _step(self, mode: ForwardMode, seqs: list[Seq], new_tokens: list[list[int]]) -> torch.Tensor:
+    def mixed(
+        self, extend_seqs: list[Seq], new_tokens: list[list[int]], decode_seqs: list[Seq], tokens: list[int]
+    ) -> torch.Tensor:
+        """One mixed step, as the scheduler lays it out: the extends first, then one token per decoder."""
+        return self._step(
+            ForwardMode.MIXED, extend_seqs + decode_seqs, new_tokens + [[t] for t in tokens], len(decode_seqs)
+        )
+
+    def _step(
+        self, mode: ForwardMode, seqs: list[Seq], new_tokens: list[list[int]], num_decode: int = 0
+    ) -> torch.Tensor:
         counts = [len(t) for t in new_tokens]
         slots = self.runner.token_to_kv_pool_allocator.alloc(sum(counts))
         assert slots is not None, "KV pool exhausted"
@@ -72,8 +82,9 @@ class PagedDriver:
             req_pool_indices=torch.tensor([s.row for s in seqs], dtype=torch.int64),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_lens if mode is ForwardMode.EXTEND else None,
-            extend_seq_lens_cpu=counts if mode is ForwardMode.EXTEND else None,
+            extend_prefix_lens_cpu=None if mode is ForwardMode.DECODE else prefix_lens,
+            extend_seq_lens_cpu=None if mode is ForwardMode.DECODE else counts,
+            num_decode=num_decode,
         )
         logits = self.runner.forward(batch)
         for seq, n in zip(seqs, counts, strict=True):

@@ -197,15 +197,54 @@ def test_decode_attention_reads_the_pool_in_place_and_matches_sdpa(kernels):
         slots[b, :n] = torch.randperm(pool_slots - 1, generator=gen)[:n] + 1
     q = torch.randn(len(lens), heads, head_dim, generator=gen) * 2.0
     seq_lens = torch.tensor(lens, dtype=torch.int64)
-    scores = torch.empty(len(lens) * heads * max(lens))
-    out = kernels.decode_attention(q, k_pool, v_pool, slots, seq_lens, head_dim**-0.5, scores)
+    out = kernels.decode_attention(q, k_pool, v_pool, slots, seq_lens, head_dim**-0.5)
     assert out.shape == (len(lens), heads * head_dim)
     for b, n in enumerate(lens):
         keys, values = k_pool[slots[b, :n]].transpose(0, 1), v_pool[slots[b, :n]].transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), keys, values, enable_gqa=True)
         assert torch.allclose(out[b].view(heads, head_dim), ref.squeeze(1), rtol=1e-5, atol=1e-5), b
         alone = kernels.decode_attention(q[b : b + 1], k_pool, v_pool, slots[b : b + 1, :n].contiguous(),
-                                         seq_lens[b : b + 1], head_dim**-0.5, scores)  # fmt: skip
+                                         seq_lens[b : b + 1], head_dim**-0.5)  # fmt: skip
         assert torch.equal(alone, out[b : b + 1])
-    with pytest.raises(ValueError, match="scratch"):
-        kernels.decode_attention(q, k_pool, v_pool, slots, seq_lens, 1.0, torch.empty(3))
+    with pytest.raises(TypeError):
+        kernels.decode_attention(q, k_pool, v_pool, slots, seq_lens.int(), 1.0)
+    with pytest.raises(ValueError, match="heads"):
+        kernels.decode_attention(q[:, :5], k_pool, v_pool, slots, seq_lens, 1.0)
+
+
+def test_extend_attention_is_causal_sdpa_and_gives_each_token_its_decode_bits(kernels):
+    """A 23-token sequence scattered over the pool: extending it all at once equals causal SDPA (to float
+    precision); extending it in chunks after a prefix, and decoding each token alone at its position, give
+    every token the same bits: the property that makes chunking, prefix hits and retraction invisible."""
+    heads, kv_heads, head_dim, pool_slots, n = 6, 2, 32, 100, 23
+    gen = torch.Generator().manual_seed(13)
+    k_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(pool_slots - 1, generator=gen)[:n] + 1
+    q = torch.randn(n, heads, head_dim, generator=gen) * 2.0
+    scale = head_dim**-0.5
+    whole = torch.empty(n, heads, head_dim)
+    kernels.extend_attention(q, k_pool, v_pool, slots, 0, scale, whole)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1),
+        is_causal=True, enable_gqa=True,
+    ).transpose(0, 1)  # fmt: skip
+    assert torch.allclose(whole, ref, rtol=1e-5, atol=1e-5)
+    for prefix in (1, 9, n - 1):
+        tail = torch.empty(n - prefix, heads, head_dim)
+        kernels.extend_attention(q[prefix:], k_pool, v_pool, slots, prefix, scale, tail)
+        assert torch.equal(tail, whole[prefix:]), prefix
+    for i in range(n):
+        one = kernels.decode_attention(q[i : i + 1], k_pool, v_pool, slots[None, : i + 1].contiguous(),
+                                       torch.tensor([i + 1]), scale)  # fmt: skip
+        assert torch.equal(one.view(heads, head_dim), whole[i]), i
+    # a strided q (a view into a fused qkv row) reads the same
+    qkv = torch.cat([q.reshape(n, -1), torch.randn(n, 2 * kv_heads * head_dim, generator=gen)], dim=1)
+    strided = torch.empty(n, heads, head_dim)
+    kernels.extend_attention(qkv[:, : heads * head_dim].view(n, heads, head_dim), k_pool, v_pool, slots, 0,
+                             scale, strided)  # fmt: skip
+    assert torch.equal(strided, whole)
+    with pytest.raises(ValueError, match="slots"):
+        kernels.extend_attention(q, k_pool, v_pool, slots[:-1], 0, scale, whole)
+    with pytest.raises(TypeError):
+        kernels.extend_attention(q, k_pool, v_pool, slots.int(), 0, scale, whole)

@@ -9,6 +9,12 @@ heads of each KV group laid out as that group's "query rows" so no K/V repetitio
 A mixed batch runs its prefill sequences through the extend path and its decoding tail (`num_decode`
 sequences of one token each) through the decode path, so the running requests' attention costs what it
 costs in a decode step.
+
+With the int8 model's CPU kernels, extend and decode both attend straight out of the pool through kernels
+that share one order of operations per token (`cpu_int8_kernels.c`, attend_group): a token's attention
+does not depend on how its prompt was split into chunks, on a prefix-cache hit, on retraction and
+re-prefill, or on what else is in the step. Together with the row-invariant int8 linear layers this makes
+the int8 CPU model batch-invariant: a greedy request's output is the same however it was scheduled.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class _ExtendSeq:
     start: int  # first row of this sequence in the step's token arrays
     num_new: int
     prefix_len: int
-    kv_indices: torch.Tensor | None  # all slots (prefix + new), only when prefix_len > 0
+    kv_indices: torch.Tensor | None  # all slots (prefix + new): with a prefix, or for the CPU kernel
     mask: torch.Tensor | None  # bool [num_new, prefix_len + num_new], True = may attend
 
 
@@ -52,7 +58,6 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     _k_workspace: torch.Tensor | None = None
     _v_workspace: torch.Tensor | None = None
-    _scores: torch.Tensor | None = None
     # Set with the int8 model's fused CPU kernels (quantization.py): decode then attends straight out of the
     # pool in one call per layer, with no gathered copy of the K/V.
     cpu_kernels = None
@@ -88,9 +93,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         max_len = max(seq_lens_cpu)
         rows = self.req_to_token_pool.req_to_token[req_pool_indices, :max_len]
         if self.cpu_kernels is not None:  # the kernel reads each row's first seq_lens[b] slots: no padding
-            scratch = len(seq_lens_cpu) * self.num_heads * max_len
-            if self._scores is None or self._scores.numel() < scratch:
-                self._scores = torch.empty(int(scratch * WORKSPACE_GROWTH), dtype=torch.float32)
             return _DecodeMeta(rows, max_len, None, seq_lens.to(torch.int64).contiguous())
         if min(seq_lens_cpu) == max_len:
             return _DecodeMeta(rows.reshape(-1), max_len, None)
@@ -105,9 +107,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         for i, num_new in enumerate(batch.new_token_counts()[:num_seqs]):
             prefix = prefix_lens[i]
             kv_indices = mask = None
-            if prefix > 0:
-                total = prefix + num_new
+            total = prefix + num_new
+            if prefix > 0 or self.cpu_kernels is not None:
                 kv_indices = self.req_to_token_pool.req_to_token[batch.req_pool_indices[i], :total]
+            if prefix > 0 and self.cpu_kernels is None:
                 # bottom-right aligned causal mask: new token j sees every slot up to prefix + j
                 mask = torch.ones(num_new, total, dtype=torch.bool, device=kv_indices.device).tril(prefix)
             seqs.append(_ExtendSeq(start, num_new, prefix, kv_indices, mask))
@@ -136,7 +139,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if self.cpu_kernels is not None:
             queries = q.view(bs, self.num_heads, self.head_dim)
             return self.cpu_kernels.decode_attention(
-                queries, k_buf, v_buf, meta.kv_indices, meta.seq_lens, self.scaling, self._scores
+                queries, k_buf, v_buf, meta.kv_indices, meta.seq_lens, self.scaling
             )
         shape = (bs, meta.max_len, self.num_kv_heads, self.head_dim)
         k_ws, v_ws = self._workspaces(meta.kv_indices.shape[0])
@@ -155,6 +158,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
         for seq in self._extend:
             rows = slice(seq.start, seq.start + seq.num_new)
+            if self.cpu_kernels is not None:
+                self.cpu_kernels.extend_attention(
+                    q[rows], k_buf, v_buf, seq.kv_indices, seq.prefix_len, self.scaling, out[rows]
+                )
+                continue
             if seq.kv_indices is None:
                 keys, values = k[rows], v[rows]
             else:

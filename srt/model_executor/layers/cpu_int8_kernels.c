@@ -5,20 +5,22 @@
  * matmul, rescale, combine the two activation levels, bias) and oneDNN's packed int8 linear has a fixed
  * cost of ~25 us per call; together they made int8 decode overhead-bound. Here one call does the whole layer
  * for a few rows, and two more calls replace the quantize and combine op chains around oneDNN's kernel at
- * larger sizes. The decoder's other op chains (RMSNorm, SiLU x up, rotary embedding, decode attention over
- * the paged pool) get one call each as well.
+ * larger sizes. The decoder's other op chains (RMSNorm, SiLU x up, rotary embedding, attention over the
+ * paged pool for extend and decode steps) get one call each as well.
  *
  * Numerics: the linear-layer functions and the rotary embedding reproduce the PyTorch ops they replace to
  * the bit (checked at load on a probe and by the tests): the same fp32 operations in the same order,
  * integer products accumulated exactly in int32, no FMA contraction (built with -ffp-contract=off), round
  * half to even (nearbyintf in the default rounding mode, as torch.round). The norm, activation and
  * attention kernels sum in their own fixed order instead (see below). Every row is computed on its own, so
- * no result depends on the batch.
+ * no result depends on the batch, and attention gives a token the same bits in an extend step as in a
+ * decode step: the int8 model is batch-invariant (test/unit/test_batch_invariance.py).
  */
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -326,45 +328,200 @@ void srt_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t he
     }
 }
 
-static inline float sum_f32(const float *a, int64_t n) {
-    float lane[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lane[l] += a[i + l];
-    float s = 0.0f;
-    for (; i < n; i++) s += a[i];
-    for (int l = 0; l < LANES; l++) s += lane[l];
-    return s;
+/* Attention. Both kernels below come to attend_rows, which fixes one order of operations per query head:
+ * score(t) = (sum over d, in order, of q[d] k_t[d]) * scale; softmax with max, exp_vec and sum_f32; then
+ * out[d] = (sum over t, in order, of p_t v_t[d]) * (1 / sum). The blocking over query rows, key tiles and
+ * head-dimension blocks only decides which of these operations run side by side, never their order, so a
+ * token's attention is the same to the bit whether it was computed in its prompt's prefill, in one chunk of
+ * it, after a prefix-cache hit, or in the decode step at its position (with -ffp-contract=off, nothing is
+ * fused or reassociated). */
+#define KEY_TILE 8   /* keys scored at once: one 8-float vector per query row */
+#define ROW_BLOCK 6  /* query rows sharing one load of a key tile or value row */
+
+/* One thread's scratch for attend_rows: up to `rows` query rows over up to `len` keys. */
+typedef struct {
+    const float **q;
+    float **out;
+    int64_t *lens;
+    float *floats; /* scores [rows][len rounded up to KEY_TILE], key tile, a zero row, 1 / sum per row */
+} attend_scratch;
+
+static int attend_scratch_alloc(attend_scratch *w, int64_t rows, int64_t len, int64_t head_dim) {
+    const int64_t padded = (len + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    w->q = malloc(sizeof(*w->q) * (size_t)rows);
+    w->out = malloc(sizeof(*w->out) * (size_t)rows);
+    w->lens = malloc(sizeof(*w->lens) * (size_t)rows);
+    w->floats = malloc(sizeof(float) * (size_t)(rows * padded + head_dim * KEY_TILE + head_dim + rows));
+    return w->q && w->out && w->lens && w->floats;
 }
 
-/* Lanes summed pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): a fixed order, like the sequential one, but each
- * level is one vector add instead of a chain of dependent scalar adds. */
-static inline float reduce_lanes(float *lane) {
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
-    return lane[0];
+static void attend_scratch_free(attend_scratch *w) {
+    free(w->q);
+    free(w->out);
+    free(w->lens);
+    free(w->floats);
 }
 
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    float lane[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
-    float s = reduce_lanes(lane);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+/* Eight floats as one vector value (GCC/Clang vector extension: an AVX register where there is one, else
+ * pairs of SSE registers or scalars; the arithmetic is elementwise IEEE either way). aligned(4): loads and
+ * stores of any float address. */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline v8f v8f_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* Columns [d0, d0 + 8 nvec) of the output of nr query rows (scores row j at scores + j * s_stride, keys
+ * idx[0..lens[j])): the sum over keys in order, each value row loaded once for all nr rows. nr and nvec are
+ * constants where this is inlined (see pv_dispatch), so the nr x nvec accumulators stay in registers. */
+ALWAYS_INLINE void pv_columns(const int nr, const int nvec, const int64_t *lens, const float *scores,
+                              int64_t s_stride, const float *v_head, int64_t kv_stride, const int64_t *idx,
+                              int64_t d0, const float *inv, float *const *out) {
+    v8f acc[ROW_BLOCK][2];
+    for (int j = 0; j < nr; j++)
+        for (int c = 0; c < nvec; c++) acc[j][c] = v8f_splat(0.0f);
+    const int64_t common = lens[0], last = lens[nr - 1];
+    for (int64_t t = 0; t < common; t++) {
+        const float *v = v_head + idx[t] * kv_stride + d0;
+        v8f vv[2];
+        for (int c = 0; c < nvec; c++) vv[c] = *(const v8f *)(v + 8 * c);
+        for (int j = 0; j < nr; j++)
+            for (int c = 0; c < nvec; c++) acc[j][c] += scores[j * s_stride + t] * vv[c];
+    }
+    for (int64_t t = common; t < last; t++) { /* causal tail: only the rows whose keys reach t */
+        const float *v = v_head + idx[t] * kv_stride + d0;
+        for (int j = 0; j < nr; j++)
+            if (t < lens[j])
+                for (int c = 0; c < nvec; c++) acc[j][c] += scores[j * s_stride + t] * *(const v8f *)(v + 8 * c);
+    }
+    for (int j = 0; j < nr; j++)
+        for (int c = 0; c < nvec; c++) *(v8f *)(out[j] + d0 + 8 * c) = acc[j][c] * inv[j];
 }
 
-static inline float max_f32(const float *a, int64_t n) {
-    float lane[LANES];
-    for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lane[l] = fmaxf(lane[l], a[i + l]);
-    float m = -INFINITY;
-    for (int l = 0; l < LANES; l++) m = fmaxf(m, lane[l]);
-    for (; i < n; i++) m = fmaxf(m, a[i]);
-    return m; /* a maximum is the same in any order */
+#define PV_CASE(n, nvec) \
+    case n: pv_columns(n, nvec, lens, scores, s_stride, v_head, kv_stride, idx, d0, inv, out); break;
+
+static void pv_dispatch(int nr, int nvec, const int64_t *lens, const float *scores, int64_t s_stride,
+                        const float *v_head, int64_t kv_stride, const int64_t *idx, int64_t d0, const float *inv,
+                        float *const *out) {
+    if (nvec == 2) {
+        switch (nr) { PV_CASE(1, 2) PV_CASE(2, 2) PV_CASE(3, 2) PV_CASE(4, 2) PV_CASE(5, 2) PV_CASE(6, 2) }
+    } else {
+        switch (nr) { PV_CASE(1, 1) PV_CASE(2, 1) PV_CASE(3, 1) PV_CASE(4, 1) PV_CASE(5, 1) PV_CASE(6, 1) }
+    }
+}
+
+/* Scores of nr query rows against one transposed key tile ([d][key], KEY_TILE keys): each row's sum over d
+ * in order, then the scale. nr is a constant where this is inlined (see qk_dispatch). */
+ALWAYS_INLINE void qk_tile(const int nr, const float *const *q, const float *tile, int64_t head_dim, float scale,
+                           float *scores, int64_t s_stride) {
+    v8f acc[ROW_BLOCK];
+    for (int j = 0; j < nr; j++) acc[j] = v8f_splat(0.0f);
+    for (int64_t d = 0; d < head_dim; d++) {
+        const v8f kd = *(const v8f *)(tile + d * KEY_TILE);
+        for (int j = 0; j < nr; j++) acc[j] += q[j][d] * kd;
+    }
+    for (int j = 0; j < nr; j++) *(v8f *)(scores + j * s_stride) = acc[j] * scale;
+}
+
+#define QK_CASE(n) \
+    case n: qk_tile(n, q, tile, head_dim, scale, scores, s_stride); break;
+
+static void qk_dispatch(int nr, const float *const *q, const float *tile, int64_t head_dim, float scale,
+                        float *scores, int64_t s_stride) {
+    switch (nr) { QK_CASE(1) QK_CASE(2) QK_CASE(3) QK_CASE(4) QK_CASE(5) QK_CASE(6) }
+}
+
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+/* a where mask, else b (mask lanes all ones or all zeros, as vector comparisons give them) */
+static inline v8f v8f_select(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+/* exp_vec on eight lanes: the same operations, with round-to-nearest-even done by adding and subtracting
+ * 1.5 * 2^23 (exact for |x| < 2^22, which the clamp guarantees) instead of a call to nearbyintf. */
+static inline v8f exp_v8(v8f x) {
+    const v8f lo = v8f_splat(-87.0f), hi = v8f_splat(88.0f), shifter = v8f_splat(12582912.0f);
+    x = v8f_select(x < lo, lo, x);
+    x = v8f_select(x > hi, hi, x);
+    const v8f n = (x * 1.44269504088896341f + shifter) - shifter;
+    v8f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v8f p = v8f_splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)bits;
+}
+
+/* s[0..len) <- exp(s - max) in place (the scores row is padded to a multiple of 8, so whole vectors are
+ * written; lanes past len are never read); returns 1 / sum. The sum's order depends on len only. */
+static inline float softmax_numerators(float *s, int64_t len) {
+    const int64_t whole = len / 8 * 8;
+    float mx = -INFINITY;
+    v8f m8 = v8f_splat(-INFINITY);
+    for (int64_t t = 0; t < whole; t += 8) {
+        const v8f x = *(const v8f *)(s + t);
+        m8 = v8f_select(x > m8, x, m8);
+    }
+    for (int l = 0; l < 8; l++) mx = m8[l] > mx ? m8[l] : mx;
+    for (int64_t t = whole; t < len; t++) mx = s[t] > mx ? s[t] : mx; /* a maximum is the same in any order */
+    v8f acc = v8f_splat(0.0f);
+    for (int64_t t = 0; t < len; t += 8) {
+        const v8f e = exp_v8(*(const v8f *)(s + t) - mx);
+        *(v8f *)(s + t) = e;
+        if (t + 8 <= len) acc += e;
+    }
+    float sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (int64_t t = whole; t < len; t++) sum += s[t];
+    return 1.0f / sum;
+}
+
+/* `rows` query rows (row r at q[r]) attending over the keys/values whose pool slots are idx[0..lens[r]):
+ * k_head / v_head point at one KV head's features in slot 0 and slots are kv_stride floats apart. lens must
+ * not decrease with r. out[r] receives the head_dim outputs of row r. `floats`: attend_scratch's. */
+static void attend_rows(const float *const *q, int64_t rows, const int64_t *lens, int64_t head_dim,
+                        const float *k_head, const float *v_head, int64_t kv_stride, const int64_t *idx,
+                        float scale, float *const *out, float *floats) {
+    const int64_t max_len = lens[rows - 1];
+    const int64_t s_stride = (max_len + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    float *scores = floats, *tile = scores + rows * s_stride, *zeros = tile + head_dim * KEY_TILE;
+    float *inv = zeros + head_dim;
+    for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;
+    /* scores: a tile of KEY_TILE keys, transposed to [d][key], against ROW_BLOCK rows at a time */
+    for (int64_t t0 = 0; t0 < max_len; t0 += KEY_TILE) {
+        for (int u = 0; u < KEY_TILE; u++) {
+            const float *kt = t0 + u < max_len ? k_head + idx[t0 + u] * kv_stride : zeros;
+            for (int64_t d = 0; d < head_dim; d++) tile[d * KEY_TILE + u] = kt[d];
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+            const int64_t nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+            if (t0 >= lens[r0 + nr - 1]) continue; /* past every key of these rows */
+            qk_dispatch((int)nr, q + r0, tile, head_dim, scale, scores + r0 * s_stride + t0, s_stride);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) inv[r] = softmax_numerators(scores + r * s_stride, lens[r]);
+    /* out = p V, ROW_BLOCK rows and 16 (or 8) features at a time; a head_dim that is not a multiple of 8
+     * ends with the same sums feature by feature */
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        const int64_t nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+        const float *sb = scores + r0 * s_stride;
+        int64_t d0 = 0;
+        for (; d0 + 16 <= head_dim; d0 += 16)
+            pv_dispatch((int)nr, 2, lens + r0, sb, s_stride, v_head, kv_stride, idx, d0, inv + r0, out + r0);
+        for (; d0 + 8 <= head_dim; d0 += 8)
+            pv_dispatch((int)nr, 1, lens + r0, sb, s_stride, v_head, kv_stride, idx, d0, inv + r0, out + r0);
+        for (; d0 < head_dim; d0++) {
+            for (int j = 0; j < nr; j++) {
+                float acc = 0.0f;
+                for (int64_t t = 0; t < lens[r0 + j]; t++) acc += sb[j * s_stride + t] * v_head[idx[t] * kv_stride + d0];
+                out[r0 + j][d0] = acc * inv[r0 + j];
+            }
+        }
+    }
 }
 
 /* Decode attention straight out of the paged KV pool: one query token per sequence, each attending over its
@@ -372,39 +529,82 @@ static inline float max_f32(const float *a, int64_t n) {
  * (row stride q_stride), k_pool / v_pool [pool slots, kv_heads * head_dim], out [bs, heads * head_dim].
  * Query heads g * group .. g * group + group - 1 share KV head g (grouped-query attention, as Hugging Face's
  * repeat_kv). Nothing is gathered into a padded copy first, and each (sequence, KV head) is computed the same
- * way whatever else is in the batch. Scratch: `scores` holds bs * heads * max_len floats. */
-void srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t heads, int64_t kv_heads,
-                          int64_t head_dim, const float *k_pool, const float *v_pool, const int64_t *slots,
-                          int64_t slots_stride, const int64_t *seq_lens, float scale, float *scores,
-                          float *out) {
+ * way whatever else is in the batch. Returns -1 (output incomplete) if a thread's scratch cannot be
+ * allocated, else 0. */
+int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, const float *k_pool, const float *v_pool, const int64_t *slots,
+                         int64_t slots_stride, const int64_t *seq_lens, float scale, float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * head_dim;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t b = 0; b < bs; b++) {
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const int64_t len = seq_lens[b];
-            const int64_t *idx = slots + b * slots_stride;
-            float *s = scores + (b * heads + g * group) * slots_stride;
-            const float *qg = q + b * q_stride + g * group * head_dim;
-            for (int64_t t = 0; t < len; t++) {
-                const float *kt = k_pool + idx[t] * kv_stride + g * head_dim;
-                for (int64_t j = 0; j < group; j++)
-                    s[j * slots_stride + t] = dot_f32(qg + j * head_dim, kt, head_dim) * scale;
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *sj = s + j * slots_stride;
-                const float mx = max_f32(sj, len);
-                for (int64_t t = 0; t < len; t++) sj[t] = exp_vec(sj[t] - mx);
-                const float sum = sum_f32(sj, len);
-                float *o = out + b * heads * head_dim + (g * group + j) * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
-                for (int64_t t = 0; t < len; t++) {
-                    const float *vt = v_pool + idx[t] * kv_stride + g * head_dim;
-                    const float p = sj[t];
-                    for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int failed = 0;
+#pragma omp parallel
+    {
+        attend_scratch w;
+        const int ok = attend_scratch_alloc(&w, group, max_len, head_dim);
+#pragma omp atomic update
+        failed |= !ok;
+#pragma omp barrier
+        if (!failed) { /* every thread or none reaches the loop below */
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int64_t b = 0; b < bs; b++) {
+                for (int64_t g = 0; g < kv_heads; g++) {
+                    for (int64_t j = 0; j < group; j++) {
+                        w.q[j] = q + b * q_stride + (g * group + j) * head_dim;
+                        w.out[j] = out + (b * heads + g * group + j) * head_dim;
+                        w.lens[j] = seq_lens[b];
+                    }
+                    if (seq_lens[b] > 0)
+                        attend_rows(w.q, group, w.lens, head_dim, k_pool + g * head_dim, v_pool + g * head_dim,
+                                    kv_stride, slots + b * slots_stride, scale, w.out, w.floats);
                 }
-                const float inv = 1.0f / sum;
-                for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
             }
         }
+        attend_scratch_free(&w);
     }
+    return failed ? -1 : 0;
+}
+
+/* Query tokens of one sequence that share a pass over its keys in an extend step. */
+#define EXTEND_TOKEN_BLOCK 16
+
+/* Causal attention of one sequence's n new tokens (an extend step: a prompt, a chunk of one, or the part of
+ * one past a cached prefix) straight out of the pool, where this step's K/V have already been written: new
+ * token i attends over slots[0 .. prefix_len + i], exactly as the decode step at its position would (see
+ * attend_rows). q [n, heads * head_dim] (row stride q_stride), out [n, heads * head_dim]. Returns -1 (output
+ * incomplete) if a thread's scratch cannot be allocated, else 0. */
+int srt_extend_attention(const float *q, int64_t n, int64_t q_stride, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, const float *k_pool, const float *v_pool, const int64_t *slots,
+                         int64_t prefix_len, float scale, float *out) {
+    const int64_t group = heads / kv_heads, kv_stride = kv_heads * head_dim;
+    const int64_t blocks = (n + EXTEND_TOKEN_BLOCK - 1) / EXTEND_TOKEN_BLOCK;
+    int failed = 0;
+#pragma omp parallel
+    {
+        attend_scratch w;
+        const int ok = attend_scratch_alloc(&w, EXTEND_TOKEN_BLOCK * group, prefix_len + n, head_dim);
+#pragma omp atomic update
+        failed |= !ok;
+#pragma omp barrier
+        if (!failed) { /* every thread or none reaches the loop below */
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int64_t blk = blocks - 1; blk >= 0; blk--) { /* longest first: dynamic scheduling balances */
+                for (int64_t g = 0; g < kv_heads; g++) {
+                    const int64_t i0 = blk * EXTEND_TOKEN_BLOCK;
+                    const int64_t nt = n - i0 < EXTEND_TOKEN_BLOCK ? n - i0 : EXTEND_TOKEN_BLOCK;
+                    for (int64_t i = 0; i < nt; i++) {
+                        for (int64_t j = 0; j < group; j++) {
+                            w.q[i * group + j] = q + (i0 + i) * q_stride + (g * group + j) * head_dim;
+                            w.out[i * group + j] = out + ((i0 + i) * heads + g * group + j) * head_dim;
+                            w.lens[i * group + j] = prefix_len + i0 + i + 1;
+                        }
+                    }
+                    attend_rows(w.q, nt * group, w.lens, head_dim, k_pool + g * head_dim, v_pool + g * head_dim,
+                                kv_stride, slots, scale, w.out, w.floats);
+                }
+            }
+        }
+        attend_scratch_free(&w);
+    }
+    return failed ? -1 : 0;
 }

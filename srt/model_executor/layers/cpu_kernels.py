@@ -43,8 +43,10 @@ _SIGNATURES = {
     "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
     "srt_silu_mul": [_P, _I, _I, _I, _P],
     "srt_rope": [_P, _I, _I, _I, _I, _P, _P, _I],
-    "srt_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, ctypes.c_float, _P, _P],
+    "srt_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, ctypes.c_float, _P],
+    "srt_extend_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_float, _P],
 }
+_RETURNS = {"srt_decode_attention": ctypes.c_int, "srt_extend_attention": ctypes.c_int}
 
 
 class CpuKernels:
@@ -55,7 +57,7 @@ class CpuKernels:
         self._lib = lib = ctypes.CDLL(path)
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = _RETURNS.get(name)
         self.isa = ISA_NAMES.get(lib.srt_isa(), "unknown")
         self.k_multiple = lib.srt_k_multiple()
         self.max_small_rows = lib.srt_max_rows() // 2  # tokens: two activation rows each
@@ -151,32 +153,64 @@ class CpuKernels:
         slots: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
-        scores: torch.Tensor,
     ) -> torch.Tensor:
         """One query token per sequence against its cached K/V, read from the pool in place.
         q [bs, heads, head_dim]; k_pool, v_pool [pool slots, kv_heads, head_dim]; slots int64 [bs, max_len]
-        (row b's first seq_lens[b] entries are its tokens' slots); scores: fp32 scratch of at least
-        bs * heads * max_len. Returns [bs, heads * head_dim]."""
+        (row b's first seq_lens[b] entries are its tokens' slots). Returns [bs, heads * head_dim]."""
         bs, heads, head_dim = q.shape
-        kv_heads = k_pool.shape[1]
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
-        for t, dtype in (
-            (k_pool, torch.float32),
-            (v_pool, torch.float32),
-            (slots, torch.int64),
-            (seq_lens, torch.int64),
-        ):
-            if t.dtype != dtype or not t.is_contiguous():
-                raise TypeError("decode_attention takes contiguous fp32 pools and int64 slots and lengths")
-        if scores.numel() < bs * heads * slots.shape[1] or k_pool.shape != v_pool.shape or heads % kv_heads:
-            raise ValueError("decode_attention: scratch too small, pools differ, or heads not a multiple")
+        q = _heads_rows(q)
+        _check_attention_operands(q, k_pool, v_pool, slots, seq_lens)
         out = torch.empty((bs, heads * head_dim), dtype=torch.float32)
-        self._lib.srt_decode_attention(
-            q.data_ptr(), bs, q.stride(0), heads, kv_heads, head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
-            slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, scores.data_ptr(), out.data_ptr(),
-        )  # fmt: skip
+        if self._lib.srt_decode_attention(
+            q.data_ptr(), bs, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
+            slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, out.data_ptr(),
+        ):  # fmt: skip
+            raise MemoryError("decode_attention: no memory for the scores scratch")
         return out
+
+    def extend_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        prefix_len: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Causal attention of one sequence's n new tokens, written into out [n, heads, head_dim] (contiguous).
+        q [n, heads, head_dim]; slots int64 [prefix_len + n]: the sequence's slots, this step's K/V already
+        in the pool. Token i gets to the bit what `decode_attention` would give it at its position."""
+        n, heads, head_dim = q.shape
+        q = _heads_rows(q)
+        _check_attention_operands(q, k_pool, v_pool, slots)
+        if slots.shape[0] != prefix_len + n or out.shape != (n, heads, head_dim) or not out.is_contiguous():
+            raise ValueError(
+                "extend_attention: slots must cover prefix and new tokens; out [n, heads, head_dim]"
+            )
+        if self._lib.srt_extend_attention(
+            q.data_ptr(), n, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
+            slots.data_ptr(), prefix_len, scale, out.data_ptr(),
+        ):  # fmt: skip
+            raise MemoryError("extend_attention: no memory for the scores scratch")
+
+
+def _heads_rows(q: torch.Tensor) -> torch.Tensor:
+    """q [tokens, heads, head_dim] with each token's heads packed (any row stride): what the kernels read."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
+
+
+def _check_attention_operands(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *index) -> None:
+    if q.dtype != torch.float32 or any(
+        t.dtype != torch.float32 or not t.is_contiguous() for t in (k_pool, v_pool)
+    ):
+        raise TypeError("attention kernels take fp32 queries and contiguous fp32 pools")
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
+        raise TypeError("attention kernels take contiguous int64 slots and lengths")
+    if k_pool.shape != v_pool.shape or q.shape[1] % k_pool.shape[1] or q.shape[2] != k_pool.shape[2]:
+        raise ValueError(
+            "attention kernels: pools differ, heads not a multiple of KV heads, or head sizes differ"
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

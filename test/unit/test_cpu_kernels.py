@@ -212,11 +212,12 @@ def test_decode_attention_reads_the_pool_in_place_and_matches_sdpa(kernels):
         kernels.decode_attention(q[:, :5], k_pool, v_pool, slots, seq_lens, 1.0)
 
 
-def test_extend_attention_is_causal_sdpa_and_gives_each_token_its_decode_bits(kernels):
+@pytest.mark.parametrize("head_dim", [32, 20])  # 20: the kernels' vector blocks and their scalar tail
+def test_extend_attention_is_causal_sdpa_and_gives_each_token_its_decode_bits(kernels, head_dim):
     """A 23-token sequence scattered over the pool: extending it all at once equals causal SDPA (to float
     precision); extending it in chunks after a prefix, and decoding each token alone at its position, give
     every token the same bits: the property that makes chunking, prefix hits and retraction invisible."""
-    heads, kv_heads, head_dim, pool_slots, n = 6, 2, 32, 100, 23
+    heads, kv_heads, pool_slots, n = 6, 2, 100, 23
     gen = torch.Generator().manual_seed(13)
     k_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)
     v_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)

@@ -480,6 +480,35 @@ static inline float softmax_numerators(float *s, int64_t len) {
     return 1.0f / sum;
 }
 
+/* tile[d][u] = keys[u][d] for d < head_dim: KEY_TILE key rows transposed so that one vector holds a
+ * feature of every key. Pure data movement: it decides no result's bits. */
+static inline void transpose_key_tile(const float *const *keys, int64_t head_dim, float *tile) {
+    int64_t d0 = 0;
+#if SRT_ISA >= 1 && KEY_TILE == 8
+    /* 8 x 8 blocks in registers: unpack pairs of rows, shuffle pairs of pairs, swap 128-bit halves */
+    for (; d0 + 8 <= head_dim; d0 += 8) {
+        __m256 r[8], t[8], u[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(keys[i] + d0);
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+            u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+            u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+            u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+            u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+        for (int i = 0; i < 4; i++) {
+            _mm256_storeu_ps(tile + (d0 + i) * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+            _mm256_storeu_ps(tile + (d0 + i + 4) * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+        }
+    }
+#endif
+    for (; d0 < head_dim; d0++)
+        for (int u = 0; u < KEY_TILE; u++) tile[d0 * KEY_TILE + u] = keys[u][d0];
+}
+
 /* `rows` query rows (row r at q[r]) attending over the keys/values whose pool slots are idx[0..lens[r]):
  * k_head / v_head point at one KV head's features in slot 0 and slots are kv_stride floats apart. lens must
  * not decrease with r. out[r] receives the head_dim outputs of row r. `floats`: attend_scratch's. */
@@ -493,10 +522,9 @@ static void attend_rows(const float *const *q, int64_t rows, const int64_t *lens
     for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;
     /* scores: a tile of KEY_TILE keys, transposed to [d][key], against ROW_BLOCK rows at a time */
     for (int64_t t0 = 0; t0 < max_len; t0 += KEY_TILE) {
-        for (int u = 0; u < KEY_TILE; u++) {
-            const float *kt = t0 + u < max_len ? k_head + idx[t0 + u] * kv_stride : zeros;
-            for (int64_t d = 0; d < head_dim; d++) tile[d * KEY_TILE + u] = kt[d];
-        }
+        const float *keys[KEY_TILE];
+        for (int u = 0; u < KEY_TILE; u++) keys[u] = t0 + u < max_len ? k_head + idx[t0 + u] * kv_stride : zeros;
+        transpose_key_tile(keys, head_dim, tile);
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
             const int64_t nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
             if (t0 >= lens[r0 + nr - 1]) continue; /* past every key of these rows */

@@ -20,6 +20,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "w8a8_int8")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 IPC_DIR_PREFIX = "srt-ipc-"
 MIB = 1 << 20
 
@@ -106,6 +107,12 @@ class ServerArgs:
         "activations; the CPU default: it passed the quality gate of scripts/eval_quality.py, see README); "
         "none keeps fp32 (the GPU default, and the reference srt is tested against transformers with)",
         choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "dtype of the KV cache; auto = float16 with srt's CPU int8 kernels (half the memory and bandwidth, as "
+        "llama.cpp's default), else the model's dtype. float16 with the fp32 model is CPU-only",
+        choices=KV_CACHE_DTYPES,
     )
     enable_mixed_chunk: bool = _f(
         False,

@@ -112,6 +112,7 @@ def build_runner(
         tp_size=server_args.tp_size,
         dist_init_method=dist_init_method,
         quantization=server_args.quantization,
+        kv_cache_dtype=server_args.kv_cache_dtype,
     )
 
 

@@ -88,6 +88,29 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+# `--kv-cache-dtype` (server_args.KV_CACHE_DTYPES, kept equal by a test)
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
+
+def resolve_kv_cache_dtype(
+    requested: str, quantization: str, device: str, model_dtype: torch.dtype
+) -> torch.dtype:
+    """`--kv-cache-dtype`: auto is float16 where srt's CPU int8 kernels attend (they read half-precision K/V
+    exactly; the cache then takes half the memory and a decode step reads half the bytes), else the model's
+    dtype. An explicit choice other than the model's is CPU-only: the GPU backend attends in one dtype."""
+    from srt.model_executor.layers import cpu_kernels
+
+    if requested == "auto":
+        int8_kernels = quantization == "w8a8_int8" and device == "cpu" and cpu_kernels.load() is not None
+        return torch.float16 if int8_kernels else model_dtype
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {requested!r}; choose one of {KV_CACHE_DTYPES}")
+    dtype = getattr(torch, requested)
+    if dtype != model_dtype and device != "cpu":
+        raise ValueError(f"--kv-cache-dtype {requested} differs from the model's {model_dtype}: CPU only")
+    return dtype
+
+
 def available_memory_bytes(device: str) -> int:
     """Free memory the KV pool may take a fraction of: device memory on GPU, MemAvailable on CPU."""
     if device.startswith("cuda"):
@@ -132,6 +155,7 @@ class ModelRunner:
         tp_size: int = 1,
         dist_init_method: str | None = None,
         quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ):
         torch.manual_seed(random_seed)
         # on a CPU the ranks share the cores: oversubscribed threads would only contend
@@ -154,6 +178,10 @@ class ModelRunner:
         self.load_weights_seconds = time.monotonic() - start
 
         attn = self.model.model.layers[0].self_attn
+        self.quantization = resolve_quantization(quantization, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            kv_cache_dtype, self.quantization, self.device, self.dtype
+        )
         self.max_total_num_tokens = self.tp.min_across_ranks(
             self._kv_capacity(attn, max_total_tokens, mem_fraction_static)
         )
@@ -168,7 +196,7 @@ class ModelRunner:
         )
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
-            self.dtype,
+            self.kv_cache_dtype,
             attn.num_kv_heads,
             attn.head_dim,
             self.hf_config.num_hidden_layers,
@@ -184,7 +212,6 @@ class ModelRunner:
             attn.head_dim**-0.5,
             self.device,
         )
-        self.quantization = resolve_quantization(quantization, self.device)
         if self.quantization == "w8a8_int8":
             if self.dtype != torch.float32:
                 raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
@@ -193,7 +220,7 @@ class ModelRunner:
             release_free_heap()  # the dropped fp32 weights
         logger.info(
             "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
-            "max running requests %d, context %d, attention %s, quantization %s",
+            "max running requests %d, context %d, attention %s, quantization %s, KV cache %s",
             self.hf_config.architectures,
             self.tp.rank,
             self.tp.size,
@@ -205,6 +232,7 @@ class ModelRunner:
             self.context_len,
             self.attention_backend_name,
             self.quantization,
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
 
     def _map_lookup_only_embedding(self) -> None:
@@ -221,7 +249,7 @@ class ModelRunner:
         if max_total_tokens is not None:
             return max_total_tokens
         per_token = MHATokenToKVPool.bytes_per_token(
-            self.dtype, attn.num_kv_heads, attn.head_dim, self.hf_config.num_hidden_layers
+            self.kv_cache_dtype, attn.num_kv_heads, attn.head_dim, self.hf_config.num_hidden_layers
         )
         budget = int(available_memory_bytes(self.device) * mem_fraction_static)
         if not self.device.startswith("cuda"):

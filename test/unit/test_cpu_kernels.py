@@ -249,3 +249,35 @@ def test_extend_attention_is_causal_sdpa_and_gives_each_token_its_decode_bits(ke
         kernels.extend_attention(q, k_pool, v_pool, slots[:-1], 0, scale, whole)
     with pytest.raises(TypeError):
         kernels.extend_attention(q, k_pool, v_pool, slots.int(), 0, scale, whole)
+
+
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_a_half_precision_pool_attends_exactly_as_its_values_in_fp32(kernels, head_dim):
+    """`--kv-cache-dtype float16`: the kernels widen fp16 K/V exactly, so attending over an fp16 pool gives
+    the bits of attending over the same values stored as fp32, in decode and extend alike (subnormal and
+    huge values included)."""
+    heads, kv_heads, pool_slots, n = 6, 2, 60, 19
+    gen = torch.Generator().manual_seed(14)
+    k16 = (torch.randn(pool_slots, kv_heads, head_dim, generator=gen) * 3.0).half()
+    v16 = (torch.randn(pool_slots, kv_heads, head_dim, generator=gen) * 3.0).half()
+    k16[5, 0, :4] = torch.tensor([6e-8, -3e-5, 60000.0, 0.0]).half()  # subnormals, near the fp16 maximum
+    v16[7, 1, :3] = torch.tensor([1e-7, -6e-5, -50000.0]).half()
+    k32, v32 = k16.float(), v16.float()
+    slots = torch.randperm(pool_slots - 1, generator=gen)[:n] + 1
+    slots[0], slots[1] = 5, 7
+    q = torch.randn(n, heads, head_dim, generator=gen) * 0.01
+    for pools in ((k16, v16), (k32, v32)):
+        out = torch.empty(n, heads, head_dim)
+        kernels.extend_attention(q, *pools, slots, 0, head_dim**-0.5, out)
+        if pools[0].dtype == torch.float16:
+            half_out = out
+    assert torch.equal(half_out, out)
+    lens = torch.tensor([n, 3, 11])
+    table = slots[None, :].expand(3, n).contiguous()
+    decoded = [
+        kernels.decode_attention(q[:3], k, v, table, lens, head_dim**-0.5)
+        for k, v in ((k16, v16), (k32, v32))
+    ]
+    assert torch.equal(decoded[0], decoded[1])
+    with pytest.raises(TypeError):
+        kernels.decode_attention(q[:3], k16, v32, table, lens, 1.0)  # mixed pool dtypes

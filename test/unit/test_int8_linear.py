@@ -250,3 +250,18 @@ def test_the_int8_model_maps_its_lookup_only_embedding_from_the_checkpoint(tiny_
     assert mapped_file_of(held) is None  # the fp32 model's head may read all of it: held in memory
     assert mapped_file_of(mapped).startswith(os.path.realpath(int8.model_dir))
     assert torch.equal(mapped, held)
+
+
+def test_the_int8_model_keeps_its_kv_cache_in_fp16_where_its_kernels_attend(tiny_model_dir, private_cache):
+    from srt import server_args
+    from srt.model_executor import model_runner
+
+    assert server_args.KV_CACHE_DTYPES == model_runner.KV_CACHE_DTYPES  # the flag and the runner agree
+    auto = ModelRunner(tiny_model_dir, max_total_tokens=256, quantization="w8a8_int8")
+    expected = torch.float16 if cpu_kernels.load() is not None else torch.float32
+    assert auto.kv_cache_dtype == expected and auto.token_to_kv_pool.get_kv_buffer(0)[0].dtype == expected
+    asked = ModelRunner(
+        tiny_model_dir, max_total_tokens=256, quantization="w8a8_int8", kv_cache_dtype="float32"
+    )
+    assert asked.token_to_kv_pool.get_kv_buffer(0)[0].dtype == torch.float32
+    assert rel_err(logits_of(auto), logits_of(asked)) < 0.01  # fp16 rounding of K/V only

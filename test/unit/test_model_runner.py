@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.model_runner import ModelRunner, available_memory_bytes
 from test.unit.model_driver import PagedDriver
 
 ATOL = 1e-4  # fp32, different batch shapes: only summation order differs
@@ -152,3 +152,43 @@ def test_kv_capacity_comes_from_memory_fraction_when_unset(tiny_model_dir):
     assert 16 <= runner.max_total_num_tokens <= 64 * runner.context_len
     assert runner.max_running_requests <= max(1, runner.max_total_num_tokens // 2)
     assert runner.context_len == 256
+
+
+def test_the_kv_cache_is_the_model_dtype_unless_asked_otherwise(runner):
+    """fp32 model: an fp32 pool (`--kv-cache-dtype auto`); the int8 model's fp16 default is in
+    test_int8_linear.py."""
+    assert runner.kv_cache_dtype == torch.float32
+    assert runner.token_to_kv_pool.get_kv_buffer(0)[0].dtype == torch.float32
+
+
+def test_an_fp16_kv_cache_holds_twice_the_tokens_and_tracks_fp32(tiny_model_dir, runner, driver):
+    """`--kv-cache-dtype float16` with the fp32 model (PyTorch's attention widens what it reads): the
+    logits of a prefill and of decode steps over the rounded cache stay within fp16's rounding of fp32's."""
+    half = ModelRunner(
+        tiny_model_dir, max_total_tokens=2048, max_running_requests=8, kv_cache_dtype="float16"
+    )
+    assert half.token_to_kv_pool.get_kv_buffer(0)[0].dtype == torch.float16
+    prompt = tokens(25, seed=30)
+
+    def run(d: PagedDriver) -> torch.Tensor:
+        seq = d.new_seq()
+        rows = [d.extend([seq], [prompt])[0]]
+        rows += [d.decode([seq], [t])[0] for t in (100, 200, 300)]
+        return torch.stack(rows)
+
+    reference, rounded = run(driver), run(PagedDriver(half))
+    assert 0 < (rounded - reference).abs().max() < 0.05 * reference.abs().max()
+    # sized from a memory budget that holds ~20k fp32 tokens (below the pool's cap in contexts)
+    pool = runner.token_to_kv_pool
+    fp32_bytes = pool.bytes_per_token(torch.float32, pool.head_num, pool.head_dim, pool.layer_num)
+    fraction = 20_000 * fp32_bytes / available_memory_bytes("cpu")
+    fp32 = ModelRunner(tiny_model_dir, mem_fraction_static=fraction, max_running_requests=8)
+    fp16 = ModelRunner(
+        tiny_model_dir, mem_fraction_static=fraction, max_running_requests=8, kv_cache_dtype="float16"
+    )
+    assert 1.9 < fp16.max_total_num_tokens / fp32.max_total_num_tokens < 2.1
+
+
+def test_an_unknown_kv_cache_dtype_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        ModelRunner(tiny_model_dir, max_total_tokens=256, kv_cache_dtype="int4")

@@ -143,8 +143,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
         shape = (bs, meta.max_len, self.num_kv_heads, self.head_dim)
         k_ws, v_ws = self._workspaces(meta.kv_indices.shape[0])
-        keys = torch.index_select(k_buf, 0, meta.kv_indices, out=k_ws).view(shape).transpose(1, 2)
-        values = torch.index_select(v_buf, 0, meta.kv_indices, out=v_ws).view(shape).transpose(1, 2)
+        # an fp16 pool (`--kv-cache-dtype float16`) is widened for SDPA, which takes one dtype
+        keys = torch.index_select(k_buf, 0, meta.kv_indices, out=k_ws).view(shape).transpose(1, 2).to(q.dtype)
+        values = (
+            torch.index_select(v_buf, 0, meta.kv_indices, out=v_ws).view(shape).transpose(1, 2).to(q.dtype)
+        )
         group = self.num_heads // self.num_kv_heads
         # [bs, kv_heads, group, head_dim]: the group's query heads act as query rows of one KV head
         queries = q.view(bs, self.num_kv_heads, group, self.head_dim)
@@ -166,7 +169,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             if seq.kv_indices is None:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = k_buf.index_select(0, seq.kv_indices), v_buf.index_select(0, seq.kv_indices)
+                keys = k_buf.index_select(0, seq.kv_indices).to(q.dtype)
+                values = v_buf.index_select(0, seq.kv_indices).to(q.dtype)
             # SDPA wants [heads, tokens, head_dim]
             out[rows] = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),

@@ -371,39 +371,85 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
 static inline v8f v8f_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+/* The pool holds K/V in fp32 or fp16 (`half`, a constant wherever it is tested: every function that reads
+ * the pool is inlined into one copy per format). fp16 becomes fp32 exactly, by F16C where the CPU has it,
+ * else bit by bit: both give the same floats. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        uint32_t shifts = 0;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            shifts++;
+        }
+        bits = sign | ((113u - shifts) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* element i of a pool row (or of a head's slice of one) */
+ALWAYS_INLINE const void *kv_at(const void *base, int64_t i, const int half) {
+    return half ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
+}
+
+ALWAYS_INLINE float kv_load1(const void *p, const int half) {
+    return half ? half_to_float(*(const uint16_t *)p) : *(const float *)p;
+}
+
+ALWAYS_INLINE v8f kv_load8(const void *p, const int half) {
+    if (!half) return *(const v8f *)p;
+#if defined(__F16C__)
+    return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    v8f r;
+    for (int l = 0; l < 8; l++) r[l] = half_to_float(((const uint16_t *)p)[l]);
+    return r;
+#endif
+}
+
 /* Columns [d0, d0 + 8 nvec) of the output of nr query rows (scores row j at scores + j * s_stride, keys
  * idx[0..lens[j])): the sum over keys in order, each value row loaded once for all nr rows. nr and nvec are
  * constants where this is inlined (see pv_dispatch), so the nr x nvec accumulators stay in registers. */
-ALWAYS_INLINE void pv_columns(const int nr, const int nvec, const int64_t *lens, const float *scores,
-                              int64_t s_stride, const float *v_head, int64_t kv_stride, const int64_t *idx,
-                              int64_t d0, const float *inv, float *const *out) {
+ALWAYS_INLINE void pv_columns(const int nr, const int nvec, const int half, const int64_t *lens,
+                              const float *scores, int64_t s_stride, const void *v_head, int64_t kv_stride,
+                              const int64_t *idx, int64_t d0, const float *inv, float *const *out) {
     v8f acc[ROW_BLOCK][2];
     for (int j = 0; j < nr; j++)
         for (int c = 0; c < nvec; c++) acc[j][c] = v8f_splat(0.0f);
     const int64_t common = lens[0], last = lens[nr - 1];
     for (int64_t t = 0; t < common; t++) {
-        const float *v = v_head + idx[t] * kv_stride + d0;
+        const void *v = kv_at(v_head, idx[t] * kv_stride + d0, half);
         v8f vv[2];
-        for (int c = 0; c < nvec; c++) vv[c] = *(const v8f *)(v + 8 * c);
+        for (int c = 0; c < nvec; c++) vv[c] = kv_load8(kv_at(v, 8 * c, half), half);
         for (int j = 0; j < nr; j++)
             for (int c = 0; c < nvec; c++) acc[j][c] += scores[j * s_stride + t] * vv[c];
     }
     for (int64_t t = common; t < last; t++) { /* causal tail: only the rows whose keys reach t */
-        const float *v = v_head + idx[t] * kv_stride + d0;
+        const void *v = kv_at(v_head, idx[t] * kv_stride + d0, half);
         for (int j = 0; j < nr; j++)
             if (t < lens[j])
-                for (int c = 0; c < nvec; c++) acc[j][c] += scores[j * s_stride + t] * *(const v8f *)(v + 8 * c);
+                for (int c = 0; c < nvec; c++)
+                    acc[j][c] += scores[j * s_stride + t] * kv_load8(kv_at(v, 8 * c, half), half);
     }
     for (int j = 0; j < nr; j++)
         for (int c = 0; c < nvec; c++) *(v8f *)(out[j] + d0 + 8 * c) = acc[j][c] * inv[j];
 }
 
 #define PV_CASE(n, nvec) \
-    case n: pv_columns(n, nvec, lens, scores, s_stride, v_head, kv_stride, idx, d0, inv, out); break;
+    case n: pv_columns(n, nvec, half, lens, scores, s_stride, v_head, kv_stride, idx, d0, inv, out); break;
 
-static void pv_dispatch(int nr, int nvec, const int64_t *lens, const float *scores, int64_t s_stride,
-                        const float *v_head, int64_t kv_stride, const int64_t *idx, int64_t d0, const float *inv,
-                        float *const *out) {
+ALWAYS_INLINE void pv_dispatch(int nr, const int nvec, const int half, const int64_t *lens, const float *scores,
+                               int64_t s_stride, const void *v_head, int64_t kv_stride, const int64_t *idx,
+                               int64_t d0, const float *inv, float *const *out) {
     if (nvec == 2) {
         switch (nr) { PV_CASE(1, 2) PV_CASE(2, 2) PV_CASE(3, 2) PV_CASE(4, 2) PV_CASE(5, 2) PV_CASE(6, 2) }
     } else {
@@ -482,13 +528,13 @@ static inline float softmax_numerators(float *s, int64_t len) {
 
 /* tile[d][u] = keys[u][d] for d < head_dim: KEY_TILE key rows transposed so that one vector holds a
  * feature of every key. Pure data movement: it decides no result's bits. */
-static inline void transpose_key_tile(const float *const *keys, int64_t head_dim, float *tile) {
+ALWAYS_INLINE void transpose_key_tile(const void *const *keys, int64_t head_dim, float *tile, const int half) {
     int64_t d0 = 0;
 #if SRT_ISA >= 1 && KEY_TILE == 8
     /* 8 x 8 blocks in registers: unpack pairs of rows, shuffle pairs of pairs, swap 128-bit halves */
     for (; d0 + 8 <= head_dim; d0 += 8) {
         __m256 r[8], t[8], u[8];
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(keys[i] + d0);
+        for (int i = 0; i < 8; i++) r[i] = (__m256)kv_load8(kv_at(keys[i], d0, half), half);
         for (int i = 0; i < 8; i += 2) {
             t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
             t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -506,25 +552,27 @@ static inline void transpose_key_tile(const float *const *keys, int64_t head_dim
     }
 #endif
     for (; d0 < head_dim; d0++)
-        for (int u = 0; u < KEY_TILE; u++) tile[d0 * KEY_TILE + u] = keys[u][d0];
+        for (int u = 0; u < KEY_TILE; u++) tile[d0 * KEY_TILE + u] = kv_load1(kv_at(keys[u], d0, half), half);
 }
 
 /* `rows` query rows (row r at q[r]) attending over the keys/values whose pool slots are idx[0..lens[r]):
- * k_head / v_head point at one KV head's features in slot 0 and slots are kv_stride floats apart. lens must
- * not decrease with r. out[r] receives the head_dim outputs of row r. `floats`: attend_scratch's. */
-static void attend_rows(const float *const *q, int64_t rows, const int64_t *lens, int64_t head_dim,
-                        const float *k_head, const float *v_head, int64_t kv_stride, const int64_t *idx,
-                        float scale, float *const *out, float *floats) {
+ * k_head / v_head point at one KV head's features in slot 0 and slots are kv_stride elements apart (fp16
+ * if `half`). lens must not decrease with r. out[r] receives the head_dim outputs of row r. `floats`:
+ * attend_scratch's. */
+ALWAYS_INLINE void attend_rows(const float *const *q, int64_t rows, const int64_t *lens, int64_t head_dim,
+                               const void *k_head, const void *v_head, int64_t kv_stride, const int64_t *idx,
+                               float scale, float *const *out, float *floats, const int half) {
     const int64_t max_len = lens[rows - 1];
     const int64_t s_stride = (max_len + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
     float *scores = floats, *tile = scores + rows * s_stride, *zeros = tile + head_dim * KEY_TILE;
     float *inv = zeros + head_dim;
-    for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f; /* all-zero bits: a zero row in either format */
     /* scores: a tile of KEY_TILE keys, transposed to [d][key], against ROW_BLOCK rows at a time */
     for (int64_t t0 = 0; t0 < max_len; t0 += KEY_TILE) {
-        const float *keys[KEY_TILE];
-        for (int u = 0; u < KEY_TILE; u++) keys[u] = t0 + u < max_len ? k_head + idx[t0 + u] * kv_stride : zeros;
-        transpose_key_tile(keys, head_dim, tile);
+        const void *keys[KEY_TILE];
+        for (int u = 0; u < KEY_TILE; u++)
+            keys[u] = t0 + u < max_len ? kv_at(k_head, idx[t0 + u] * kv_stride, half) : (const void *)zeros;
+        transpose_key_tile(keys, head_dim, tile, half);
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
             const int64_t nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
             if (t0 >= lens[r0 + nr - 1]) continue; /* past every key of these rows */
@@ -539,30 +587,48 @@ static void attend_rows(const float *const *q, int64_t rows, const int64_t *lens
         const float *sb = scores + r0 * s_stride;
         int64_t d0 = 0;
         for (; d0 + 16 <= head_dim; d0 += 16)
-            pv_dispatch((int)nr, 2, lens + r0, sb, s_stride, v_head, kv_stride, idx, d0, inv + r0, out + r0);
+            pv_dispatch((int)nr, 2, half, lens + r0, sb, s_stride, v_head, kv_stride, idx, d0, inv + r0, out + r0);
         for (; d0 + 8 <= head_dim; d0 += 8)
-            pv_dispatch((int)nr, 1, lens + r0, sb, s_stride, v_head, kv_stride, idx, d0, inv + r0, out + r0);
+            pv_dispatch((int)nr, 1, half, lens + r0, sb, s_stride, v_head, kv_stride, idx, d0, inv + r0, out + r0);
         for (; d0 < head_dim; d0++) {
             for (int j = 0; j < nr; j++) {
                 float acc = 0.0f;
-                for (int64_t t = 0; t < lens[r0 + j]; t++) acc += sb[j * s_stride + t] * v_head[idx[t] * kv_stride + d0];
+                for (int64_t t = 0; t < lens[r0 + j]; t++)
+                    acc += sb[j * s_stride + t] * kv_load1(kv_at(v_head, idx[t] * kv_stride + d0, half), half);
                 out[r0 + j][d0] = acc * inv[r0 + j];
             }
         }
     }
 }
 
+static void attend_rows_f32(const float *const *q, int64_t rows, const int64_t *lens, int64_t head_dim,
+                            const void *k_head, const void *v_head, int64_t kv_stride, const int64_t *idx,
+                            float scale, float *const *out, float *floats) {
+    attend_rows(q, rows, lens, head_dim, k_head, v_head, kv_stride, idx, scale, out, floats, 0);
+}
+
+static void attend_rows_f16(const float *const *q, int64_t rows, const int64_t *lens, int64_t head_dim,
+                            const void *k_head, const void *v_head, int64_t kv_stride, const int64_t *idx,
+                            float scale, float *const *out, float *floats) {
+    attend_rows(q, rows, lens, head_dim, k_head, v_head, kv_stride, idx, scale, out, floats, 1);
+}
+
 /* Decode attention straight out of the paged KV pool: one query token per sequence, each attending over its
  * own seq_lens[b] cached tokens, whose pool slots are slots[b * slots_stride + t]. q [bs, heads * head_dim]
- * (row stride q_stride), k_pool / v_pool [pool slots, kv_heads * head_dim], out [bs, heads * head_dim].
+ * (row stride q_stride), k_pool / v_pool [pool slots, kv_heads * head_dim] (fp16 if kv_half, else fp32),
+ * out [bs, heads * head_dim].
  * Query heads g * group .. g * group + group - 1 share KV head g (grouped-query attention, as Hugging Face's
  * repeat_kv). Nothing is gathered into a padded copy first, and each (sequence, KV head) is computed the same
  * way whatever else is in the batch. Returns -1 (output incomplete) if a thread's scratch cannot be
  * allocated, else 0. */
 int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t heads, int64_t kv_heads,
-                         int64_t head_dim, const float *k_pool, const float *v_pool, const int64_t *slots,
-                         int64_t slots_stride, const int64_t *seq_lens, float scale, float *out) {
+                         int64_t head_dim, const void *k_pool, const void *v_pool, int64_t kv_half,
+                         const int64_t *slots, int64_t slots_stride, const int64_t *seq_lens, float scale,
+                         float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * head_dim;
+    const int half = kv_half != 0;
+    void (*attend)(const float *const *, int64_t, const int64_t *, int64_t, const void *, const void *, int64_t,
+                   const int64_t *, float, float *const *, float *) = half ? attend_rows_f16 : attend_rows_f32;
     int64_t max_len = 0;
     for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int failed = 0;
@@ -583,8 +649,9 @@ int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t h
                         w.lens[j] = seq_lens[b];
                     }
                     if (seq_lens[b] > 0)
-                        attend_rows(w.q, group, w.lens, head_dim, k_pool + g * head_dim, v_pool + g * head_dim,
-                                    kv_stride, slots + b * slots_stride, scale, w.out, w.floats);
+                        attend(w.q, group, w.lens, head_dim, kv_at(k_pool, g * head_dim, half),
+                               kv_at(v_pool, g * head_dim, half), kv_stride, slots + b * slots_stride, scale, w.out,
+                               w.floats);
                 }
             }
         }
@@ -602,9 +669,12 @@ int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t h
  * attend_rows). q [n, heads * head_dim] (row stride q_stride), out [n, heads * head_dim]. Returns -1 (output
  * incomplete) if a thread's scratch cannot be allocated, else 0. */
 int srt_extend_attention(const float *q, int64_t n, int64_t q_stride, int64_t heads, int64_t kv_heads,
-                         int64_t head_dim, const float *k_pool, const float *v_pool, const int64_t *slots,
-                         int64_t prefix_len, float scale, float *out) {
+                         int64_t head_dim, const void *k_pool, const void *v_pool, int64_t kv_half,
+                         const int64_t *slots, int64_t prefix_len, float scale, float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * head_dim;
+    const int half = kv_half != 0;
+    void (*attend)(const float *const *, int64_t, const int64_t *, int64_t, const void *, const void *, int64_t,
+                   const int64_t *, float, float *const *, float *) = half ? attend_rows_f16 : attend_rows_f32;
     const int64_t blocks = (n + EXTEND_TOKEN_BLOCK - 1) / EXTEND_TOKEN_BLOCK;
     int failed = 0;
 #pragma omp parallel
@@ -627,8 +697,8 @@ int srt_extend_attention(const float *q, int64_t n, int64_t q_stride, int64_t he
                             w.lens[i * group + j] = prefix_len + i0 + i + 1;
                         }
                     }
-                    attend_rows(w.q, nt * group, w.lens, head_dim, k_pool + g * head_dim, v_pool + g * head_dim,
-                                kv_stride, slots, scale, w.out, w.floats);
+                    attend(w.q, nt * group, w.lens, head_dim, kv_at(k_pool, g * head_dim, half),
+                           kv_at(v_pool, g * head_dim, half), kv_stride, slots, scale, w.out, w.floats);
                 }
             }
         }

@@ -43,8 +43,8 @@ _SIGNATURES = {
     "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
     "srt_silu_mul": [_P, _I, _I, _I, _P],
     "srt_rope": [_P, _I, _I, _I, _I, _P, _P, _I],
-    "srt_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, ctypes.c_float, _P],
-    "srt_extend_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_float, _P],
+    "srt_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, ctypes.c_float, _P],
+    "srt_extend_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P],
 }
 _RETURNS = {"srt_decode_attention": ctypes.c_int, "srt_extend_attention": ctypes.c_int}
 
@@ -155,7 +155,7 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:
         """One query token per sequence against its cached K/V, read from the pool in place.
-        q [bs, heads, head_dim]; k_pool, v_pool [pool slots, kv_heads, head_dim]; slots int64 [bs, max_len]
+        q [bs, heads, head_dim]; k_pool, v_pool [pool slots, kv_heads, head_dim] (fp32 or fp16); slots int64 [bs, max_len]
         (row b's first seq_lens[b] entries are its tokens' slots). Returns [bs, heads * head_dim]."""
         bs, heads, head_dim = q.shape
         q = _heads_rows(q)
@@ -163,7 +163,7 @@ class CpuKernels:
         out = torch.empty((bs, heads * head_dim), dtype=torch.float32)
         if self._lib.srt_decode_attention(
             q.data_ptr(), bs, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
-            slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, out.data_ptr(),
+            _is_half(k_pool), slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, out.data_ptr(),
         ):  # fmt: skip
             raise MemoryError("decode_attention: no memory for the scores scratch")
         return out
@@ -190,7 +190,7 @@ class CpuKernels:
             )
         if self._lib.srt_extend_attention(
             q.data_ptr(), n, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
-            slots.data_ptr(), prefix_len, scale, out.data_ptr(),
+            _is_half(k_pool), slots.data_ptr(), prefix_len, scale, out.data_ptr(),
         ):  # fmt: skip
             raise MemoryError("extend_attention: no memory for the scores scratch")
 
@@ -200,11 +200,20 @@ def _heads_rows(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
 
 
+KV_POOL_DTYPES = (torch.float32, torch.float16)  # what the attention kernels read (fp16 converted exactly)
+
+
+def _is_half(pool: torch.Tensor) -> int:
+    return int(pool.dtype == torch.float16)
+
+
 def _check_attention_operands(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *index) -> None:
-    if q.dtype != torch.float32 or any(
-        t.dtype != torch.float32 or not t.is_contiguous() for t in (k_pool, v_pool)
-    ):
-        raise TypeError("attention kernels take fp32 queries and contiguous fp32 pools")
+    if q.dtype != torch.float32:
+        raise TypeError("attention kernels take fp32 queries")
+    if k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+        raise TypeError("attention kernels take fp32 or fp16 pools, both of one dtype")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise TypeError("attention kernels take contiguous pools")
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
         raise TypeError("attention kernels take contiguous int64 slots and lengths")
     if k_pool.shape != v_pool.shape or q.shape[1] % k_pool.shape[1] or q.shape[2] != k_pool.shape[2]:

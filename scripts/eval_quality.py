@@ -42,11 +42,13 @@ def score(windows) -> tuple[float, torch.Tensor, int]:
     return math.exp(nll / count), torch.cat(tops), count
 
 
-def srt_windows(model_dir: str, ids: list[int], window: int, quantization: str):
+def srt_windows(model_dir: str, ids: list[int], window: int, quantization: str, kv_cache_dtype: str = "auto"):
     from srt.model_executor.model_runner import ModelRunner
     from srt.model_executor.quantization import forward_windows
 
-    runner = ModelRunner(model_dir, max_total_tokens=window + 16, quantization=quantization)
+    runner = ModelRunner(
+        model_dir, max_total_tokens=window + 16, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
     return list(forward_windows(runner, ids, window))
 
 
@@ -73,6 +75,9 @@ def main() -> None:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="the int8 model's, as the server's flag (fp32 stays fp32)"
+    )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
 
@@ -94,7 +99,7 @@ def main() -> None:
     ppl_fp32, top_fp32, n = score(srt_windows(model_dir, ids, args.window, "none"))
     results["srt fp32"] = {"perplexity": ppl_fp32, "top1_agreement": 1.0, "seconds": time.monotonic() - t0}
     t0 = time.monotonic()
-    ppl, top, _ = score(srt_windows(model_dir, ids, args.window, "w8a8_int8"))
+    ppl, top, _ = score(srt_windows(model_dir, ids, args.window, "w8a8_int8", args.kv_cache_dtype))
     results["srt w8a8_int8"] = {
         "perplexity": ppl,
         "top1_agreement": (top == top_fp32).float().mean().item(),

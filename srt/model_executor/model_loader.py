@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from safetensors import safe_open
@@ -41,27 +41,36 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every safetensors file in `model_dir`."""
+def iter_checkpoint(
+    model_dir: str, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every safetensors file in `model_dir` (whose name `wanted` takes:
+    the others are never read)."""
     files = sorted(glob.glob(os.path.join(model_dir, SAFETENSORS_GLOB)))
     if not files:
         raise FileNotFoundError(f"no {SAFETENSORS_GLOB} files in {model_dir}")
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if wanted is None or wanted(name):
+                    yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], skip: Collection[str] = ()
+) -> None:
     """Copy checkpoint tensors into `model`, mapping q/k/v and gate/up onto their fused slices and taking
-    this rank's slice for tensor-parallel layers."""
-    params = dict(model.named_parameters())
+    this rank's slice for tensor-parallel layers. Parameters named in `skip` are neither read nor required
+    (their values come from elsewhere: the int8 cache)."""
+    params = {name: p for name, p in model.named_parameters() if name not in skip}
     expected = {name: _shards_of(model, name) for name in params}
     loaded: dict[str, set[str | None]] = {name: set() for name in params}
     for ckpt_name, tensor in weights:
         if model.skip_weight(ckpt_name):
             continue
         name, shard = _map_name(ckpt_name)
+        if name in skip:
+            continue
         if name not in params:
             raise KeyError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
         module_name, param = name.rsplit(".", 1)
@@ -132,12 +141,18 @@ def load_model(
     dtype: torch.dtype,
     device: str,
     tp: TensorParallelGroup | None = None,
+    skip: Callable[[nn.Module], Collection[str]] | None = None,
 ) -> nn.Module:
+    """The model with the checkpoint's weights, except the parameters `skip` names when shown the model's
+    structure (on the meta device, before any memory is allocated): those stay uninitialised, and their
+    pages are never touched, for the caller to replace."""
     arch, model_class = get_model_class(hf_config.architectures)
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(hf_config, arch, max_positions, dtype, device, tp)
+    skipped = skip(model) if skip is not None else ()
     model = model.to_empty(device=device)
-    load_weights(model, iter_checkpoint(model_dir))
+    checkpoint = iter_checkpoint(model_dir, lambda name: _map_name(name)[0] not in skipped)
+    load_weights(model, checkpoint, skipped)
     model.eval().requires_grad_(False)
     logger.info("loaded %s (%s) from %s", arch, dtype, model_dir)
     return model

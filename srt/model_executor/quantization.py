@@ -37,6 +37,7 @@ from srt.model_source import cache_root
 
 if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
+    from srt.model_executor.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -199,18 +200,32 @@ def load_cache(path: str, names: list[str]) -> dict[str, Int8Weight] | None:
         return None
 
 
-def apply_w8a8_int8(runner: ModelRunner) -> None:
-    """Quantize `runner.model` in place (from the cache when it has this checkpoint's rank)."""
+def cached_int8_weights(
+    model: torch.nn.Module, model_dir: str, tp: TensorParallelGroup
+) -> dict[str, Int8Weight] | None:
+    """This rank's int8 weights from the cache, or None unless every rank has its file (calibration runs
+    the model, whose collectives every rank must join: if any rank lacks its file, a start cut short
+    between two ranks' saves, all ranks calibrate). Reads only the model's structure: called before the
+    checkpoint is loaded, so that the fp32 weights int8 replaces never need to be read."""
+    names = [n for n, _ in linear_layers(model)] + [HEAD]
+    weights = load_cache(cache_path(model_dir, tp.rank, tp.size), names)
+    return weights if tp.min_across_ranks(int(weights is not None)) == 1 else None
+
+
+def replaced_weights(model: torch.nn.Module) -> set[str]:
+    """Parameters whose fp32 values int8 weights replace: the linear layers' and an untied head's."""
+    names = {f"{n}.weight" for n, _ in linear_layers(model)}
+    return names | ({"lm_head.weight"} if model.lm_head is not None else set())
+
+
+def apply_w8a8_int8(runner: ModelRunner, weights: dict[str, Int8Weight] | None = None) -> None:
+    """Quantize `runner.model` in place: with `weights` from `cached_int8_weights`, else by calibrating
+    the loaded fp32 model (and caching the result)."""
     start = time.monotonic()
     model = runner.model
     layers = linear_layers(model)
     path = cache_path(runner.model_dir, runner.tp.rank, runner.tp.size)
-    weights = load_cache(path, [n for n, _ in layers] + [HEAD])
     source = "cache"
-    # Calibration runs the model, whose collectives every rank must join: if any rank lacks its file (a
-    # start cut short between two ranks' saves), all ranks calibrate.
-    if runner.tp.min_across_ranks(int(weights is not None)) == 0:
-        weights = None
     if weights is None:
         source = "calibration"
         weights = quantize_model(model, input_second_moments(runner, calibration_ids(runner.model_dir)))

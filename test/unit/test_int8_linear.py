@@ -265,3 +265,27 @@ def test_the_int8_model_keeps_its_kv_cache_in_fp16_where_its_kernels_attend(tiny
     )
     assert asked.token_to_kv_pool.get_kv_buffer(0)[0].dtype == torch.float32
     assert rel_err(logits_of(auto), logits_of(asked)) < 0.01  # fp16 rounding of K/V only
+
+
+def test_a_cached_start_never_reads_the_fp32_weights_int8_replaces_or_the_embedding(
+    tiny_model_dir, private_cache, monkeypatch
+):
+    from srt.model_executor import model_loader
+
+    real, read = model_loader.iter_checkpoint, []
+
+    def spy(model_dir, wanted=None):
+        for name, tensor in real(model_dir, wanted):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(model_loader, "iter_checkpoint", spy)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    first = ModelRunner(tiny_model_dir, max_total_tokens=256, quantization="w8a8_int8")  # calibrates
+    assert any(p in name for name in read for p in projections)
+    read.clear()
+    second = ModelRunner(tiny_model_dir, max_total_tokens=256, quantization="w8a8_int8")  # from the cache
+    assert any("layernorm" in name for name in read)  # what int8 does not replace is read
+    assert not [name for name in read if any(p in name for p in projections)]
+    assert "model.embed_tokens.weight" not in read  # mapped instead (a lookup table once the head is int8)
+    assert torch.equal(logits_of(second), logits_of(first))

@@ -329,12 +329,13 @@ void srt_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t he
 }
 
 /* Attention. Both kernels below come to attend_rows, which fixes one order of operations per query head:
- * score(t) = (sum over d, in order, of q[d] k_t[d]) * scale; softmax with max, exp_vec and sum_f32; then
- * out[d] = (sum over t, in order, of p_t v_t[d]) * (1 / sum). The blocking over query rows, key tiles and
- * head-dimension blocks only decides which of these operations run side by side, never their order, so a
- * token's attention is the same to the bit whether it was computed in its prompt's prefill, in one chunk of
- * it, after a prefix-cache hit, or in the decode step at its position (with -ffp-contract=off, nothing is
- * fused or reassociated). */
+ * score(t) = (sum over d, in order, of q[d] k_t[d]) * scale; softmax_numerators (a maximum, exp_v8, and a
+ * sum whose order depends on the length only); then out[d] = (sum over t, in order, of p_t v_t[d]) *
+ * (1 / sum). K and V come from an fp32 or fp16 pool, widened to fp32 exactly. The blocking over query
+ * rows, key tiles and head-dimension blocks only decides which of these operations run side by side, never
+ * their order, so a token's attention is the same to the bit whether it was computed in its prompt's
+ * prefill, in one chunk of it, after a prefix-cache hit, or in the decode step at its position (with
+ * -ffp-contract=off, nothing is fused or reassociated). */
 #define KEY_TILE 8   /* keys scored at once: one 8-float vector per query row */
 #define ROW_BLOCK 6  /* query rows sharing one load of a key tile or value row */
 

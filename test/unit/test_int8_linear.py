@@ -136,13 +136,18 @@ def test_inputs_of_any_leading_shape_and_all_zero_rows():
     assert torch.equal(q, torch.zeros(2, 8, dtype=torch.int8)) and (s > 0).all()
 
 
-def test_quantized_values_use_the_whole_int8_range_per_channel_and_per_token():
+def test_weights_use_the_whole_int8_range_per_channel_and_activations_seven_bits_per_token():
+    """Activations stay within [-63, 63] in both levels: offset by 64 they are unsigned bytes that AVX2's
+    vpmaddubsw multiplies by int8 weights without saturating its 16-bit pair sums."""
     gen = torch.Generator().manual_seed(3)
     qw = quantize_per_channel(torch.randn(10, 32, generator=gen))
     assert qw.weight.dtype == torch.int8 and qw.weight.shape == (10, 32)
     assert torch.equal(qw.weight.abs().amax(dim=1), torch.full((10,), 127, dtype=torch.int8))
-    q, _ = quantize_two_level(torch.randn(5, 32, generator=gen))
-    assert torch.equal(q[:5].abs().amax(dim=1), torch.full((5,), 127, dtype=torch.int8))
+    x = torch.randn(5, 32, generator=gen)
+    x[:, 0] *= 100.0  # an outlier channel sets each row's scale
+    q, _ = quantize_two_level(x)
+    assert torch.equal(q[:5].abs().amax(dim=1), torch.full((5,), 63, dtype=torch.int8))
+    assert q[5:].abs().max() <= 63 and q[5:].abs().max() >= 50  # the residual uses its range too
 
 
 def test_parallel_linear_layers_run_int8_when_quantized():

@@ -36,9 +36,10 @@
 #define STEP 1
 #endif
 
-#define INT8_MAX_F 127.0f
+#define ACTIVATION_MAX_F 63.0f /* activations: 7 bits a level (int8_linear.py says why) */
 #define MIN_SCALE 1e-8f
-#define RESIDUAL_LEVELS 254.0f
+#define RESIDUAL_LEVELS 126.0f
+#define ACTIVATION_OFFSET 64 /* 7-bit activations + 64: unsigned bytes of at most 127 */
 /* The fused linear keeps up to this many activation rows (two per token) of up to MAX_K features on the
  * stack; larger calls bring their own scratch. */
 #define MAX_ROWS 16
@@ -96,10 +97,10 @@ static float sum_squares(const float *x, int64_t k) {
     return ss;
 }
 
-/* One row's two levels: q1 = round(x / s), q2 = round((x / s - q1) * 254), s = max(absmax / 127, 1e-8). */
+/* One row's two levels: q1 = round(x / s), q2 = round((x / s - q1) * 126), s = max(absmax / 63, 1e-8). */
 static void quantize_row(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
     float amax = absmax(x, k);
-    float s = amax / INT8_MAX_F;
+    float s = amax / ACTIVATION_MAX_F;
     if (!(s >= MIN_SCALE)) s = MIN_SCALE;
     for (int64_t i = 0; i < k; i++) {
         float u = x[i] / s;
@@ -137,10 +138,10 @@ void srt_combine_two_level(const float *acc, const float *scale, int64_t m, int6
 
 /* Dot products of R activation rows (each k bytes, `a` laid out as the ISA wants) with one weight row,
  * R a compile-time constant after inlining (see dot_rows), so the R accumulators live in registers and no
- * work is spent on absent rows. With VNNI the activations are stored offset to unsigned (q + 128), as
- * vpdpbusd multiplies u8 by s8; the caller removes the offset's share, 128 * sum(w). With AVX2, vpmaddubsw
- * multiplies |w| (taken once per weight vector for all R rows) by q * sign(w): both are at most 127 in
- * magnitude, so its 16-bit pair sums never saturate. */
+ * work is spent on absent rows. With VNNI and AVX2 the 7-bit activations are stored offset to unsigned
+ * (q + 64, at most 127), as vpdpbusd and vpmaddubsw multiply u8 by s8; the caller removes the offset's
+ * share, 64 * sum(w). vpmaddubsw sums pairs into 16 bits with saturation, which 2 * 127 * 127 never
+ * reaches. */
 static inline __attribute__((always_inline)) void dot_rows_n(const uint8_t *a, int64_t k, const int R,
                                                              const int8_t *w, int32_t *res) {
 #if SRT_ISA == 2
@@ -163,12 +164,10 @@ static inline __attribute__((always_inline)) void dot_rows_n(const uint8_t *a, i
     for (int r = 0; r < R; r++) c[r] = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i += STEP) {
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
-        const __m256i wabs = _mm256_abs_epi8(wv); /* once for all R rows */
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(a + r * k + i));
-            const __m256i p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q, wv));
-            c[r] = _mm256_add_epi32(c[r], _mm256_madd_epi16(p, ones));
+            c[r] = _mm256_add_epi32(c[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, wv), ones));
         }
     }
 #pragma GCC unroll 4
@@ -197,13 +196,14 @@ static inline void dot_rows(const uint8_t *a, int64_t k, int64_t rows, const int
     }
 }
 
-/* One token's two quantized rows, each laid out as dot_rows_n reads them (offset to unsigned with VNNI). */
+/* One token's two quantized rows, each laid out as dot_rows_n reads them (offset to unsigned with VNNI
+ * and AVX2). */
 static inline void quantize_token(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
     quantize_row(x, k, q1, q2, s1, s2);
-#if SRT_ISA == 2
+#if SRT_ISA >= 1
     for (int64_t i = 0; i < k; i++) {
-        q1[i] = (int8_t)(uint8_t)(q1[i] + 128);
-        q2[i] = (int8_t)(uint8_t)(q2[i] + 128);
+        q1[i] = (int8_t)(q1[i] + ACTIVATION_OFFSET);
+        q2[i] = (int8_t)(q2[i] + ACTIVATION_OFFSET);
     }
 #endif
 }
@@ -224,8 +224,8 @@ void srt_w8a8_linear(const float *x, int64_t m, int64_t k, int64_t x_stride, con
         q = small_q;
         qscale = small_scale;
     }
-#if SRT_ISA == 2
-    const int32_t offset = 128;
+#if SRT_ISA >= 1
+    const int32_t offset = ACTIVATION_OFFSET;
 #else
     const int32_t offset = 0;
 #endif

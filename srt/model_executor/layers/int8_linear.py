@@ -17,15 +17,20 @@ built, PyTorch ops (`torch_w8a8_linear`).
 
 The numerics: weights are quantized symmetrically per output channel (once, at load: `quantization.py`,
 with GPTQ's error-compensating rounding from `gptq.py`), activations per token at every call (scaled by the
-row's absmax / 127 and rounded), with no loop over channels or blocks.
+row's absmax / 63 and rounded), with no loop over channels or blocks.
 
 Per-token int8 alone leaves every activation with a rounding error of up to absmax/254, and a few outlier
 input channels (present in every Llama's hidden states) set that absmax: +1.5-1.8 % perplexity on this model,
 which SmoothQuant-style smoothing only brought to +1.5 %. So each activation row is quantized in two levels:
-its int8 image, then the int8 image of what that left (the residual, 127x smaller). Both go through one
+its 7-bit image, then the 7-bit image of what that left (the residual, 63x smaller). Both go through one
 kernel call as 2M rows: at decode sizes the call is bound by reading the weight, so the second level is
-nearly free, and the activation is then exact to about 1/32,000 of its absmax. What remains is the weights'
-rounding (`scripts/eval_quality.py` measures the whole).
+nearly free, and the activation is then exact to about 1/8,000 of its absmax. What remains is mostly the
+weights' rounding (`scripts/eval_quality.py` measures the whole).
+
+Why 7 bits ([-63, 63]) rather than 8 for the activations: offset by 64 they are unsigned bytes of at most
+127, which AVX2's vpmaddubsw (unsigned x signed bytes, pairs summed into 16 bits) multiplies by the signed
+weights without saturating (2 * 127 * 127 < 2^15). With 8-bit activations that took a vpsignb and an
+absolute value per product instead, and srt's AVX2 linear ran 1.7x slower (2-core AMD EPYC; `cpu_kernels`).
 
 The accumulation is exact int32; the result is dequantized as (acc1 * s1 + acc2 * s2) * s_channel (+ bias),
 in fp32. Every row is quantized on its own, so a sequence's result does not depend on its batch.
@@ -40,7 +45,8 @@ import torch
 
 from srt.model_executor.layers import cpu_kernels
 
-INT8_MAX = 127.0
+INT8_MAX = 127.0  # weights
+ACTIVATION_MAX = 63.0  # each activation level (see above)
 # Smallest scale: an all-zero row or channel must not divide by zero (its values quantize to 0 anyway).
 MIN_SCALE = 1e-8
 
@@ -97,19 +103,19 @@ def channel_scales(w: torch.Tensor) -> torch.Tensor:
 
 
 # The residual of rounding lies within half a level: in units of the first level it is in [-0.5, 0.5], so
-# this factor maps it onto [-127, 127] with no absmax of its own to compute.
-RESIDUAL_LEVELS = 2 * INT8_MAX
+# this factor maps it onto [-63, 63] with no absmax of its own to compute.
+RESIDUAL_LEVELS = 2 * ACTIVATION_MAX
 
 
 def quantize_two_level(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [2M, K], fp32 scales [2M, 1]) of a 2-D activation [M, K]: rows 0..M-1 are its per-token int8
-    image (scale s = absmax / 127), rows M..2M-1 the int8 image of the residual, at scale s / 254.
+    """(int8 [2M, K], fp32 scales [2M, 1]) of a 2-D activation [M, K]: rows 0..M-1 are its per-token 7-bit
+    image (scale s = absmax / 63), rows M..2M-1 the 7-bit image of the residual, at scale s / 126.
     Few ops on purpose: this runs for every linear layer of every step."""
     m = x.shape[0]
     q = torch.empty((2 * m, x.shape[1]), dtype=torch.int8, device=x.device)
     scale = torch.empty((2 * m, 1), dtype=torch.float32, device=x.device)
-    torch.div(x.abs().amax(dim=1, keepdim=True), INT8_MAX, out=scale[:m]).clamp_min_(MIN_SCALE)
-    units = x / scale[:m]  # within [-127, 127]
+    torch.div(x.abs().amax(dim=1, keepdim=True), ACTIVATION_MAX, out=scale[:m]).clamp_min_(MIN_SCALE)
+    units = x / scale[:m]  # within [-63, 63]
     level1 = torch.round(units)
     q[:m].copy_(level1)
     q[m:].copy_(units.sub_(level1).mul_(RESIDUAL_LEVELS).round_())

@@ -22,6 +22,7 @@ from transformers import AutoConfig, GenerationConfig
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.forward_batch_info import ForwardBatch, PromptLogprobs, last_token_rows
+from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_loader import load_model, map_checkpoint_tensor
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import (
@@ -103,8 +104,6 @@ def resolve_kv_cache_dtype(
     """`--kv-cache-dtype`: auto is float16 where srt's CPU int8 kernels attend (they read half-precision K/V
     exactly; the cache then takes half the memory and a decode step reads half the bytes), else the model's
     dtype. An explicit choice other than the model's is CPU-only: the GPU backend attends in one dtype."""
-    from srt.model_executor.layers import cpu_kernels
-
     if requested == "auto":
         int8_kernels = quantization == "w8a8_int8" and device == "cpu" and cpu_kernels.load() is not None
         return torch.float16 if int8_kernels else model_dtype

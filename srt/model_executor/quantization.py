@@ -224,12 +224,11 @@ def apply_w8a8_int8(runner: ModelRunner, weights: dict[str, Int8Weight] | None =
     start = time.monotonic()
     model = runner.model
     layers = linear_layers(model)
-    path = cache_path(runner.model_dir, runner.tp.rank, runner.tp.size)
     source = "cache"
     if weights is None:
         source = "calibration"
         weights = quantize_model(model, input_second_moments(runner, calibration_ids(runner.model_dir)))
-        save_cache(path, weights)
+        save_cache(cache_path(runner.model_dir, runner.tp.rank, runner.tp.size), weights)
     packed = all([qw.pack() for qw in weights.values()])
     for name, m in layers:
         m.quant = weights[name]

@@ -614,6 +614,12 @@ static void attend_rows_f16(const float *const *q, int64_t rows, const int64_t *
     attend_rows(q, rows, lens, head_dim, k_head, v_head, kv_stride, idx, scale, out, floats, 1);
 }
 
+typedef void (*attend_fn)(const float *const *, int64_t, const int64_t *, int64_t, const void *, const void *,
+                          int64_t, const int64_t *, float, float *const *, float *);
+
+/* attend_rows for the pool's format */
+static attend_fn attend_for(int half) { return half ? attend_rows_f16 : attend_rows_f32; }
+
 /* Decode attention straight out of the paged KV pool: one query token per sequence, each attending over its
  * own seq_lens[b] cached tokens, whose pool slots are slots[b * slots_stride + t]. q [bs, heads * head_dim]
  * (row stride q_stride), k_pool / v_pool [pool slots, kv_heads * head_dim] (fp16 if kv_half, else fp32),
@@ -628,8 +634,7 @@ int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t h
                          float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * head_dim;
     const int half = kv_half != 0;
-    void (*attend)(const float *const *, int64_t, const int64_t *, int64_t, const void *, const void *, int64_t,
-                   const int64_t *, float, float *const *, float *) = half ? attend_rows_f16 : attend_rows_f32;
+    const attend_fn attend = attend_for(half);
     int64_t max_len = 0;
     for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int failed = 0;
@@ -674,8 +679,7 @@ int srt_extend_attention(const float *q, int64_t n, int64_t q_stride, int64_t he
                          const int64_t *slots, int64_t prefix_len, float scale, float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * head_dim;
     const int half = kv_half != 0;
-    void (*attend)(const float *const *, int64_t, const int64_t *, int64_t, const void *, const void *, int64_t,
-                   const int64_t *, float, float *const *, float *) = half ? attend_rows_f16 : attend_rows_f32;
+    const attend_fn attend = attend_for(half);
     const int64_t blocks = (n + EXTEND_TOKEN_BLOCK - 1) / EXTEND_TOKEN_BLOCK;
     int failed = 0;
 #pragma omp parallel

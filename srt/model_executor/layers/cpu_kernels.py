@@ -155,8 +155,9 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:
         """One query token per sequence against its cached K/V, read from the pool in place.
-        q [bs, heads, head_dim]; k_pool, v_pool [pool slots, kv_heads, head_dim] (fp32 or fp16); slots int64 [bs, max_len]
-        (row b's first seq_lens[b] entries are its tokens' slots). Returns [bs, heads * head_dim]."""
+        q [bs, heads, head_dim]; k_pool, v_pool [pool slots, kv_heads, head_dim] (fp32 or fp16); slots
+        int64 [bs, max_len] (row b's first seq_lens[b] entries are its tokens' slots).
+        Returns [bs, heads * head_dim]."""
         bs, heads, head_dim = q.shape
         q = _heads_rows(q)
         _check_attention_operands(q, k_pool, v_pool, slots, seq_lens)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.int8_linear import (
-    int8_matmul,
+    int8_products,
     quantize_per_channel,
     quantize_two_level,
     torch_w8a8_linear,
@@ -76,6 +76,23 @@ def test_the_fused_linear_gives_the_bits_of_the_pytorch_path(kernels, m, with_bi
     assert torch.equal(kernels.linear(x, qw.weight, qw.scale, wsum, bias), torch_w8a8_linear(x, qw, bias))
 
 
+@pytest.mark.parametrize("m", [1, 5, 9])
+@pytest.mark.parametrize("k_steps", [129, 513])
+def test_the_fused_linear_is_exact_for_rows_longer_than_one_int32_sum(kernels, m, k_steps):
+    """AVX2 sums at most 2048 int16 products in int32 and adds longer rows' chunks in int64; beyond 8192
+    features the quantized rows no longer fit the kernel's stack. Activations and weights near the top of
+    their ranges (7875 and 127) make the longer rows' dot products overflow int32."""
+    k = k_steps * max(kernels.k_multiple, 16)
+    qw = quantize_per_channel(torch.full((6, k), 0.5))
+    qw.weight[1, : k // 2] = -127
+    x = torch.ones(m, k)
+    x[:, -1] = 1.0 + 1.0 / 126.0  # the row's absmax: every other feature is 63 levels less a residual
+    expected = torch_w8a8_linear(x, qw, None)
+    assert expected.abs().max() > 0
+    wsum = qw.weight.sum(dim=1, dtype=torch.int32)
+    assert torch.equal(kernels.linear(x, qw.weight, qw.scale, wsum, None), expected)
+
+
 @pytest.mark.parametrize("m", [1, 8, 9, 300])
 def test_the_fused_linear_takes_what_oneDNN_cannot_and_a_few_tokens_with_VNNI(kernels, m):
     k = 4 * kernels.k_multiple
@@ -95,7 +112,7 @@ def test_quantize_and_combine_give_the_pytorch_bits_at_prefill_sizes(kernels):
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
     qw = quantize_per_channel(torch.randn(256, 576, generator=gen))
     bias = torch.randn(256, generator=gen)
-    combined = kernels.combine_two_level(int8_matmul(q, qw), s, bias)
+    combined = kernels.combine_two_level(int8_products(q, qw), s, qw.scale, bias)
     assert torch.equal(combined, torch_w8a8_linear(x, qw, bias))
 
 

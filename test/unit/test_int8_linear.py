@@ -137,8 +137,9 @@ def test_inputs_of_any_leading_shape_and_all_zero_rows():
 
 
 def test_weights_use_the_whole_int8_range_per_channel_and_activations_seven_bits_per_token():
-    """Activations stay within [-63, 63] in both levels: offset by 64 they are unsigned bytes that AVX2's
-    vpmaddubsw multiplies by int8 weights without saturating its 16-bit pair sums."""
+    """Activations stay within [-63, 63] in both levels: together they are one int16 of at most 8001, whose
+    products with int8 weights AVX2 sums exactly in int32, and offset by 64 they are the unsigned bytes
+    VNNI's vpdpbusd takes."""
     gen = torch.Generator().manual_seed(3)
     qw = quantize_per_channel(torch.randn(10, 32, generator=gen))
     assert qw.weight.dtype == torch.int8 and qw.weight.shape == (10, 32)

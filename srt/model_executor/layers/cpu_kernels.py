@@ -38,7 +38,7 @@ TOKEN_BLOCK_PROBE = 32
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "srt_quantize_two_level": [_P, _I, _I, _I, _P, _P],
-    "srt_combine_two_level": [_P, _P, _I, _I, _P, _P],
+    "srt_combine_two_level": [_P, _P, _P, _I, _I, _P, _P],
     "srt_w8a8_linear": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P],
     "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
     "srt_silu_mul": [_P, _I, _I, _I, _P],
@@ -63,9 +63,9 @@ class CpuKernels:
         self.max_small_rows = lib.srt_max_rows() // 2  # tokens: two activation rows each
         self.max_k = lib.srt_max_k()
         # The fused linear replaces oneDNN's exact int8 kernel only where it measured faster: for a few tokens
-        # with VNNI (one instruction per 64 bytes of weight and row). The AVX2 build needs five per 32 bytes
-        # and row, and on a VNNI machine it ran a batch-1 decode step in 20-25 ms against 15 ms through
-        # oneDNN. Where oneDNN has no exact int8 kernel (AVX2 without VNNI: it saturates), it takes every call.
+        # with VNNI (one instruction per 64 bytes of weight and row). An AVX2 build on a VNNI machine once ran a
+        # batch-1 decode step in 20-25 ms against 15 ms through oneDNN. Where oneDNN has no exact int8 kernel
+        # (AVX2 without VNNI: it saturates), it takes every call.
         self.use_small_linear = self.isa == "avx512-vnni"
 
     def takes_linear(self, m: int, k: int, has_packed: bool) -> bool:
@@ -84,14 +84,15 @@ class CpuKernels:
         return q, scale
 
     def combine_two_level(
-        self, acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+        self, acc: torch.Tensor, scale: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """acc[:m] * s[:m] + acc[m:] * s[m:] (+ bias), written over acc's first half, which it returns."""
+        """As `int8_linear.dequantize`: fp32 [M, N] from the int32 products acc [2M, N] of the two levels."""
         rows, n = acc.shape
         m = rows // 2
+        out = torch.empty((m, n), dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        self._lib.srt_combine_two_level(acc.data_ptr(), scale.data_ptr(), m, n, b, acc.data_ptr())
-        return acc[:m]
+        self._lib.srt_combine_two_level(acc.data_ptr(), scale.data_ptr(), wscale.data_ptr(), m, n, b, out.data_ptr())
+        return out
 
     def linear(
         self,
@@ -107,7 +108,7 @@ class CpuKernels:
         out = torch.empty((m, n), dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
         q = qscale = None  # a few tokens' quantized rows live on the kernel's stack
-        if m > self.max_small_rows or k > self.max_k:
+        if m > self.max_small_rows or k > self.max_k:  # two byte levels a token (one int16 with AVX2)
             q = torch.empty((2 * m, k), dtype=torch.int8)
             qscale = torch.empty(2 * m, dtype=torch.float32)
         self._lib.srt_w8a8_linear(
@@ -299,8 +300,7 @@ def agrees_with_torch(kernels: CpuKernels) -> bool:
         if not (torch.equal(q, q2) and torch.equal(s, s2)):
             return False
         expected = ref.torch_w8a8_linear(x, qw, bias)
-        acc = ref.int8_matmul(q, qw).clone()
-        if not torch.equal(kernels.combine_two_level(acc, s, bias), expected):
+        if not torch.equal(kernels.combine_two_level(ref.int8_products(q, qw), s, qw.scale, bias), expected):
             return False
         wsum = qw.weight.sum(dim=1, dtype=torch.int32)
         if not torch.equal(kernels.linear(x, qw.weight, qw.scale, wsum, bias), expected):

@@ -27,13 +27,16 @@ kernel call as 2M rows: at decode sizes the call is bound by reading the weight,
 nearly free, and the activation is then exact to about 1/8,000 of its absmax. What remains is mostly the
 weights' rounding (`scripts/eval_quality.py` measures the whole).
 
-Why 7 bits ([-63, 63]) rather than 8 for the activations: offset by 64 they are unsigned bytes of at most
-127, which AVX2's vpmaddubsw (unsigned x signed bytes, pairs summed into 16 bits) multiplies by the signed
-weights without saturating (2 * 127 * 127 < 2^15). With 8-bit activations that took a vpsignb and an
-absolute value per product instead, and srt's AVX2 linear ran 1.7x slower (2-core AMD EPYC; `cpu_kernels`).
+Why 7 bits ([-63, 63]) rather than 8 for the activations: the two levels make one 14-bit integer
+v = 126 * q1 + q2 (|v| <= 8001), which AVX2 multiplies in one int16 vpmaddwd against the weights widened to
+int16, exactly, with int32 sums of up to 2048 products (8001 * 127 * 2048 < 2^31): two multiply
+instructions per 32 products where the byte levels took four: 1.2x (one token) to 1.8x (64 and more)
+faster on a 2-core AMD EPYC.
+VNNI multiplies the byte levels offset by 64: unsigned bytes of at most 127 for vpdpbusd.
 
-The accumulation is exact int32; the result is dequantized as (acc1 * s1 + acc2 * s2) * s_channel (+ bias),
-in fp32. Every row is quantized on its own, so a sequence's result does not depend on its batch.
+The accumulation is exact; the two levels' integer products meet in one integer, 126 * acc1 + acc2, and
+the result is dequantized once as (that * s_channel) * (s / 126) (+ bias), in fp32. Every row is quantized
+on its own, so a sequence's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Int8Weight:
     scale: torch.Tensor
     packed: torch.Tensor | None = None
     zero_points: torch.Tensor | None = None  # [N] int64 zeros: oneDNN's kernel takes them
+    unit_scale: torch.Tensor | None = None  # [N] ones: oneDNN's kernel then gives the integer products
     wsum: torch.Tensor | None = None  # [N] int32 row sums of `weight`, for the fused small-batch kernel
 
     @property
@@ -73,7 +77,7 @@ class Int8Weight:
         few tokens with VNNI; every call where oneDNN is not exact), the plain weight with its row sums; a
         plain weight no kernel reads is dropped (it would double the weights' memory): save it first."""
         kernels = cpu_kernels.load()
-        packed = packed_kernel_available()
+        packed = packed_kernel_available() and self.weight.shape[1] <= PACKED_MAX_K
         fused = kernels is not None and (kernels.use_small_linear or not packed)
         if fused:
             self.wsum = self.weight.sum(dim=1, dtype=torch.int32)
@@ -85,6 +89,7 @@ class Int8Weight:
     def _pack_unchecked(self, keep_plain: bool = False) -> None:
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
         self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
+        self.unit_scale = torch.ones(self.weight.shape[0], dtype=torch.float32)
         if not keep_plain:
             self.weight = None
 
@@ -125,35 +130,49 @@ def quantize_two_level(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _UNIT_SCALE = torch.tensor(1.0)
 _ZERO_POINT = torch.tensor(0, dtype=torch.int32)
+# oneDNN's int8 linear returns its integer products as fp32, exact while they stay below 2^24: with
+# activations of at most 63 and weights of at most 127, rows of up to this many features.
+PACKED_MAX_K = 2**24 // (int(ACTIVATION_MAX) * int(INT8_MAX))
 
 
 def packed_int8_matmul(q: torch.Tensor, qw: Int8Weight) -> torch.Tensor:
-    """(q @ W^T) * scale[n] in fp32 for int8 rows q [M, K], through oneDNN's packed kernel. The activation
-    scale is passed as 1: rows carry their own scales, applied by the caller."""
+    """q @ W^T in fp32 for int8 rows q [M, K], through oneDNN's packed kernel. Every scale is passed as 1:
+    the products come back as whole numbers, dequantized by the caller."""
     return torch.ops.onednn.qlinear_pointwise.tensor(
-        q, _UNIT_SCALE, _ZERO_POINT, qw.packed, qw.scale, qw.zero_points, None,
+        q, _UNIT_SCALE, _ZERO_POINT, qw.packed, qw.unit_scale, qw.zero_points, None,
         1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
 
 
-def int8_matmul(q: torch.Tensor, qw: Int8Weight) -> torch.Tensor:
-    """(q @ W^T) * scale[n] in fp32: the packed kernel when the weight is packed, else `_int_mm`."""
+def int8_products(q: torch.Tensor, qw: Int8Weight) -> torch.Tensor:
+    """q @ W^T, exact, int32 [M, N] for int8 rows q [M, K]: the packed kernel when the weight is packed
+    (its fp32 results are whole numbers below 2^24, see PACKED_MAX_K), else `_int_mm`."""
     if qw.packed is not None:
-        return packed_int8_matmul(q, qw)
-    return torch._int_mm(q, qw.weight_t).to(torch.float32).mul_(qw.scale)
+        return packed_int8_matmul(q, qw).to(torch.int32)
+    return torch._int_mm(q, qw.weight_t)
+
+
+def dequantize(acc: torch.Tensor, scale: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [M, N] from the int32 products acc [2M, N] of `quantize_two_level`'s rows (scales `scale`) with
+    the weight: the two levels meet in one exact integer, 126 * acc1 + acc2 (int64: no overflow at any K),
+    converted once, times the channel scale, times the residual level's scale s / 126, plus the bias."""
+    m = acc.shape[0] // 2
+    exact = acc[:m].to(torch.int64).mul_(int(RESIDUAL_LEVELS)).add_(acc[m:])
+    out = exact.to(torch.float32).mul_(qw.scale).mul_(scale[m:])
+    return out.add_(bias) if bias is not None else out
 
 
 @functools.cache
 def packed_kernel_available() -> bool:
     """Whether oneDNN's packed int8 linear exists in this build and reproduces `_int_mm` exactly (integer
-    products with one per-channel fp32 scale must agree to the bit): probed once per process."""
+    products below 2^24 with unit scales must come back as the same whole numbers): probed once per process."""
     try:
         gen = torch.Generator().manual_seed(0)
         w = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=gen)
         probe = Int8Weight(w, torch.rand(24, generator=gen) + 0.5)
         probe._pack_unchecked()
         x = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=gen)
-        expected = torch._int_mm(x, w.t()).to(torch.float32).mul_(probe.scale)
+        expected = torch._int_mm(x, w.t()).to(torch.float32)
         return torch.equal(packed_int8_matmul(x, probe), expected)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
@@ -175,7 +194,7 @@ def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> t
         out = kernels.linear(x2, qw.weight, qw.scale, qw.wsum, bias)
     else:
         q, s = kernels.quantize_two_level(x2)
-        out = kernels.combine_two_level(int8_matmul(q, qw), s, bias)
+        out = kernels.combine_two_level(int8_products(q, qw), s, qw.scale, bias)
     return out.view(*shape[:-1], out.shape[-1])
 
 
@@ -183,10 +202,6 @@ def torch_w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None
     """`w8a8_linear` in PyTorch ops alone: the reference the fused kernels must reproduce."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    m = x2.shape[0]
     q, s = quantize_two_level(x2)
-    acc = int8_matmul(q, qw).mul_(s)
-    out = acc[:m].add_(acc[m:])
-    if bias is not None:
-        out.add_(bias)
+    out = dequantize(int8_products(q, qw), s, qw, bias)
     return out.view(*shape[:-1], out.shape[-1])

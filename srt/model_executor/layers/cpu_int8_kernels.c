@@ -450,15 +450,6 @@ static inline float exp_vec(float x) {
     return y * scale;
 }
 
-/* out [m, inter] = silu(gate) * up for gate_up [m, 2 * inter] (row stride gu_stride): the MLP's activation. */
-void srt_silu_mul(const float *gu, int64_t m, int64_t inter, int64_t gu_stride, float *out) {
-#pragma omp parallel for if (m * inter >= 65536) schedule(static)
-    for (int64_t r = 0; r < m; r++) {
-        const float *g = gu + r * gu_stride, *u = g + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + exp_vec(-g[i]))) * u[i];
-    }
-}
 
 /* Rotary embedding, in place, of the first `heads` heads of every row of x [n, row_stride] (a fused qkv
  * projection's output: q's heads, then k's), in the rotate-half layout: x1' = x1 cos - x2 sin,
@@ -654,6 +645,23 @@ static inline v8f exp_v8(v8f x) {
     p = p * (r * r) + r + 1.0f;
     const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
     return p * (v8f)bits;
+}
+
+/* out [m, inter] = silu(gate) * up for gate_up [m, 2 * inter] (row stride gu_stride): the MLP's activation.
+ * Eight lanes at a time through exp_v8 (the compiler left exp_vec's loop scalar: 10 % of a prefill), the
+ * tail through exp_vec: the same operations, so every element gets the same bits wherever it falls. */
+void srt_silu_mul(const float *gu, int64_t m, int64_t inter, int64_t gu_stride, float *out) {
+    const int64_t whole = inter / 8 * 8;
+#pragma omp parallel for if (m * inter >= 65536) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * gu_stride, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < whole; i += 8) {
+            const v8f gv = *(const v8f *)(g + i);
+            *(v8f *)(o + i) = (gv / (1.0f + exp_v8(-gv))) * *(const v8f *)(u + i);
+        }
+        for (int64_t i = whole; i < inter; i++) o[i] = (g[i] / (1.0f + exp_vec(-g[i]))) * u[i];
+    }
 }
 
 /* s[0..len) <- exp(s - max) in place (the scores row is padded to a multiple of 8, so whole vectors are

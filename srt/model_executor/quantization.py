@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -242,6 +243,7 @@ def apply_w8a8_int8(runner: ModelRunner, weights: dict[str, Int8Weight] | None =
         for module in [*model.modules(), model.attn_backend]:
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels
+        model.cpu_decode = CpuDecodeStep.build(model, kernels)
     logger.info(
         "w8a8_int8: %d linear layers and the head in int8 (from %s, %s%s) in %.2f s",
         len(layers),

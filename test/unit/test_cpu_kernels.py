@@ -116,6 +116,28 @@ def test_quantize_and_combine_give_the_pytorch_bits_at_prefill_sizes(kernels):
     assert torch.equal(combined, torch_w8a8_linear(x, qw, bias))
 
 
+def test_storing_kv_rounds_to_fp16_as_pytorch_does(kernels):
+    """The lean decode step writes K/V into the pool itself: to fp16 with ties to even, subnormals, overflow
+    to infinity and signed zeros as `.to(torch.float16)`. 13 values per head row, so the vector and the
+    scalar paths both run."""
+    ties = [1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 3 * 2**-25, 65519.0, 65520.0, -0.0, 2**-14 - 2**-26]
+    gen = torch.Generator().manual_seed(12)
+    qkv = torch.randn(5, 26, generator=gen) * torch.logspace(-9, 5, 26)
+    qkv[0, : len(ties)] = torch.tensor(ties)
+    qkv[1, 3], qkv[2, 20] = float("inf"), -float("inf")
+    loc = torch.tensor([3, 0, 7, 1, 5])
+    for dtype, bits in ((torch.float16, torch.int16), (torch.float32, torch.int32)):
+        k_pool, v_pool = torch.zeros(8, 13, dtype=dtype), torch.zeros(8, 13, dtype=dtype)
+        half = int(dtype == torch.float16)
+        kernels._lib.srt_store_kv(
+            qkv.data_ptr(), 5, 26, 0, 13, 13, loc.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), half
+        )
+        expected_k, expected_v = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+        expected_k[loc], expected_v[loc] = qkv[:, :13].to(dtype), qkv[:, 13:].to(dtype)
+        assert torch.equal(k_pool.view(bits), expected_k.view(bits))
+        assert torch.equal(v_pool.view(bits), expected_v.view(bits))
+
+
 def test_all_zero_and_huge_rows_quantize_like_pytorch(kernels):
     x = torch.zeros(3, 64)
     x[1] = 3e30

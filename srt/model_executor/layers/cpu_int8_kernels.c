@@ -540,6 +540,48 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* fp32 -> fp16, rounding to nearest even as PyTorch's conversion does (NaNs aside: any NaN stays a NaN). */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);   /* nan */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* inf, or rounds up to it (>= 65520) */
+    if (ax < 0x38800000u) {                                    /* below 2^-14: a subnormal half (or 0) */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f)); /* in units of 2^-24, exact scaling */
+    }
+    const uint32_t rebiased = ax - 0x38000000u; /* exponent bias 127 -> 15 */
+    return (uint16_t)(sign | ((rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13));
+}
+
+/* This step's K and V into the pool: row r of qkv [m, row_stride] holds k at k_offset and v at v_offset
+ * (width floats each, after the rotary embedding), written to pool row loc[r] (fp32, or fp16 rounded as
+ * PyTorch rounds). What the module path's set_kv_buffer does, in one call. */
+void srt_store_kv(const float *qkv, int64_t m, int64_t row_stride, int64_t k_offset, int64_t v_offset,
+                  int64_t width, const int64_t *loc, void *k_pool, void *v_pool, int half) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *src[2] = {qkv + r * row_stride + k_offset, qkv + r * row_stride + v_offset};
+        void *dst[2] = {k_pool, v_pool};
+        for (int which = 0; which < 2; which++) {
+            const float *x = src[which];
+            if (!half) {
+                memcpy((float *)dst[which] + loc[r] * width, x, sizeof(float) * (size_t)width);
+                continue;
+            }
+            uint16_t *o = (uint16_t *)dst[which] + loc[r] * width;
+            int64_t i = 0;
+#if defined(__F16C__)
+            for (; i + 8 <= width; i += 8)
+                _mm_storeu_si128((__m128i *)(o + i),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+            for (; i < width; i++) o[i] = float_to_half(x[i]);
+        }
+    }
+}
+
 /* element i of a pool row (or of a head's slice of one) */
 ALWAYS_INLINE const void *kv_at(const void *base, int64_t i, const int half) {
     return half ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);

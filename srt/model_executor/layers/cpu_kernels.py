@@ -43,6 +43,7 @@ _SIGNATURES = {
     "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
     "srt_silu_mul": [_P, _I, _I, _I, _P],
     "srt_rope": [_P, _I, _I, _I, _I, _P, _P, _I],
+    "srt_store_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
     "srt_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, ctypes.c_float, _P],
     "srt_extend_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P],
 }

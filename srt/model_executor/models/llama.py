@@ -27,6 +27,7 @@ from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_linear import Int8Weight, w8a8_linear
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend: AttentionBackend | None = None
         # the output head in int8 (`--quantization w8a8_int8`); the embedding itself stays fp32
         self.lm_head_quant: Int8Weight | None = None
+        # the int8 CPU decode step as one kernel call per operation (cpu_decode.py), set with the kernels
+        self.cpu_decode: CpuDecodeStep | None = None
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rope = RotaryEmbedding(config, head_dim, max_positions, dtype, device)
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -248,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """Last layer's output for every token of the step (before the final norm)."""
+        if batch.is_decode and self.cpu_decode is not None and self.cpu_decode.takes(batch.batch_size):
+            return self.cpu_decode.hidden_states(input_ids, positions, batch)
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.tables(positions)
         for layer in self.model.layers:

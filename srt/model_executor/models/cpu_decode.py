@@ -1,0 +1,170 @@
+"""The int8 CPU Llama's decode step as one C kernel call per operation, with no other Python work per layer.
+
+Why: at batch 1 a decode step's kernels take about 7 ms on a 2-core AMD EPYC, and the module path around
+them (module calls, shape checks and allocations per op, the K/V write through indexing) took about as
+long again. This loop calls the same kernels (`cpu_int8_kernels.c`) on the same operands in the same order
+as the module path, so it gives the same bits; the test suite compares the two token for token.
+
+It takes a step only where every kernel would have been used by the module path too: one tensor-parallel
+rank, no per-head q/k norm (Qwen3), every linear layer's plain int8 weight read by the fused kernel at this
+batch size, and the attention backend reading the pool through the CPU kernels. Anything else goes through
+the modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.layers.cpu_kernels import CpuKernels
+from srt.model_executor.layers.int8_linear import Int8Weight
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """What srt_w8a8_linear takes of one layer, as addresses (the tensors outlive the model)."""
+
+    weight: int
+    scale: int
+    wsum: int
+    bias: int | None
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: int
+    post_norm: int
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    k_pool: int
+    v_pool: int
+
+
+def _linear(qw: Int8Weight, bias: torch.Tensor | None) -> _Linear:
+    n, k = qw.weight.shape
+    return _Linear(
+        qw.weight.data_ptr(), qw.scale.data_ptr(), qw.wsum.data_ptr(), None if bias is None else bias.data_ptr(), n, k
+    )
+
+
+class CpuDecodeStep:
+    """Built once the weights are quantized and the KV pool exists (`build`); `takes(bs)` says whether a
+    decode step of bs sequences may run here, `hidden_states` runs it."""
+
+    def __init__(self, model, kernels: CpuKernels):
+        self.model = model
+        self.kernels = kernels
+        self._lib = kernels._lib
+        attn = model.model.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        self.hidden = model.config.hidden_size
+        self.inter = model.model.layers[0].mlp.inter
+        self.eps = model.model.layers[0].input_layernorm.eps
+        backend = model.attn_backend
+        self.scale = backend.scaling
+        pool = backend.token_to_kv_pool
+        self.half = int(pool.get_kv_buffer(0)[0].dtype == torch.float16)
+        self.layers = []
+        for i, layer in enumerate(model.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            k_buf, v_buf = pool.get_kv_buffer(i)
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    _linear(a.qkv_proj.quant, a.qkv_proj.bias),
+                    _linear(a.o_proj.quant, a.o_proj.bias),
+                    _linear(m.gate_up_proj.quant, m.gate_up_proj.bias),
+                    _linear(m.down_proj.quant, m.down_proj.bias),
+                    k_buf.data_ptr(),
+                    v_buf.data_ptr(),
+                )
+            )
+        self.max_k = max(lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        # packed weights (VNNI) leave the fused kernel only a few tokens; plain ones (AVX2) every batch size
+        packed = any(w.packed is not None for w in _weights(model))
+        self.max_batch = kernels.max_small_rows if packed else None
+
+    @staticmethod
+    def build(model, kernels: CpuKernels | None) -> CpuDecodeStep | None:
+        """The step for this model, or None where some operation would not run through the kernels."""
+        from srt.model_executor.attention.torch_native import TorchNativeAttnBackend
+
+        if kernels is None or not isinstance(model.attn_backend, TorchNativeAttnBackend):
+            return None
+        if model.attn_backend.cpu_kernels is None or model.model.layers[0].self_attn.o_proj.tp.size != 1:
+            return None
+        if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
+            return None
+        weights = _weights(model)
+        if any(w.weight is None or w.wsum is None or w.weight.shape[1] % kernels.k_multiple for w in weights):
+            return None
+        if any(w.weight.shape[1] > kernels.max_k for w in weights if w.packed is not None):
+            return None
+        return CpuDecodeStep(model, kernels)
+
+    def takes(self, bs: int) -> bool:
+        return self.max_batch is None or bs <= self.max_batch
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """As LlamaForCausalLM.hidden_states for a decode step: the last layer's output [bs, hidden]."""
+        lib, m = self._lib, input_ids.shape[0]
+        hidden = self.model.model.embed_tokens(input_ids)
+        cos, sin = self.model.rope.cos[positions], self.model.rope.sin[positions]
+        normed = torch.empty((m, self.hidden))
+        qkv = torch.empty((m, self.q_size + 2 * self.kv_size))
+        attn = torch.empty((m, self.q_size))
+        delta = torch.empty((m, self.hidden))
+        gate_up = torch.empty((m, 2 * self.inter))
+        act = torch.empty((m, self.inter))
+        q = qscale = None  # as CpuKernels.linear: a few tokens' quantized rows live on the kernel's stack
+        if m > self.kernels.max_small_rows or self.max_k > self.kernels.max_k:
+            q, qscale = torch.empty((2 * m, self.max_k), dtype=torch.int8), torch.empty(2 * m)
+        q_ptr, qs_ptr = (None, None) if q is None else (q.data_ptr(), qscale.data_ptr())
+        h, nd, qk, at, de, gu, ac = (t.data_ptr() for t in (hidden, normed, qkv, attn, delta, gate_up, act))
+        meta = self.model.attn_backend._decode
+        slots, seq_lens, loc = meta.kv_indices, meta.seq_lens, batch.out_cache_loc
+        if loc.dtype != torch.int64 or not loc.is_contiguous():
+            loc = loc.to(torch.int64).contiguous()
+        heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]
+
+        def linear(lin: _Linear, x: int, out: int) -> None:
+            lib.srt_w8a8_linear(x, m, lin.k, lin.k, lin.weight, lin.scale, lin.wsum, lin.bias, lin.n, out, q_ptr, qs_ptr)
+
+        for layer in self.layers:
+            lib.srt_rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
+            linear(layer.qkv, nd, qk)
+            lib.srt_rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
+            lib.srt_store_kv(
+                qk, m, width, self.q_size, self.q_size + self.kv_size, self.kv_size, loc.data_ptr(),
+                layer.k_pool, layer.v_pool, self.half,
+            )  # fmt: skip
+            if lib.srt_decode_attention(
+                qk, m, width, heads, kv_heads, hd, layer.k_pool, layer.v_pool, self.half, slots.data_ptr(),
+                slots.shape[1], seq_lens.data_ptr(), self.scale, at,
+            ):  # fmt: skip
+                raise MemoryError("decode_attention: no memory for the scores scratch")
+            linear(layer.o, at, de)
+            hidden.add_(delta)
+            lib.srt_rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
+            linear(layer.gate_up, nd, gu)
+            lib.srt_silu_mul(gu, m, self.inter, 2 * self.inter, ac)
+            linear(layer.down, ac, de)
+            hidden.add_(delta)
+        return hidden
+
+
+def _weights(model) -> list[Int8Weight]:
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [p.quant for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+    return out

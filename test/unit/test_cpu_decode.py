@@ -1,0 +1,67 @@
+"""The int8 CPU model's lean decode step (`cpu_decode.py`: one kernel call per operation) is the module
+path without its Python: the same logits and the same K/V in the pool, to the bit, step after step, for a
+batch of sequences of different lengths, with an fp16 or an fp32 KV cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.model_runner import ModelRunner
+from test.unit.model_driver import PagedDriver
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="srt's CPU kernels do not load here")
+
+PROMPTS = [[random.Random(i).randrange(10, 5000) for _ in range(n)] for i, n in enumerate((5, 23, 9))]
+DECODE_STEPS = 4
+
+
+@pytest.fixture(scope="module", params=["float16", "float32"])
+def runner(request, tiny_model_dir, tmp_path_factory) -> ModelRunner:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SRT_CACHE_DIR", str(tmp_path_factory.mktemp("int8_cache")))
+    runner = ModelRunner(
+        tiny_model_dir,
+        max_total_tokens=2048,
+        max_running_requests=8,
+        quantization="w8a8_int8",
+        kv_cache_dtype=request.param,
+    )
+    mp.undo()
+    return runner
+
+
+def run(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill the prompts, then decode them together (each step feeding its greedy tokens): every decode
+    step's logits, and every layer's K and V pool rows of the sequences' slots at the end."""
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    driver = PagedDriver(runner)
+    seqs = [driver.new_seq() for _ in PROMPTS]
+    logits = driver.extend(seqs, PROMPTS)
+    steps = []
+    for _ in range(DECODE_STEPS):
+        logits = driver.decode(seqs, logits.argmax(-1).tolist())
+        steps.append(logits)
+    slots = torch.cat([s for seq in seqs for s in seq.owned_slots])
+    pool = runner.token_to_kv_pool
+    kv = [buf[slots].clone() for i in range(len(runner.model.model.layers)) for buf in pool.get_kv_buffer(i)]
+    return steps, kv
+
+
+def test_the_lean_decode_step_gives_the_module_paths_bits(runner):
+    model = runner.model
+    lean = model.cpu_decode
+    assert lean is not None and lean.takes(len(PROMPTS)), "the int8 CPU model decodes through the lean step"
+    lean_logits, lean_kv = run(runner)
+    model.cpu_decode = None  # the module path: every op through its nn.Module and kernel wrapper
+    try:
+        module_logits, module_kv = run(runner)
+    finally:
+        model.cpu_decode = lean
+    assert all(torch.equal(a, b) for a, b in zip(lean_logits, module_logits, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(lean_kv, module_kv, strict=True))
+    assert not torch.equal(lean_logits[0], lean_logits[1])  # the steps decoded something

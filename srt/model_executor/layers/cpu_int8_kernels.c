@@ -230,8 +230,12 @@ static inline void tile_full(const int16_t *a, int64_t a_stride, const int8_t *w
                 : [w0] "r"(w0), [w1] "r"(w1), [a0] "r"(a0), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [i] "r"(i)
                 : "memory");
     }
-    acc[0] += hsum8(c00), acc[1] += hsum8(c01), acc[2] += hsum8(c10), acc[3] += hsum8(c11);
-    acc[4] += hsum8(c20), acc[5] += hsum8(c21), acc[6] += hsum8(c30), acc[7] += hsum8(c31);
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(c00, c01), _mm256_hadd_epi32(c10, c11));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(c20, c21), _mm256_hadd_epi32(c30, c31));
+    int32_t sums[8];
+    _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
+                                                          _mm256_permute2x128_si256(g0, g1, 0x31)));
+    for (int x = 0; x < 8; x++) acc[x] += sums[x];
 }
 
 /* A partial tile (NA activation rows, NW weight rows, constants after inlining): the rows a block or a

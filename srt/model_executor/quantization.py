@@ -30,10 +30,10 @@ from safetensors.torch import save_file
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.layers import cpu_kernels
-from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_source import cache_root
 
 if TYPE_CHECKING:

@@ -108,18 +108,29 @@ static float sum_squares(const float *x, int64_t k) {
 }
 
 /* One row's two levels: q1 = round(x / s), q2 = round((x / s - q1) * 126), s = max(absmax / 63, 1e-8). */
-static void quantize_row(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
-    float amax = absmax(x, k);
-    float s = amax / ACTIVATION_MAX_F;
+/* A row's scales: s = max(absmax / 63, 1e-8) for the first level, s / 126 for the residual; returns s. */
+static inline float row_scales(const float *x, int64_t k, float *s1, float *s2) {
+    float s = absmax(x, k) / ACTIVATION_MAX_F;
     if (!(s >= MIN_SCALE)) s = MIN_SCALE;
-    for (int64_t i = 0; i < k; i++) {
-        float u = x[i] / s;
-        float l = nearbyintf(u);
-        q1[i] = (int8_t)l;
-        q2[i] = (int8_t)nearbyintf((u - l) * RESIDUAL_LEVELS);
-    }
     *s1 = s;
     *s2 = s / RESIDUAL_LEVELS;
+    return s;
+}
+
+/* x / s in two levels: *l1 = round(x / s), the returned residual level round((x / s - l1) * 126). */
+static inline float levels(float x, float s, float *l1) {
+    const float u = x / s, l = nearbyintf(u);
+    *l1 = l;
+    return nearbyintf((u - l) * RESIDUAL_LEVELS);
+}
+
+static void quantize_row(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
+    const float s = row_scales(x, k, s1, s2);
+    for (int64_t i = 0; i < k; i++) {
+        float l1;
+        q2[i] = (int8_t)levels(x[i], s, &l1);
+        q1[i] = (int8_t)l1;
+    }
 }
 
 /* x [m, k] (row stride x_stride) -> q [2m, k] int8, scale [2m]: rows m..2m-1 hold the residual level. */
@@ -133,8 +144,12 @@ void srt_quantize_two_level(const float *x, int64_t m, int64_t k, int64_t x_stri
  * become one integer (126 * level 1 + level 2: the residual level's unit is 1/126 of the first's), which
  * is converted to fp32 once and scaled by the channel's scale, then the residual level's scale s / 126
  * (the PyTorch path's order). */
+static inline float dequantize_exact(int64_t exact, float wscale, float s2) {
+    return ((float)exact * wscale) * s2;
+}
+
 static inline float dequantize(int64_t dot1, int64_t dot2, float wscale, float s2) {
-    return ((float)(dot1 * RESIDUAL_LEVELS_INT + dot2) * wscale) * s2;
+    return dequantize_exact(dot1 * RESIDUAL_LEVELS_INT + dot2, wscale, s2);
 }
 
 /* out[r, j] = dequantize(acc[r, j], acc[m + r, j], wscale[j], scale[m + r]) (+ bias[j]) for the int32 products
@@ -177,14 +192,12 @@ void srt_combine_two_level(const int32_t *acc, const float *scale, const float *
 
 /* quantize_row's two levels of one token, written as v = 126 * q1 + q2 (the same operations). */
 static void quantize_token16(const float *x, int64_t k, int16_t *v, float *s1, float *s2) {
-    float s = absmax(x, k) / ACTIVATION_MAX_F;
-    if (!(s >= MIN_SCALE)) s = MIN_SCALE;
+    const float s = row_scales(x, k, s1, s2);
     for (int64_t i = 0; i < k; i++) {
-        const float u = x[i] / s, l = nearbyintf(u);
-        v[i] = (int16_t)((int32_t)l * RESIDUAL_LEVELS_INT + (int32_t)nearbyintf((u - l) * RESIDUAL_LEVELS));
+        float l1;
+        const int32_t l2 = (int32_t)levels(x[i], s, &l1);
+        v[i] = (int16_t)((int32_t)l1 * RESIDUAL_LEVELS_INT + l2);
     }
-    *s1 = s;
-    *s2 = s / RESIDUAL_LEVELS;
 }
 
 static inline int32_t hsum8(__m256i c) {
@@ -301,8 +314,8 @@ static void linear16(const float *x, int64_t m, int64_t k, int64_t x_stride, con
                             tile(v + a0 * k + k0, k, na, w + j * k + k0, k, nw, k - k0 < K_CHUNK ? k - k0 : K_CHUNK, acc);
                         for (int x2 = 0; x2 < na; x2++)
                             for (int r = 0; r < nw; r++) {
-                                /* one integer already: as dequantize(dot1, dot2) with dot1 * 126 + dot2 = acc */
-                                const float o = ((float)acc[x2 * TILE_W + r] * wscale[j + r]) * vscale[m + a0 + x2];
+                                /* acc is already the exact integer 126 * dot1 + dot2 */
+                                const float o = dequantize_exact(acc[x2 * TILE_W + r], wscale[j + r], vscale[m + a0 + x2]);
                                 out[(a0 + x2) * n + j + r] = bias ? o + bias[j + r] : o;
                             }
                     }
@@ -454,7 +467,6 @@ static inline float exp_vec(float x) {
     return y * scale;
 }
 
-
 /* Rotary embedding, in place, of the first `heads` heads of every row of x [n, row_stride] (a fused qkv
  * projection's output: q's heads, then k's), in the rotate-half layout: x1' = x1 cos - x2 sin,
  * x2' = x2 cos + x1 sin for the two halves of each head, cos and sin [n, head_dim / 2] (row stride
@@ -515,7 +527,6 @@ static void attend_scratch_free(attend_scratch *w) {
  * pairs of SSE registers or scalars; the arithmetic is elementwise IEEE either way). aligned(4): loads and
  * stores of any float address. */
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
-
 
 static inline v8f v8f_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 

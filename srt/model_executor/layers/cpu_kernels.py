@@ -92,7 +92,9 @@ class CpuKernels:
         m = rows // 2
         out = torch.empty((m, n), dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        self._lib.srt_combine_two_level(acc.data_ptr(), scale.data_ptr(), wscale.data_ptr(), m, n, b, out.data_ptr())
+        self._lib.srt_combine_two_level(
+            acc.data_ptr(), scale.data_ptr(), wscale.data_ptr(), m, n, b, out.data_ptr()
+        )
         return out
 
     def linear(

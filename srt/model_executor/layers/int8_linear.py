@@ -152,7 +152,9 @@ def int8_products(q: torch.Tensor, qw: Int8Weight) -> torch.Tensor:
     return torch._int_mm(q, qw.weight_t)
 
 
-def dequantize(acc: torch.Tensor, scale: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def dequantize(
+    acc: torch.Tensor, scale: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
     """fp32 [M, N] from the int32 products acc [2M, N] of `quantize_two_level`'s rows (scales `scale`) with
     the weight: the two levels meet in one exact integer, 126 * acc1 + acc2 (int64: no overflow at any K),
     converted once, times the channel scale, times the residual level's scale s / 126, plus the bias."""

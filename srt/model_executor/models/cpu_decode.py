@@ -13,7 +13,6 @@ the modules.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,12 @@ class _Layer:
 def _linear(qw: Int8Weight, bias: torch.Tensor | None) -> _Linear:
     n, k = qw.weight.shape
     return _Linear(
-        qw.weight.data_ptr(), qw.scale.data_ptr(), qw.wsum.data_ptr(), None if bias is None else bias.data_ptr(), n, k
+        qw.weight.data_ptr(),
+        qw.scale.data_ptr(),
+        qw.wsum.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        n,
+        k,
     )
 
 
@@ -74,21 +78,19 @@ class CpuDecodeStep:
         self.half = int(pool.get_kv_buffer(0)[0].dtype == torch.float16)
         self.layers = []
         for i, layer in enumerate(model.model.layers):
-            a, m = layer.self_attn, layer.mlp
             k_buf, v_buf = pool.get_kv_buffer(i)
             self.layers.append(
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    _linear(a.qkv_proj.quant, a.qkv_proj.bias),
-                    _linear(a.o_proj.quant, a.o_proj.bias),
-                    _linear(m.gate_up_proj.quant, m.gate_up_proj.bias),
-                    _linear(m.down_proj.quant, m.down_proj.bias),
+                    *(_linear(p.quant, p.bias) for p in _projections(layer)),
                     k_buf.data_ptr(),
                     v_buf.data_ptr(),
                 )
             )
-        self.max_k = max(lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.max_k = max(
+            lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
         # packed weights (VNNI) leave the fused kernel only a few tokens; plain ones (AVX2) every batch size
         packed = any(w.packed is not None for w in _weights(model))
         self.max_batch = kernels.max_small_rows if packed else None
@@ -114,7 +116,9 @@ class CpuDecodeStep:
     def takes(self, bs: int) -> bool:
         return self.max_batch is None or bs <= self.max_batch
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         """As LlamaForCausalLM.hidden_states for a decode step: the last layer's output [bs, hidden]."""
         lib, m = self._lib, input_ids.shape[0]
         hidden = self.model.model.embed_tokens(input_ids)
@@ -137,7 +141,9 @@ class CpuDecodeStep:
         heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]
 
         def linear(lin: _Linear, x: int, out: int) -> None:
-            lib.srt_w8a8_linear(x, m, lin.k, lin.k, lin.weight, lin.scale, lin.wsum, lin.bias, lin.n, out, q_ptr, qs_ptr)
+            lib.srt_w8a8_linear(
+                x, m, lin.k, lin.k, lin.weight, lin.scale, lin.wsum, lin.bias, lin.n, out, q_ptr, qs_ptr
+            )
 
         for layer in self.layers:
             lib.srt_rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
@@ -162,9 +168,11 @@ class CpuDecodeStep:
         return hidden
 
 
+def _projections(layer) -> tuple:
+    """A decoder layer's linear layers in the order _Layer holds them: qkv, o, gate_up, down."""
+    a, m = layer.self_attn, layer.mlp
+    return a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
+
+
 def _weights(model) -> list[Int8Weight]:
-    out = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        out += [p.quant for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-    return out
+    return [p.quant for layer in model.model.layers for p in _projections(layer)]

@@ -1,8 +1,8 @@
 """How many prefill tokens a mixed step (`--enable-mixed-chunk`) may carry next to the running batch's decode.
 
 The rule: a mixed step may take at most `MIXED_STEP_COST_MULTIPLE` times as long as a decode step of the
-same running batch, so a prompt arriving while others decode stretches their inter-token gap by a bounded
-factor instead of by a whole prefill.
+same running batch, or `MIXED_STEP_FLOOR_SECONDS` if that is longer, so a prompt arriving while others
+decode stretches their inter-token gap by a bounded amount instead of by a whole prefill.
 
 The scheduler feeds every forward step's time to a step-cost model t = a + b x tokens, fitted online:
 `a` (the fixed cost of a step: on a CPU, streaming the weights once) from decode steps, `b` (seconds per
@@ -11,8 +11,12 @@ averages. With D decoding requests, the prefill budget C solves a + b (D + C) = 
 
     C = (K - 1) (a + b D) / b
 
-clamped to [`MIN_MIXED_PREFILL_TOKENS`, the step's other limits] (`--chunked-prefill-size` and
-`--max-prefill-tokens` still cap it). Until both terms are measured, `DEFAULT_MIXED_PREFILL_TOKENS`.
+A small running batch makes that budget small (a lean decode step of a few requests takes milliseconds on
+a CPU), and a mixed step of a few dozen tokens spends most of its time on what every step costs whatever
+its size. So a mixed step may also fill the floor T whatever the batch, a gap a reader of streamed text
+does not notice: C = (T - a) / b - D when that is larger. The budget is clamped to
+[`MIN_MIXED_PREFILL_TOKENS`, the step's other limits] (`--chunked-prefill-size` and `--max-prefill-tokens`
+still cap it). Until `b` is measured, `DEFAULT_MIXED_PREFILL_TOKENS`.
 
 With tensor parallelism every rank must build the same batches, and measured times differ between ranks:
 there the model is not fed (`adaptive=False`) and the budget stays at the default, identical everywhere.
@@ -24,6 +28,10 @@ from srt.server_args import ServerArgs
 
 # A mixed step may cost this many decode steps of the same running batch (the decode step included).
 MIXED_STEP_COST_MULTIPLE = 4.0
+# ... or this long, whichever is longer. Measured with the int8 CPU default (bench_peers, concurrency 64):
+# chunks of ~33 tokens next to ~9 decoding requests gave 79 output tok/s, 0.25-0.4 s steps 101-129 tok/s
+# (noise of the 2-core machine) with ITL p99 0.55-0.83 s; 0.3 s keeps that p99 well under a second.
+MIXED_STEP_FLOOR_SECONDS = 0.3
 # Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
 MIN_MIXED_PREFILL_TOKENS = 32
 # The budget before the cost model has both terms (measured on this project's CPU with SmolLM2-135M fp32:
@@ -43,9 +51,15 @@ def mixed_chunk_enabled(args: ServerArgs, device: str) -> bool:
 
 
 class MixedChunkBudget:
-    def __init__(self, adaptive: bool = True, multiple: float = MIXED_STEP_COST_MULTIPLE):
+    def __init__(
+        self,
+        adaptive: bool = True,
+        multiple: float = MIXED_STEP_COST_MULTIPLE,
+        floor_seconds: float = MIXED_STEP_FLOOR_SECONDS,
+    ):
         self.adaptive = adaptive
         self.multiple = multiple
+        self.floor_seconds = floor_seconds
         self.fixed_seconds: float | None = None  # a
         self.token_seconds: float | None = None  # b
 
@@ -65,10 +79,16 @@ class MixedChunkBudget:
 
     def prefill_tokens(self, decode_tokens: int) -> int:
         """Prefill tokens the next mixed step may carry next to `decode_tokens` decoding requests."""
-        a, b = self.fixed_seconds, self.token_seconds
-        if a is None or b is None:
+        b = self.token_seconds
+        if b is None:
             return DEFAULT_MIXED_PREFILL_TOKENS
-        budget = (self.multiple - 1.0) * (a + b * decode_tokens) / b
+        # `a` is learnt from decode steps, and while prompts keep arriving every step is mixed; until one
+        # comes, 0 (b then carries the fixed cost, and the predicted step time stays right)
+        a = self.fixed_seconds or 0.0
+        budget = max(
+            (self.multiple - 1.0) * (a + b * decode_tokens) / b,
+            (self.floor_seconds - a) / b - decode_tokens,
+        )
         return max(MIN_MIXED_PREFILL_TOKENS, int(budget))
 
 

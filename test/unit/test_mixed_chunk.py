@@ -9,6 +9,7 @@ import pytest
 from srt.managers.mixed_chunk import (
     DEFAULT_MIXED_PREFILL_TOKENS,
     MIN_MIXED_PREFILL_TOKENS,
+    MIXED_STEP_FLOOR_SECONDS,
     MixedChunkBudget,
     mixed_chunk_enabled,
 )
@@ -96,7 +97,7 @@ def test_mixed_prefill_budget_is_capped_by_the_chunk_size_and_splits_long_prompt
 
 
 def test_budget_follows_the_documented_rule():
-    budget = MixedChunkBudget(multiple=3.0)
+    budget = MixedChunkBudget(multiple=3.0, floor_seconds=0.0)
     assert budget.prefill_tokens(4) == DEFAULT_MIXED_PREFILL_TOKENS  # nothing measured yet
     fixed, per_token = 0.060, 0.002
     for _ in range(40):  # prefill, decode and mixed steps of an exact linear cost model
@@ -113,6 +114,19 @@ def test_budget_follows_the_documented_rule():
     slow = MixedChunkBudget()
     slow.fixed_seconds, slow.token_seconds = 0.0, 1.0
     assert slow.prefill_tokens(1) == MIN_MIXED_PREFILL_TOKENS
+
+
+def test_a_small_batch_may_fill_the_floor_and_a_large_one_its_multiple():
+    """A few decoding requests make a cheap decode step; the mixed step may still last the floor, so
+    prefill chunks do not shrink to where each step's fixed cost dominates."""
+    budget = MixedChunkBudget(multiple=4.0, floor_seconds=0.3)
+    budget.fixed_seconds, budget.token_seconds = 0.010, 0.001
+    assert budget.prefill_tokens(8) == int((0.3 - 0.010) / 0.001) - 8  # floor: 282, multiple: 54
+    assert budget.prefill_tokens(128) == int(3 * (0.010 + 0.001 * 128) / 0.001)  # multiple: 414 > floor 162
+    # with a still unknown (only mixed steps so far), the floor counts it as 0
+    budget.fixed_seconds = None
+    assert budget.prefill_tokens(8) == int(0.3 / 0.001) - 8
+    assert MixedChunkBudget().floor_seconds == MIXED_STEP_FLOOR_SECONDS
 
 
 def test_budget_without_timing_stays_at_the_default():

@@ -14,6 +14,27 @@ CLIP_MAX_NEW_TOKENS = 4096
 # Queues longer than this fall back from lpm to fcfs: matching every waiting prompt each step costs more
 # than the better order gains.
 LPM_MAX_QUEUE = 128
+# Decode-memory reservation ratio (SGLang's new_token_ratio): the share of each running request's remaining
+# max_new_tokens that admission keeps free. It starts cautious, decays while decoding goes well and is raised
+# again after a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+# After a retraction, assume each remaining request decodes at least this many more tokens.
+RETRACT_DECODE_STEPS = 20
+
+
+def decayed_new_token_ratio(ratio: float) -> float:
+    """The ratio after one decode step that needed no retraction."""
+    return max(ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+
+def new_token_ratio_after_retraction(running: list[Req]) -> float:
+    """The ratio once a retraction has left `running`: what they decoded so far plus
+    `RETRACT_DECODE_STEPS` each, over what they may decode in all, never below the initial caution."""
+    decoded = sum(len(r.output_ids) for r in running)
+    budget = sum(r.sampling_params.max_new_tokens for r in running) or 1
+    return max(min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / budget), INIT_NEW_TOKEN_RATIO)
 
 
 def order_waiting_queue(policy: str, waiting: list[Req], tree_cache) -> None:

@@ -32,8 +32,16 @@ from srt.managers.fault_isolation import (
 from srt.managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
 from srt.managers.mixed_chunk import MixedChunkBudget, mixed_chunk_enabled
 from srt.managers.prompt_logprobs import plan_prompt_logprobs
+from srt.managers.request_checks import refusal
 from srt.managers.schedule_batch import Req, build_token_output
-from srt.managers.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
+from srt.managers.schedule_policy import (
+    INIT_NEW_TOKEN_RATIO,
+    AddResult,
+    PrefillAdder,
+    decayed_new_token_ratio,
+    new_token_ratio_after_retraction,
+    order_waiting_queue,
+)
 from srt.managers.scheduler_grammar import SchedulerGrammar
 from srt.managers.scheduler_reporter import NullReporter, StepReporter
 from srt.managers.scheduler_tracing import SchedulerTracing
@@ -47,15 +55,6 @@ from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# Decode-memory reservation ratio (SGLang's new_token_ratio): the share of each running request's remaining
-# max_new_tokens that admission keeps free. It starts cautious, decays while decoding goes well and is raised
-# again after a retraction.
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = 0.001
-# After a retraction, assume each remaining request decodes at least this many more tokens.
-RETRACT_DECODE_STEPS = 20
 
 
 class Scheduler:
@@ -122,7 +121,7 @@ class Scheduler:
         try:
             req = Req(recv.rid, recv.input_ids, params, recv.stream)
             self.tracing.attach(req, recv.trace)
-            req.finished_reason = self._refusal(req)
+            req.finished_reason = refusal(req, self.live, self.max_req_input_len, self.vocab_size)
             if not req.finished:
                 req.generator = make_generator(params.seed, self.default_generator)
             elif req.finished_reason.type == "error":  # the HTTP layer should have refused it already
@@ -142,29 +141,6 @@ class Scheduler:
             elif req.finished:
                 del self.live[req.rid]
                 self.finished_outside_step.append(req)
-
-    def _refusal(self, req: Req) -> FinishReason | None:
-        """Why a new request ends before it runs, if it does; raises for parameters that cannot be compared."""
-        ids, params = req.origin_input_ids, req.sampling_params
-        if req.rid in self.live:
-            return FinishReason("error", message=f"a request with rid {req.rid!r} is already running")
-        if not ids:
-            return FinishReason("error", message="the prompt is empty")
-        if len(ids) > self.max_req_input_len:
-            return FinishReason(
-                "error", message=f"prompt of {len(ids)} tokens exceeds the limit of {self.max_req_input_len}"
-            )
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            return FinishReason("error", message=f"prompt token ids must be in [0, {self.vocab_size})")
-        params.verify()
-        # Integer fields of another type (a bool, a float) would fail or not depending on the batch.
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "logprobs"):
-            value = getattr(params, name)
-            if type(value) is not int and not (name == "logprobs" and value is None):
-                return FinishReason("error", message=f"{name} must be an integer, got {value!r}")
-        if params.max_new_tokens == 0 and params.logprob_start_len is None:
-            return FinishReason("length")  # nothing to compute (with prompt logprobs: prefill, no sampling)
-        return None
 
     def abort_request(self, recv: AbortReq) -> None:
         """Remove a request wherever it is and free its memory; `rid=""` aborts every request."""
@@ -357,7 +333,7 @@ class Scheduler:
 
     def _after_decode(self) -> None:
         self.running = [r for r in self.running if not r.finished]
-        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        self.new_token_ratio = decayed_new_token_ratio(self.new_token_ratio)
 
     def _observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
         if self.mixed_budget is not None:
@@ -408,10 +384,7 @@ class Scheduler:
             self.finished_outside_step.append(req)
         if retracted:
             self.waiting[:0] = reversed(retracted)
-            decoded = sum(len(r.output_ids) for r in self.running)
-            budget = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
-            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / budget)
-            self.new_token_ratio = max(self.new_token_ratio, INIT_NEW_TOKEN_RATIO)
+            self.new_token_ratio = new_token_ratio_after_retraction(self.running)
             self.reporter.on_retraction(self, len(retracted))
             logger.info("Retracted %d request(s); new_token_ratio=%.2f", len(retracted), self.new_token_ratio)
 

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from srt.launch_server import (
+from srt.child_startup import (
     EXIT_CHILD_FAILED,
     EXIT_CONFIG_ERROR,
     StartupFailure,
-    _run_child,
+    run_child,
     startup_failure,
 )
 from srt.utils import (
@@ -168,7 +168,7 @@ def test_child_failure_before_ready_is_one_classified_line_without_traceback(cap
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_run_child, args=("srt-test", __name__, "_fails_like_the_scheduler", "x", writer)
+        target=run_child, args=("srt-test", __name__, "_fails_like_the_scheduler", "x", writer)
     )
     proc.start()
     writer.close()

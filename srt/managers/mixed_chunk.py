@@ -29,8 +29,8 @@ from srt.server_args import ServerArgs
 # A mixed step may cost this many decode steps of the same running batch (the decode step included).
 MIXED_STEP_COST_MULTIPLE = 4.0
 # ... or this long, whichever is longer. Measured with the int8 CPU default (bench_peers, concurrency 64):
-# chunks of ~33 tokens next to ~9 decoding requests gave 79 output tok/s, 0.25-0.4 s steps 101-129 tok/s
-# (noise of the 2-core machine) with ITL p99 0.55-0.83 s; 0.3 s keeps that p99 well under a second.
+# chunks of ~33 tokens next to ~9 decoding requests gave 79-85 output tok/s, 0.3-s steps 92-123 tok/s
+# (the 2-core machine's noise) with ITL p99 0.62-0.68 s; 0.4-s steps were no faster and reached 0.83 s.
 MIXED_STEP_FLOOR_SECONDS = 0.3
 # Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
 MIN_MIXED_PREFILL_TOKENS = 32
@@ -45,7 +45,7 @@ COST_EMA_WEIGHT = 0.25
 
 def mixed_chunk_enabled(args: ServerArgs, device: str) -> bool:
     """On when asked for; on a CPU also by default (scripts/bench_mixed_chunk.py measured lower inter-token
-    latency and equal or better throughput there, at the cost of a later first token in bursts), unless
+    latency and throughput equal within its noise there, at the cost of a later first token in bursts), unless
     `--disable-mixed-chunk`. Elsewhere it has not been measured, so it stays opt-in."""
     return args.enable_mixed_chunk or (device == "cpu" and not args.disable_mixed_chunk)
 

@@ -1,8 +1,9 @@
-"""Builds and loads `cpu_int8_kernels.c`, srt's fused int8 kernels for the CPU, and calls them.
+"""Builds and loads srt's fused int8 kernels for the CPU (`cpu_int8_linear_kernels.c`, `cpu_layer_kernels.c`), and
+calls them.
 
-Why C and ctypes rather than a torch C++ extension: the source is plain C without torch's headers, so it
-builds in about a second with the system compiler (torch extensions take a minute), for this very CPU
-(`-march=native`), once per source, compiler and CPU, into the srt cache. The library links OpenMP by the
+Why C and ctypes rather than a torch C++ extension: the sources are plain C without torch's headers, so they
+build in about a second with the system compiler (torch extensions take a minute), for this very CPU
+(`-march=native`), once per version of the sources, compiler and CPU, into the srt cache. The library links OpenMP by the
 same soname as torch's bundled runtime, which is already loaded, so both share one thread pool.
 
 Nothing depends on it: without a compiler, on a CPU without AVX2, or if the built library ever disagrees
@@ -26,13 +27,16 @@ from srt.model_source import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "cpu_int8_kernels.c")
+_HERE = os.path.dirname(__file__)
+# compiled together into one library; the header is part of what the cached library was built from
+SOURCES = tuple(os.path.join(_HERE, name) for name in ("cpu_int8_linear_kernels.c", "cpu_layer_kernels.c"))
+HEADERS = (os.path.join(_HERE, "cpu_kernels_common.h"),)
 COMPILER_ENV = "CC"
 DEFAULT_COMPILER = "cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
-# the probe's largest call spans three of the linear kernel's token blocks (TOKEN_BLOCK in the C source)
+# the probe's largest call spans three of the linear kernel's token blocks (TOKEN_BLOCK in cpu_int8_linear_kernels.c)
 TOKEN_BLOCK_PROBE = 32
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -51,7 +55,7 @@ _RETURNS = {"srt_decode_attention": ctypes.c_int, "srt_extend_attention": ctypes
 
 
 class CpuKernels:
-    """The loaded library, with its limits read from it (they live in one place: the C source)."""
+    """The loaded library, with its limits read from it (they live in one place: the C sources)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -251,8 +255,10 @@ def _cpu_signature() -> str:
 
 
 def library_path(cc: str, flags: tuple[str, ...]) -> str:
-    with open(SOURCE, "rb") as f:
-        h = hashlib.sha256(f.read())
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        with open(name, "rb") as f:
+            h.update(f.read())
     h.update(repr(flags).encode())
     h.update(_compiler_version(cc).encode())
     h.update(_cpu_signature().encode())
@@ -260,7 +266,7 @@ def library_path(cc: str, flags: tuple[str, ...]) -> str:
 
 
 def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> str:
-    """Compile the library unless this source, compiler, flag set and CPU already have one; its path.
+    """Compile the library unless these sources, compiler, flag set and CPU already have one; its path.
     Written under a temporary name and renamed, so concurrent builders (tensor-parallel ranks) never load a
     half-written file."""
     cc = cc or os.environ.get(COMPILER_ENV) or DEFAULT_COMPILER
@@ -272,7 +278,7 @@ def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> str:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *flags, SOURCE, "-o", tmp, "-lm"],
+            [cc, *flags, *SOURCES, "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,

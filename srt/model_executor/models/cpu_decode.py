@@ -2,7 +2,7 @@
 
 Why: at batch 1 a decode step's kernels take about 7 ms on a 2-core AMD EPYC, and the module path around
 them (module calls, shape checks and allocations per op, the K/V write through indexing) took about as
-long again. This loop calls the same kernels (`cpu_int8_kernels.c`) on the same operands in the same order
+long again. This loop calls the same kernels (`cpu_*_kernels.c`) on the same operands in the same order
 as the module path, so it gives the same bits; the test suite compares the two token for token.
 
 It takes a step only where every kernel would have been used by the module path too: one tensor-parallel

@@ -1,6 +1,6 @@
 """The int8 CPU model is batch-invariant: a sequence's logits are the same to the bit however the scheduler
 ran it. Its linear layers multiply integers exactly, its norms and activations work row by row, and extend
-and decode attention share one order of operations per token (`cpu_layer_kernels.c`). So a greedy request's
+and decode attention share one order of operations per token (`cpu_attention_kernels.c`). So a greedy request's
 output cannot depend on chunked prefill, a prefix-cache hit, retraction and re-prefill, mixed steps, or
 what else was running: what users of a server rightly expect, and what the overload test relies on."""
 

@@ -1,6 +1,6 @@
-"""srt's fused CPU int8 kernels (`cpu_int8_linear_kernels.c`, `cpu_layer_kernels.c`): they build with the system
-compiler, reproduce the PyTorch int8 path to the bit in every instruction-set variant, give a token the same
-result alone or in a batch, and their absence (no compiler) only means PyTorch ops."""
+"""srt's fused CPU int8 kernels (`cpu_*_kernels.c`): they build with the system compiler, reproduce the
+PyTorch int8 path to the bit in every instruction-set variant, give a token the same result alone or in a
+batch, and their absence (no compiler) only means PyTorch ops."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ sequences of one token each) through the decode path, so the running requests' a
 costs in a decode step.
 
 With the int8 model's CPU kernels, extend and decode both attend straight out of the pool through kernels
-that share one order of operations per token (`cpu_layer_kernels.c`, attend_rows): a token's attention
+that share one order of operations per token (`cpu_attention_kernels.c`, attend_rows): a token's attention
 does not depend on how its prompt was split into chunks, on a prefix-cache hit, on retraction and
 re-prefill, or on what else is in the step. Together with the row-invariant int8 linear layers this makes
 the int8 CPU model batch-invariant: a greedy request's output is the same however it was scheduled.

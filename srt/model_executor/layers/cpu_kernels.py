@@ -1,5 +1,4 @@
-"""Builds and loads srt's fused int8 kernels for the CPU (`cpu_int8_linear_kernels.c`, `cpu_layer_kernels.c`), and
-calls them.
+"""Builds and loads srt's fused int8 kernels for the CPU (`cpu_*_kernels.c`, one library), and calls them.
 
 Why C and ctypes rather than a torch C++ extension: the sources are plain C without torch's headers, so they
 build in about a second with the system compiler (torch extensions take a minute), for this very CPU
@@ -29,7 +28,10 @@ logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
 # compiled together into one library; the header is part of what the cached library was built from
-SOURCES = tuple(os.path.join(_HERE, name) for name in ("cpu_int8_linear_kernels.c", "cpu_layer_kernels.c"))
+SOURCES = tuple(
+    os.path.join(_HERE, name)
+    for name in ("cpu_int8_linear_kernels.c", "cpu_layer_kernels.c", "cpu_attention_kernels.c")
+)
 HEADERS = (os.path.join(_HERE, "cpu_kernels_common.h"),)
 COMPILER_ENV = "CC"
 DEFAULT_COMPILER = "cc"

@@ -1,6 +1,7 @@
 /* srt's CPU kernels for the int8 model, built at first use by cpu_kernels.py with this machine's compiler
- * and -march=native (cpu_int8_linear_kernels.c and cpu_layer_kernels.c into one library), and called
- * through ctypes. This header holds what both sources share: the instruction set, OpenMP, the helpers.
+ * and -march=native (cpu_int8_linear_kernels.c, cpu_layer_kernels.c and cpu_attention_kernels.c into one
+ * library), and called through ctypes. This header holds what the sources share: the instruction set,
+ * OpenMP, the vector and fp16 helpers.
  *
  * Why they exist: at decode sizes a W8A8 linear layer through PyTorch is a dozen small ops (quantize,
  * matmul, rescale, combine the two activation levels, bias) and oneDNN's packed int8 linear has a fixed
@@ -14,7 +15,7 @@
  * exact integer per output (126 * level-1 dot + level-2 dot), dequantized once in fp32 in the PyTorch path's
  * order; no FMA contraction (built with -ffp-contract=off), round half to even (nearbyintf in the default
  * rounding mode, as torch.round). The norm, activation and attention kernels sum in their own fixed order
- * instead (see cpu_layer_kernels.c). Every row is computed on its own, so no result depends on the batch,
+ * instead (see cpu_attention_kernels.c). Every row is computed on its own, so no result depends on the batch,
  * and attention gives a token the same bits in an extend step as in a decode step: the int8 model is batch-
  * invariant (test/unit/test_batch_invariance.py).
  */
@@ -52,4 +53,99 @@ static inline int omp_get_num_threads(void) { return 1; }
  * would be a serial chain: floating-point addition is not associative, so it may not reorder it). */
 #define LANES 16
 
+/* ---- Vector arithmetic and fp16, shared by the layer and attention kernels ---- */
+
+/* Eight floats as one vector value (GCC/Clang vector extension: an AVX register where there is one, else
+ * pairs of SSE registers or scalars; the arithmetic is elementwise IEEE either way). aligned(4): loads and
+ * stores of any float address. */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+static inline v8f v8f_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+/* a where mask, else b (mask lanes all ones or all zeros, as vector comparisons give them) */
+static inline v8f v8f_select(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+/* e^x to about 2 ulp in a form the compiler vectorizes (libm's expf is a scalar call): x = n ln2 + r with
+ * ln2 split in two for an exact reduction, then a degree-6 polynomial for e^r on |r| <= ln2 / 2 (the
+ * classic single-precision minimax coefficients), scaled by 2^n through the exponent bits. */
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* exp_vec on eight lanes: the same operations, with round-to-nearest-even done by adding and subtracting
+ * 1.5 * 2^23 (exact for |x| < 2^22, which the clamp guarantees) instead of a call to nearbyintf. */
+static inline v8f exp_v8(v8f x) {
+    const v8f lo = v8f_splat(-87.0f), hi = v8f_splat(88.0f), shifter = v8f_splat(12582912.0f);
+    x = v8f_select(x < lo, lo, x);
+    x = v8f_select(x > hi, hi, x);
+    const v8f n = (x * 1.44269504088896341f + shifter) - shifter;
+    v8f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v8f p = v8f_splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)bits;
+}
+
+/* The pool holds K/V in fp32 or fp16 (`half`, a constant wherever it is tested: every function that reads
+ * the pool is inlined into one copy per format). fp16 becomes fp32 exactly, by F16C where the CPU has it,
+ * else bit by bit: both give the same floats. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        uint32_t shifts = 0;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            shifts++;
+        }
+        bits = sign | ((113u - shifts) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* fp32 -> fp16, rounding to nearest even as PyTorch's conversion does (NaNs aside: any NaN stays a NaN). */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);   /* nan */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* inf, or rounds up to it (>= 65520) */
+    if (ax < 0x38800000u) {                                    /* below 2^-14: a subnormal half (or 0) */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f)); /* in units of 2^-24, exact scaling */
+    }
+    const uint32_t rebiased = ax - 0x38000000u; /* exponent bias 127 -> 15 */
+    return (uint16_t)(sign | ((rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13));
+}
 #endif /* SRT_CPU_KERNELS_COMMON_H */

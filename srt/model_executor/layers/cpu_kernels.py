@@ -264,7 +264,7 @@ def library_path(cc: str, flags: tuple[str, ...]) -> str:
     h.update(repr(flags).encode())
     h.update(_compiler_version(cc).encode())
     h.update(_cpu_signature().encode())
-    return os.path.join(cache_root(), "kernels", f"cpu_int8_kernels-{h.hexdigest()[:16]}.so")
+    return os.path.join(cache_root(), "kernels", f"cpu_kernels-{h.hexdigest()[:16]}.so")
 
 
 def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> str:

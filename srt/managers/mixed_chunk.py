@@ -30,11 +30,12 @@ from srt.server_args import ServerArgs
 MIXED_STEP_COST_MULTIPLE = 4.0
 # ... or this long, whichever is longer. Measured with the int8 CPU default (bench_peers, concurrency 64):
 # chunks of ~33 tokens next to ~9 decoding requests gave 79-85 output tok/s, 0.3-s steps 92-123 tok/s
-# (the 2-core machine's noise) with ITL p99 0.62-0.68 s; 0.4-s steps were no faster and reached 0.83 s.
+# (the 2-core machine's noise) with ITL p99 0.62-0.68 s; 0.4-s steps 110-129 tok/s, no clear gain within
+# that noise, with ITL p99 up to 0.83 s.
 MIXED_STEP_FLOOR_SECONDS = 0.3
 # Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
 MIN_MIXED_PREFILL_TOKENS = 32
-# The budget before the cost model has both terms (measured on this project's CPU with SmolLM2-135M fp32:
+# The budget before the cost model has measured b (measured on this project's CPU with SmolLM2-135M fp32:
 # a ~ 60 ms, b ~ 2.2 ms/token, so about (4 - 1) x 60 / 2.2 ~ 80 tokens at a small batch; 64 errs low).
 DEFAULT_MIXED_PREFILL_TOKENS = 64
 # Steps with fewer prefill tokens than this say too little about the per-token cost to be used.

@@ -2,8 +2,9 @@
 
 The HTTP layer validates every field first; these checks are the scheduler's own: they depend on what only
 it knows (the requests it holds, the KV capacity, the model's vocabulary), and they are the last guard
-against a message that did not come through that layer, so nothing here may raise for a malformed value
-except the parameters' own `verify()` (the caller isolates that failure to the request)."""
+against a message that did not come through that layer. A value that cannot even be compared (an id that
+is not a number) or that the parameters' own `verify()` rejects raises; the caller finishes that request
+alone with an error."""
 
 from __future__ import annotations
 

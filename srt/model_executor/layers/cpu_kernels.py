@@ -1,9 +1,10 @@
 """Builds and loads srt's fused int8 kernels for the CPU (`cpu_*_kernels.c`, one library), and calls them.
 
-Why C and ctypes rather than a torch C++ extension: the sources are plain C without torch's headers, so they
-build in about a second with the system compiler (torch extensions take a minute), for this very CPU
-(`-march=native`), once per version of the sources, compiler and CPU, into the srt cache. The library links OpenMP by the
-same soname as torch's bundled runtime, which is already loaded, so both share one thread pool.
+Why C and ctypes rather than a torch C++ extension: the sources are plain C without torch's headers, so
+they build in about a second with the system compiler (torch extensions take a minute), for this very CPU
+(`-march=native`), once per version of the sources, compiler and CPU, into the srt cache. The library links
+OpenMP by the same soname as torch's bundled runtime, which is already loaded, so both share one thread
+pool.
 
 Nothing depends on it: without a compiler, on a CPU without AVX2, or if the built library ever disagrees
 with the PyTorch path on the probe, `load()` returns None and `int8_linear.py` keeps its PyTorch ops.
@@ -38,7 +39,8 @@ DEFAULT_COMPILER = "cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
-# the probe's largest call spans three of the linear kernel's token blocks (TOKEN_BLOCK in cpu_int8_linear_kernels.c)
+# the probe's largest call spans three of the linear kernel's token blocks
+# (TOKEN_BLOCK in cpu_int8_linear_kernels.c)
 TOKEN_BLOCK_PROBE = 32
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64

@@ -122,7 +122,7 @@ class CpuDecodeStep:
         """As LlamaForCausalLM.hidden_states for a decode step: the last layer's output [bs, hidden]."""
         lib, m = self._lib, input_ids.shape[0]
         hidden = self.model.model.embed_tokens(input_ids)
-        cos, sin = self.model.rope.cos[positions], self.model.rope.sin[positions]
+        cos, sin = self.model.rope.tables(positions)  # [m, 1, head_dim / 2], contiguous
         normed = torch.empty((m, self.hidden))
         qkv = torch.empty((m, self.q_size + 2 * self.kv_size))
         attn = torch.empty((m, self.q_size))

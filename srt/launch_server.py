@@ -36,6 +36,7 @@ from srt.child_startup import (
 )
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import (
+    CHILD_STOP_SIGNAL,
     ConfigError,
     bind_listener,
     configure_logging,
@@ -255,7 +256,7 @@ class Launcher:
 
     # ---- shutdown ----
     def shutdown(self) -> None:
-        """Stop every child (SIGTERM, then SIGKILL), drop their live gauges, remove the temp dirs."""
+        """Stop every child (CHILD_STOP_SIGNAL, then SIGKILL), drop their live gauges, remove the temp dirs."""
         if self.stopping.is_set():
             return
         self.stopping.set()
@@ -265,7 +266,7 @@ class Launcher:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         for child in self.children:
             if child.process.pid is not None:
-                kill_process_tree(child.process.pid)
+                kill_process_tree(child.process.pid, sig=CHILD_STOP_SIGNAL)
                 child.process.join(POLL_SECONDS)
         if self.args.metrics_enabled:
             from srt.metrics.multiprocess import cleanup_multiprocess_dir, mark_process_dead

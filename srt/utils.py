@@ -34,6 +34,12 @@ PR_SET_PDEATHSIG = 1
 PARENT_POLL_SECONDS = 1.0
 # Time a process gets to exit after SIGTERM before it is SIGKILLed.
 TERMINATE_GRACE_SECONDS = 3.0
+# The signal the launcher stops its children with. Not SIGTERM: service managers (systemd's default
+# KillMode=control-group, `kill -- -PGID`) send SIGTERM to every process of the server at once, and a
+# child that died of it would cut the in-flight requests the launcher is draining. So the children ignore
+# SIGTERM (and SIGINT, which Ctrl-C sends to the whole process group) and die of this one, whose default
+# action ends the process as SIGTERM's did.
+CHILD_STOP_SIGNAL = signal.SIGUSR1
 # Index of `starttime` (field 22 of /proc/<pid>/stat) among the fields after the command name (field 2).
 STAT_STARTTIME_INDEX = 19
 
@@ -190,14 +196,16 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[STAT_STARTTIME_INDEX]) if fields is not None else None
 
 
-def kill_process_tree(pid: int, include_parent: bool = True, grace: float = TERMINATE_GRACE_SECONDS) -> None:
-    """SIGTERM a process and all its descendants, then SIGKILL whatever is still alive after `grace`."""
+def kill_process_tree(
+    pid: int, include_parent: bool = True, grace: float = TERMINATE_GRACE_SECONDS, sig: int = signal.SIGTERM
+) -> None:
+    """Send `sig` to a process and all its descendants, then SIGKILL whatever is still alive after `grace`."""
     targets = descendant_pids(pid)
     if include_parent:
         targets.append(pid)
     for p in targets:
         try:
-            os.kill(p, signal.SIGTERM)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace

@@ -113,6 +113,40 @@ def test_signal_shuts_down_cleanly(sig):
         server.stop(signal.SIGKILL)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_still_drains(sig):
+    """systemd's default stop (KillMode=control-group), `kill -- -PGID` and Ctrl-C signal every process of
+    the server at once: the children outlive the drain, so a request in flight still runs to its end."""
+    server = launch_server()
+    try:
+        tree = [server.proc.pid, *server.child_pids().values()]
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "Tell me a story.", "max_tokens": 120, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{server.openai_base_url}/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        started.set()
+
+        client = threading.Thread(target=stream, daemon=True)
+        client.start()
+        assert started.wait(120), "the stream never started"
+        os.killpg(server.proc.pid, sig)
+        client.join(60)
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(30) == 0
+        assert "died" not in server.logs()
+        assert wait_gone(tree, 5) == []
+    finally:
+        server.stop(signal.SIGKILL)
+
+
 def test_a_child_that_cannot_start_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
     server = launch_server("--model-path", str(tmp_path), wait=False)

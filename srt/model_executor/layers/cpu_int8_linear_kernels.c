@@ -158,8 +158,7 @@ static inline int32_t hsum8(__m256i c) {
 /* The full tile, 2 weight rows x 4 activation rows over k <= K_CHUNK: acc[a * TILE_W + r] += dot. Written in
  * assembly because GCC 12 compiled the same intrinsics with a register copy per accumulator and step and
  * ran at 60 % of this loop's speed (2-core AMD EPYC). */
-static inline void tile_full(const int16_t *a, int64_t a_stride, const int8_t *w, int64_t w_stride, int64_t k,
-                             int64_t *acc) {
+static inline __m256i tile_sums(const int16_t *a, int64_t a_stride, const int8_t *w, int64_t w_stride, int64_t k) {
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
             c31 = c00;
     const int8_t *w0 = w, *w1 = w + w_stride;
@@ -193,10 +192,37 @@ static inline void tile_full(const int16_t *a, int64_t a_stride, const int8_t *w
     }
     const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(c00, c01), _mm256_hadd_epi32(c10, c11));
     const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(c20, c21), _mm256_hadd_epi32(c30, c31));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+static inline void tile_full(const int16_t *a, int64_t a_stride, const int8_t *w, int64_t w_stride, int64_t k,
+                             int64_t *acc) {
     int32_t sums[8];
-    _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
-                                                          _mm256_permute2x128_si256(g0, g1, 0x31)));
+    _mm256_storeu_si256((__m256i *)sums, tile_sums(a, a_stride, w, w_stride, k));
     for (int x = 0; x < 8; x++) acc[x] += sums[x];
+}
+
+/* A full tile over a whole row of k <= K_CHUNK, dequantized and stored as vectors: the 8 exact int32 sums
+ * (tokens a0..a0+3 x channels j, j+1) convert to fp32 as the int64 path does (exact integers, one
+ * rounding), then (x channel scale) x residual scale (+ bias), the same operations in the same order. */
+static inline void tile_store(const int16_t *a, int64_t k, const int8_t *w, const float *wscale, const float *s2,
+                              const float *bias, float *out, int64_t n) {
+    const __m256 e = _mm256_cvtepi32_ps(tile_sums(a, k, w, k, k));
+    double wpair, bpair;
+    memcpy(&wpair, wscale, sizeof wpair);
+    const __m256 ws = _mm256_castpd_ps(_mm256_set1_pd(wpair));
+    const __m128 s = _mm_loadu_ps(s2);
+    const __m256 ss = _mm256_set_m128(_mm_unpackhi_ps(s, s), _mm_unpacklo_ps(s, s));
+    __m256 o = _mm256_mul_ps(_mm256_mul_ps(e, ws), ss);
+    if (bias) {
+        memcpy(&bpair, bias, sizeof bpair);
+        o = _mm256_add_ps(o, _mm256_castpd_ps(_mm256_set1_pd(bpair)));
+    }
+    const __m128 lo = _mm256_castps256_ps128(o), hi = _mm256_extractf128_ps(o, 1);
+    _mm_storel_pi((__m64 *)out, lo);
+    _mm_storeh_pi((__m64 *)(out + n), lo);
+    _mm_storel_pi((__m64 *)(out + 2 * n), hi);
+    _mm_storeh_pi((__m64 *)(out + 3 * n), hi);
 }
 
 /* A partial tile (NA activation rows, NW weight rows, constants after inlining): the rows a block or a
@@ -253,7 +279,12 @@ static void linear16(const float *x, int64_t m, int64_t k, int64_t x_stride, con
                 const int64_t j1 = j0 + chunk < n ? j0 + chunk : n;
                 for (int64_t a0 = b0; a0 < b0 + tb; a0 += TILE_A) {
                     const int na = b0 + tb - a0 < TILE_A ? (int)(b0 + tb - a0) : TILE_A;
-                    for (int64_t j = j0; j < j1; j += TILE_W) {
+                    int64_t j = j0;
+                    if (na == TILE_A && k <= K_CHUNK)
+                        for (; j + TILE_W <= j1; j += TILE_W)
+                            tile_store(v + a0 * k, k, w + j * k, wscale + j, vscale + m + a0, bias ? bias + j : NULL,
+                                       out + a0 * n + j, n);
+                    for (; j < j1; j += TILE_W) {
                         const int nw = j1 - j < TILE_W ? (int)(j1 - j) : TILE_W;
                         int64_t acc[TILE_A * TILE_W] = {0};
                         for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK)

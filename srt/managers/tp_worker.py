@@ -9,13 +9,15 @@ While idle, rank 0 broadcasts a heartbeat instead, so a waiting peer never hits 
 dead peer is noticed.
 
 Liveness: rank 0 watches its peers and exits (non-zero) the moment one dies, so the launcher's watchdog
-fires; a peer dies with rank 0 (parent-death signal) or fails its next collective.
+fires; a peer dies with rank 0 (parent-death signal; rank 0 also ends its peers when it exits) or fails its
+next collective.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -25,7 +27,7 @@ from srt.managers.scheduler import Scheduler
 from srt.managers.scheduler_process import build_runner, dispatch
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import set_parent_death_signal, set_process_name, watch_parent_process
+from srt.utils import CHILD_STOP_SIGNAL, set_parent_death_signal, set_process_name, watch_parent_process
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,17 @@ class TpPeers:
 
     def __init__(self, processes: list[mp.process.BaseProcess]):
         self.processes = processes
+        # When this process ends (it is itself a multiprocessing child, so not through atexit), multiprocessing
+        # SIGTERMs its daemon children and waits for them. The peers ignore SIGTERM (inherited from this
+        # process, see child_startup.py): after an uncaught exception this rank would wait forever and the
+        # launcher would never notice. Finalizers of priority >= 0 run before that wait.
+        multiprocessing.util.Finalize(None, self.stop, exitpriority=10)
+
+    def stop(self) -> None:
+        """End every peer (they die of CHILD_STOP_SIGNAL, not SIGTERM)."""
+        for proc in self.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, CHILD_STOP_SIGNAL)
 
     @classmethod
     def start(cls, server_args: ServerArgs, model_dir: str, dp_rank: int, init_method: str) -> TpPeers:
@@ -127,7 +140,10 @@ def run_tp_peer(
     set_process_name(peer_process_name(tp_rank))
     set_parent_death_signal()  # rank 0 killed with SIGKILL must not leave this rank behind
     watch_parent_process()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the launcher decides when we stop
+    # only the launcher decides when we stop (CHILD_STOP_SIGNAL, through rank 0's process tree)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(CHILD_STOP_SIGNAL, signal.SIG_DFL)
     configure_process_logging(
         server_args.log_level, rank_tag(tp_rank, dp_rank if server_args.dp_size > 1 else None)
     )

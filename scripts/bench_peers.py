@@ -4,10 +4,13 @@ Starts, one after another: srt (`python -m srt.launch_server`), `transformers se
 (fp32; extra `transformers[serving]`) and llama.cpp's server from `llama-cpp-python[server]` on the GGUF
 (skipped with a message when not installed). Each gets the same greedy workloads with fixed lengths
 (input 256, output 64 tokens) at concurrency 1, 16 and 64, and one table compares them, with srt's ratio to
-each peer. Slow by nature (tens of minutes on 2 cores): a benchmark, never part of the test suite.
+each peer. Slow by nature (tens of minutes on 2 cores): a benchmark, never part of the test suite. On a
+noisy machine one run's ratio says little: `--rounds N` runs the peers N times, taking turns, and reports
+each level's median run and every round's figure.
 
     python scripts/bench_peers.py                                   # all peers, the issue's workloads
     python scripts/bench_peers.py --peers srt,llama.cpp --plot /tmp/peers --output-file peers.json
+    python scripts/bench_peers.py --peers srt,llama.cpp --concurrency 64 --num-prompts 64 --rounds 3
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from srt.bench.peers import (
     comparison_table,
     llama_cpp_peer,
     machine_description,
+    median_runs,
+    rounds_table,
     srt_fp32_peer,
     srt_peer,
     transformers_peer,
@@ -60,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="server logs; default: a temporary directory")
     p.add_argument("--output-file", default=None, help="JSON with every run's summary and request timings")
     p.add_argument("--plot", default=None, metavar="DIR", help="throughput / p99 vs concurrency charts")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every peer this many times, taking turns (odd: a true median); the tables then show each "
+        "level's median run, and a table of every round's output tok/s follows",
+    )
     p.add_argument("--disable-tqdm", action="store_true")
     return p
 
@@ -69,17 +81,17 @@ def _ints(text: str) -> list[int]:
 
 
 async def bench_peer(
-    peer, levels, counts, dataset, count_tokens, log_dir, show_progress, runs, peak_rss
+    peer, levels, counts, dataset, count_tokens, log_path, show_progress, runs, peak_rss
 ) -> None:
     """Start one server, warm it up with one full-size request, run every level into `runs`, stop it (its
-    peak RSS goes into `peak_rss`). Appending as it goes keeps the finished levels when interrupted."""
-    log_path = os.path.join(log_dir, f"{peer.name}.log")
+    peak RSS goes into `peak_rss`, the largest of any round). Appending as it goes keeps the finished levels
+    when interrupted."""
     server = RunningServer(peer, log_path)
     try:
         await _bench_levels(server, peer, levels, counts, dataset, count_tokens, show_progress, runs)
     finally:
         server.stop()
-        peak_rss[peer.name] = server.peak_rss
+        peak_rss[peer.name] = max(peak_rss.get(peer.name, 0), server.peak_rss)
 
 
 async def _bench_levels(server, peer, levels, counts, dataset, count_tokens, show_progress, runs) -> None:
@@ -105,10 +117,12 @@ async def _bench_levels(server, peer, levels, counts, dataset, count_tokens, sho
             runs.append(run)
 
 
-async def main_async(args: argparse.Namespace) -> tuple[dict[str, list[RunResult]], dict[str, int]]:
+async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunResult]]], dict[str, int]]:
     levels, counts = _ints(args.concurrency), _ints(args.num_prompts)
     if len(levels) != len(counts):
         raise SystemExit("--num-prompts needs one count per --concurrency level")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     model_dir = resolve_model_dir(None)
     tokenizer = load_tokenizer(model_dir)
 
@@ -121,47 +135,64 @@ async def main_async(args: argparse.Namespace) -> tuple[dict[str, list[RunResult
     )
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_peers_")
     os.makedirs(log_dir, exist_ok=True)
-    results: dict[str, list[RunResult]] = {}
+    names = args.peers.split(",")
+    for name in names:
+        if name not in PEER_FACTORIES:
+            raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEER_FACTORIES)}")
+    rounds: list[dict[str, list[RunResult]]] = []
     peak_rss: dict[str, int] = {}
     # Ctrl-C or SIGTERM stops the current server cleanly and still prints what was measured.
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
-    for i, name in enumerate(args.peers.split(",")):
-        if name not in PEER_FACTORIES:
-            raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEER_FACTORIES)}")
-        source = default_gguf_path() if name == "llama.cpp" else model_dir
-        peer = PEER_FACTORIES[name](args.base_port + i, source)
-        if peer.missing:
-            logger.warning("%s", peer.missing)
-            continue
-        runs = results.setdefault(name, [])
-        try:
-            await bench_peer(
-                peer, levels, counts, dataset, count_tokens, log_dir, not args.disable_tqdm, runs, peak_rss
-            )
-        except (RuntimeError, TimeoutError) as exc:
-            logger.error("%s could not be benchmarked: %s", name, exc)
-        except asyncio.CancelledError:
-            logger.warning("interrupted during %s: reporting what was measured so far", name)
+    interrupted = False
+    for r in range(args.rounds):
+        results: dict[str, list[RunResult]] = {}
+        rounds.append(results)
+        for i, name in enumerate(names):
+            source = default_gguf_path() if name == "llama.cpp" else model_dir
+            peer = PEER_FACTORIES[name](args.base_port + i, source)
+            if peer.missing:
+                if r == 0:
+                    logger.warning("%s", peer.missing)
+                continue
+            log_name = f"{name}.log" if args.rounds == 1 else f"{name}-round{r + 1}.log"
+            runs = results.setdefault(name, [])
+            try:
+                await bench_peer(
+                    peer, levels, counts, dataset, count_tokens, os.path.join(log_dir, log_name),
+                    not args.disable_tqdm, runs, peak_rss,
+                )  # fmt: skip
+            except (RuntimeError, TimeoutError) as exc:
+                logger.error("%s could not be benchmarked: %s", name, exc)
+            except asyncio.CancelledError:
+                logger.warning("interrupted during %s: reporting what was measured so far", name)
+                interrupted = True
+                break
+        if interrupted:
             break
-    results = {name: runs for name, runs in results.items() if runs}
-    return results, peak_rss
+    rounds = [{name: runs for name, runs in results.items() if runs} for results in rounds]
+    return [results for results in rounds if results], peak_rss
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
-    results, peak_rss = asyncio.run(main_async(args))
-    if not results:
+    rounds, peak_rss = asyncio.run(main_async(args))
+    if not rounds:
         logger.error("no server could be benchmarked")
         return 1
+    results = median_runs(rounds)
     print(f"\nMachine: {machine_description()}")
     print(
         f"Workload: input {args.input_len} / output {args.output_len} tokens, greedy, fixed output length, "
         f"chat endpoint; prompts per level {args.num_prompts}\n"
     )
+    if len(rounds) > 1:
+        print(f"Each level's median run of {len(rounds)} rounds:\n")
     print(comparison_table(results))
+    if len(rounds) > 1:
+        print(f"\nOutput tok/s, round by round:\n\n{rounds_table(rounds)}")
     for name, rss in peak_rss.items():
         if name in results:
             print(f"peak RSS of {name} (sum of its processes' peaks, all levels): {rss / 2**30:.2f} GiB")
@@ -174,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_description(),
             "args": vars(args),
             "results": {name: [run.to_json() for run in runs] for name, runs in results.items()},
+            "rounds": [
+                {name: [run.to_json() for run in runs] for name, runs in results_of_round.items()}
+                for results_of_round in rounds
+            ],
         }
         with open(args.output_file, "w") as f:
             json.dump(payload, f, indent=1)

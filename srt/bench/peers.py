@@ -230,3 +230,50 @@ def comparison_table(results: dict[str, list[RunResult]]) -> str:
             cells = [_ratio(get(ours.summary), get(run.summary)) for _, get, _ in COLUMNS]
             lines.append(f"| srt ÷ {server} | {run.max_concurrency} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def median_runs(rounds: list[dict[str, list[RunResult]]]) -> dict[str, list[RunResult]]:
+    """Per server and concurrency, the run of median output tok/s across rounds (the lower middle one of an
+    even count): one whole run each, so a table of them compares figures measured together."""
+    by_level: dict[str, dict[int, list[RunResult]]] = {}
+    for results in rounds:
+        for server, runs in results.items():
+            for run in runs:
+                by_level.setdefault(server, {}).setdefault(run.max_concurrency, []).append(run)
+    return {
+        server: [
+            sorted(runs, key=lambda r: r.summary.output_throughput)[(len(runs) - 1) // 2]
+            for runs in levels.values()
+        ]
+        for server, levels in by_level.items()
+    }
+
+
+def rounds_table(rounds: list[dict[str, list[RunResult]]]) -> str:
+    """Output tok/s of every round per (server, concurrency), then srt ÷ peer within each round and of the
+    two medians: how far the figure of one run can be trusted on a noisy machine. A server or level missing
+    from a round is '-'."""
+
+    def tok_s(results: dict[str, list[RunResult]], server: str, level: int) -> float | None:
+        run = next((r for r in results.get(server, []) if r.max_concurrency == level), None)
+        return None if run is None else run.summary.output_throughput
+
+    medians = median_runs(rounds)
+    head = "| server | concurrency | " + " | ".join(f"round {i + 1}" for i in range(len(rounds)))
+    lines = [head + " | median |", "|" + "---|" * (len(rounds) + 3)]
+    for server, runs in medians.items():
+        for run in runs:
+            level = run.max_concurrency
+            cells = [_cell("{:.1f}", tok_s(r, server, level)) for r in rounds]
+            median = _cell("{:.1f}", run.summary.output_throughput)
+            lines.append(f"| {server} | {level} | " + " | ".join(cells) + f" | {median} |")
+    for server, runs in medians.items():
+        if server == REFERENCE or REFERENCE not in medians:
+            continue
+        for run in runs:
+            level = run.max_concurrency
+            cells = [_ratio(tok_s(r, REFERENCE, level), tok_s(r, server, level)) for r in rounds]
+            ours = tok_s(medians, REFERENCE, level)
+            median = _ratio(ours, run.summary.output_throughput)
+            lines.append(f"| srt ÷ {server} | {level} | " + " | ".join(cells) + f" | {median} |")
+    return "\n".join(lines)

@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from srt.bench.peers import comparison_table, llama_cpp_peer, srt_peer, transformers_peer
+from srt.bench.peers import (
+    comparison_table,
+    llama_cpp_peer,
+    median_runs,
+    rounds_table,
+    srt_peer,
+    transformers_peer,
+)
 from srt.bench.runner import RunResult
 from srt.bench.stats import RequestResult, summarize
 
@@ -49,3 +56,29 @@ def test_each_peer_gets_its_own_way_of_fixing_the_output_length(factory, fixed_o
     assert peer.target.base_url == "http://127.0.0.1:31234"
     assert flag in peer.command and "31234" in peer.command
     assert peer.target.model is None  # transformers serve rejects a model name other than its own
+
+
+def test_median_runs_take_each_levels_median_run_across_rounds():
+    rounds = [
+        {"srt": [run_at(1, 40, 0.5), run_at(64, 200, 1.0)]},
+        {"srt": [run_at(1, 60, 0.5), run_at(64, 100, 1.0)]},
+        {"srt": [run_at(1, 20, 0.5), run_at(64, 300, 1.0)]},
+    ]
+    medians = median_runs(rounds)
+    assert [r.max_concurrency for r in medians["srt"]] == [1, 64]
+    assert [r.summary.output_throughput for r in medians["srt"]] == [20.0, 100.0]  # tokens over 2 s
+    even = median_runs(rounds[:2])  # the lower middle one: never a figure better than half the runs
+    assert [r.summary.output_throughput for r in even["srt"]] == [20.0, 50.0]
+
+
+def test_rounds_table_shows_every_round_and_the_ratio_within_each_round():
+    rounds = [
+        {"srt": [run_at(64, 200, 1.0)], "llama.cpp": [run_at(64, 40, 5.0)]},
+        {"srt": [run_at(64, 180, 1.0)], "llama.cpp": [run_at(64, 60, 5.0)]},
+        {"srt": [run_at(64, 220, 1.0)]},  # llama.cpp missing from the last round
+    ]
+    rows = [line.split("|")[1:-1] for line in rounds_table(rounds).splitlines()[2:]]
+    cells = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
+    assert cells[("srt", "64")] == ["100.0", "90.0", "110.0", "100.0"]
+    assert cells[("llama.cpp", "64")] == ["20.0", "30.0", "-", "20.0"]
+    assert cells[("srt ÷ llama.cpp", "64")] == ["5.00x", "3.00x", "-", "5.00x"]

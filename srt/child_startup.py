@@ -7,14 +7,13 @@ from __future__ import annotations
 import importlib
 import multiprocessing.connection
 import re
-import signal
 import sys
 import traceback
 from dataclasses import dataclass
 
 from srt.utils import (
-    CHILD_STOP_SIGNAL,
     ConfigError,
+    leave_stopping_to_the_launcher,
     set_parent_death_signal,
     set_process_name,
     watch_parent_process,
@@ -95,12 +94,7 @@ def run_child(name: str, module: str, func: str, *args, **kwargs) -> None:
     set_process_name(name)
     set_parent_death_signal()  # a launcher killed with SIGKILL must not leave this child behind
     watch_parent_process()
-    # Ctrl-C and a service manager's SIGTERM reach every process of the server; the launcher alone decides
-    # when children stop, once it has drained what is in flight (CHILD_STOP_SIGNAL says why). Ignored
-    # dispositions survive exec, so the processes a child spawns (tensor-parallel ranks) ignore them too.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(CHILD_STOP_SIGNAL, signal.SIG_DFL)
+    leave_stopping_to_the_launcher()  # CHILD_STOP_SIGNAL says why
     pipe = ReadyPipe(args[-1])
     try:
         getattr(importlib.import_module(module), func)(*args[:-1], pipe, **kwargs)

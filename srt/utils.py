@@ -115,6 +115,14 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         logger.debug("prctl(PR_SET_PDEATHSIG) unavailable")
 
 
+def leave_stopping_to_the_launcher() -> None:
+    """In a child process: ignore SIGINT and SIGTERM, which Ctrl-C and service managers send to every
+    process of the server, and die of CHILD_STOP_SIGNAL, which the launcher sends once it has drained."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(CHILD_STOP_SIGNAL, signal.SIG_DFL)
+
+
 def set_process_name(name: str) -> None:
     """Name this process (`srt-scheduler`, `srt-detokenizer`) so ps, top and tests can tell the children
     apart; spawned children otherwise all look like `python -c from multiprocessing.spawn ...`."""

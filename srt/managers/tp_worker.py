@@ -19,7 +19,6 @@ import logging
 import multiprocessing as mp
 import multiprocessing.util
 import os
-import signal
 import threading
 import time
 
@@ -27,7 +26,13 @@ from srt.managers.scheduler import Scheduler
 from srt.managers.scheduler_process import build_runner, dispatch
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import CHILD_STOP_SIGNAL, set_parent_death_signal, set_process_name, watch_parent_process
+from srt.utils import (
+    CHILD_STOP_SIGNAL,
+    leave_stopping_to_the_launcher,
+    set_parent_death_signal,
+    set_process_name,
+    watch_parent_process,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +145,7 @@ def run_tp_peer(
     set_process_name(peer_process_name(tp_rank))
     set_parent_death_signal()  # rank 0 killed with SIGKILL must not leave this rank behind
     watch_parent_process()
-    # only the launcher decides when we stop (CHILD_STOP_SIGNAL, through rank 0's process tree)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(CHILD_STOP_SIGNAL, signal.SIG_DFL)
+    leave_stopping_to_the_launcher()  # it stops rank 0's whole process tree
     configure_process_logging(
         server_args.log_level, rank_tag(tp_rank, dp_rank if server_args.dp_size > 1 else None)
     )

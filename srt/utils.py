@@ -32,7 +32,7 @@ PROCESS_NAME_MAX_BYTES = 15
 PR_SET_PDEATHSIG = 1
 # How often a child checks that its parent is still alive, as a fallback where prctl is unavailable.
 PARENT_POLL_SECONDS = 1.0
-# Time a process gets to exit after SIGTERM before it is SIGKILLed.
+# Time a process gets to exit after the signal that asks it to stop before it is SIGKILLed.
 TERMINATE_GRACE_SECONDS = 3.0
 # The signal the launcher stops its children with. Not SIGTERM: service managers (systemd's default
 # KillMode=control-group, `kill -- -PGID`) send SIGTERM to every process of the server at once, and a

@@ -69,10 +69,10 @@ class TpPeers:
 
     def __init__(self, processes: list[mp.process.BaseProcess]):
         self.processes = processes
-        # When this process ends (it is itself a multiprocessing child, so not through atexit), multiprocessing
-        # SIGTERMs its daemon children and waits for them. The peers ignore SIGTERM (inherited from this
-        # process, see child_startup.py): after an uncaught exception this rank would wait forever and the
-        # launcher would never notice. Finalizers of priority >= 0 run before that wait.
+        # When this process ends (a multiprocessing child, so not through atexit), multiprocessing SIGTERMs
+        # its daemon children and waits for them. The peers ignore SIGTERM (see
+        # utils.leave_stopping_to_the_launcher): after an uncaught exception this rank would wait forever and
+        # the launcher would never notice. Finalizers of priority >= 0 run before that wait.
         multiprocessing.util.Finalize(None, self.stop, exitpriority=10)
 
     def stop(self) -> None:

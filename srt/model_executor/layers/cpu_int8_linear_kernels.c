@@ -155,8 +155,8 @@ static inline int32_t hsum8(__m256i c) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* The full tile, 2 weight rows x 4 activation rows over k <= K_CHUNK: acc[a * TILE_W + r] += dot. Written in
- * assembly because GCC 12 compiled the same intrinsics with a register copy per accumulator and step and
+/* The full tile, 2 weight rows x 4 activation rows over k <= K_CHUNK: the 8 dots, lane a * TILE_W + r.
+ * Written in assembly because GCC 12 compiled the same intrinsics with a register copy per accumulator and step and
  * ran at 60 % of this loop's speed (2-core AMD EPYC). */
 static inline __m256i tile_sums(const int16_t *a, int64_t a_stride, const int8_t *w, int64_t w_stride, int64_t k) {
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,

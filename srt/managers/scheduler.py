@@ -85,7 +85,9 @@ class Scheduler:
             Sampler(model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device),
             test_fault_rid=os.environ.get(TEST_FAULT_ENV) or None,
         )
-        self.default_generator = torch.Generator(device="cpu").manual_seed(server_args.random_seed)
+        self.default_generator = torch.Generator(device=model_runner.device).manual_seed(
+            server_args.random_seed
+        )
         self.eos_token_ids = frozenset(model_runner.eos_token_ids)
         self.vocab_size = model_runner.vocab_size
         self.context_len = model_runner.context_len

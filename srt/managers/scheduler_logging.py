@@ -204,7 +204,7 @@ def build_reporter(
             max_running_requests=runner.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size,
             prefix_caching=not args.disable_radix_cache,
-            kv_cache_dtype=str(runner.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
             attention_backend=runner.attention_backend_name,
             context_len=runner.context_len,
         )

@@ -113,6 +113,7 @@ def build_runner(
         dist_init_method=dist_init_method,
         quantization=server_args.quantization,
         kv_cache_dtype=server_args.kv_cache_dtype,
+        cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
     )
 
 

@@ -21,6 +21,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch, PromptLogprobs, last_token_rows
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_loader import load_model, map_checkpoint_tensor
@@ -55,6 +56,9 @@ PROMPT_LOGPROB_BLOCK_ROWS = 256
 # the checkpoint name of the input embedding table (Llama-family layout)
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 MEMINFO_PATH = "/proc/meminfo"
+# Default --mem-fraction-static by device type: a CPU host's memory is shared with everything else on it; a
+# GPU's free memory is this server's, less room for activations, logits and the decode CUDA graphs.
+DEFAULT_MEM_FRACTION_STATIC = {"cpu": 0.1, "cuda": 0.8}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -150,7 +154,7 @@ class ModelRunner:
         dtype: str = "auto",
         device: str = "auto",
         max_total_tokens: int | None = None,
-        mem_fraction_static: float = 0.1,
+        mem_fraction_static: float | None = None,
         max_running_requests: int | None = None,
         context_length: int | None = None,
         attention_backend: str | None = None,
@@ -160,7 +164,10 @@ class ModelRunner:
         dist_init_method: str | None = None,
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
+        cuda_graph_max_bs: int = 0,
     ):
+        """`cuda_graph_max_bs`: record decode CUDA graphs up to this batch size (0: none; CUDA only, with a
+        backend whose decode is graph-safe, without tensor parallelism)."""
         torch.manual_seed(random_seed)
         # on a CPU the ranks share the cores: oversubscribed threads would only contend
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
@@ -240,6 +247,7 @@ class ModelRunner:
             attn.head_dim**-0.5,
             self.device,
         )
+        self.cuda_graph = self._capture_cuda_graphs(cuda_graph_max_bs)
         if self.quantization == "w8a8_int8":
             if self.dtype != torch.float32:
                 raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
@@ -249,7 +257,8 @@ class ModelRunner:
             release_free_heap()  # the dropped fp32 weights
         logger.info(
             "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
-            "max running requests %d, context %d, attention %s, quantization %s, KV cache %s",
+            "max running requests %d, context %d, attention %s, quantization %s, KV cache %s, "
+            "decode CUDA graphs %s",
             self.hf_config.architectures,
             self.tp.rank,
             self.tp.size,
@@ -262,7 +271,22 @@ class ModelRunner:
             self.attention_backend_name,
             self.quantization,
             str(self.kv_cache_dtype).removeprefix("torch."),
+            f"up to batch {self.cuda_graph.max_bs}" if self.cuda_graph else "off",
         )
+
+    def _capture_cuda_graphs(self, max_bs: int) -> CudaGraphRunner | None:
+        if max_bs <= 0 or not self.device.startswith("cuda"):
+            return None
+        if self.tp.size > 1:
+            logger.info("decode CUDA graphs are off with tensor parallelism (its collectives run on gloo)")
+            return None
+        if not getattr(self.model.attn_backend, "cuda_graph_safe_decode", False):
+            logger.info(
+                "decode CUDA graphs are off: attention backend %s reads host data in decode",
+                self.attention_backend_name,
+            )
+            return None
+        return CudaGraphRunner(self.model, self.device, min(max_bs, self.max_running_requests))
 
     def _mapped_embedding(self, model: torch.nn.Module) -> torch.Tensor | None:
         """The embedding table as a private map of the checkpoint (see map_checkpoint_tensor), where the
@@ -286,6 +310,8 @@ class ModelRunner:
         per_token = MHATokenToKVPool.bytes_per_token(
             self.kv_cache_dtype, attn.num_kv_heads, attn.head_dim, self.hf_config.num_hidden_layers
         )
+        if mem_fraction_static is None:
+            mem_fraction_static = DEFAULT_MEM_FRACTION_STATIC.get(torch.device(self.device).type, 0.1)
         budget = int(available_memory_bytes(self.device) * mem_fraction_static)
         if not self.device.startswith("cuda"):
             budget //= self.tp.size  # the ranks share the host's memory; each GPU rank has its own
@@ -299,9 +325,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits [batch_size, vocab] of each sequence's last token in this step."""
-        self.model.attn_backend.init_forward_metadata(batch)
-        return self.model(batch.input_ids, batch.positions, batch)
+        """fp32 logits [batch_size, vocab] of each sequence's last token in this step. Returns once the
+        step has run on the device, so the caller's clock around it measures the step (the metrics'
+        forward time), not the launch."""
+        if self.cuda_graph is not None and self.cuda_graph.can_run(batch):
+            logits = self.cuda_graph.replay(batch)
+        else:
+            self.model.attn_backend.init_forward_metadata(batch)
+            logits = self.model(batch.input_ids, batch.positions, batch)
+        self.synchronize()
+        return logits
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on the CPU, whose kernels run as they are called)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward_with_prompt_logprobs(self, batch: ForwardBatch) -> tuple[torch.Tensor, PromptLogprobs]:
@@ -321,6 +359,7 @@ class ModelRunner:
                 top_values.append(best.values)
                 top_indices.append(best.indices)
         empty = torch.empty(0, device=hidden.device)
+        self.synchronize()
         return logits, PromptLogprobs(
             torch.cat(values) if values else empty,
             torch.cat(top_values) if top_values else None,

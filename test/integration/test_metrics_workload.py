@@ -314,6 +314,9 @@ def test_scheduler_and_process_counters_move(run):
     info = select(s3, "sglang:cache_config_info")
     assert len(info) == 1 and info[0].value == 1 and info[0].labels["num_kv_tokens"] == "8192"
     assert float(info[0].labels["max_concurrency"]) > 0
+    # the default CPU server: int8 linear layers, whose kernels keep K/V in float16 (not the model's fp32)
+    assert info[0].labels["kv_cache_dtype"] == "float16"
+    assert info[0].labels["attention_backend"] == "torch_native"
 
 
 # ---------------------------------------------------------------- client vs server

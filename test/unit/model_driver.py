@@ -73,14 +73,15 @@ class PagedDriver:
             offset += n
         prefix_lens = [s.kv_len for s in seqs]
         seq_lens = [p + n for p, n in zip(prefix_lens, counts, strict=True)]
+        index = dict(dtype=torch.int64, device=self.runner.device)
         batch = ForwardBatch(
             mode=mode,
             batch_size=len(seqs),
-            input_ids=torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=torch.tensor([t for ts in new_tokens for t in ts], **index),
+            positions=torch.tensor(positions, **index),
             out_cache_loc=slots,
-            req_pool_indices=torch.tensor([s.row for s in seqs], dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            req_pool_indices=torch.tensor([s.row for s in seqs], **index),
+            seq_lens=torch.tensor(seq_lens, **index),
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=None if mode is ForwardMode.DECODE else prefix_lens,
             extend_seq_lens_cpu=None if mode is ForwardMode.DECODE else counts,

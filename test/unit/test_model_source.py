@@ -82,12 +82,15 @@ def test_backend_registry_matches_the_cli_choices():
     assert registry.BACKEND_NAMES == ATTENTION_BACKENDS
 
 
-def test_cpu_defaults_to_torch_native_and_refuses_flashinfer():
+def test_cpu_defaults_to_torch_native_and_refuses_the_gpu_backends(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert registry.default_backend_name("cpu") == "torch_native"
     with pytest.raises(ValueError, match="CUDA"):
         registry.resolve_backend_name("flashinfer", "cpu")
-    with pytest.raises(ValueError, match="unknown attention backend"):
+    with pytest.raises(ValueError, match="'triton' needs a CUDA device"):
         registry.resolve_backend_name("triton", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        registry.resolve_backend_name("flash_attn", "cpu")
 
 
 def test_flashinfer_backend_module_imports_without_flashinfer():

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 
 _BACKENDS: dict[str, str] = {
     "torch_native": "srt.model_executor.attention.torch_native:TorchNativeAttnBackend",
     "flashinfer": "srt.model_executor.attention.flashinfer:FlashInferAttnBackend",
+    "triton": "srt.model_executor.attention.triton_backend:TritonAttnBackend",
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(_BACKENDS)
 CPU_DEFAULT = "torch_native"
 CUDA_PREFERRED = "flashinfer"
+CUDA_FALLBACK = "triton"  # reads K/V in place and keeps decode graph-capturable; see triton_backend.py
 
 
 def flashinfer_usable(device: str) -> bool:
@@ -21,8 +24,18 @@ def flashinfer_usable(device: str) -> bool:
     return device.startswith("cuda") and importlib.util.find_spec("flashinfer") is not None
 
 
+def triton_usable(device: str) -> bool:
+    """Triton kernels need the package and a CUDA device, or its CPU interpreter (TRITON_INTERPRET=1)."""
+    runnable = device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+    return runnable and importlib.util.find_spec("triton") is not None
+
+
 def default_backend_name(device: str) -> str:
-    return CUDA_PREFERRED if flashinfer_usable(device) else CPU_DEFAULT
+    if flashinfer_usable(device):
+        return CUDA_PREFERRED
+    if device.startswith("cuda") and triton_usable(device):
+        return CUDA_FALLBACK
+    return CPU_DEFAULT
 
 
 def backend_class(name: str) -> type:
@@ -37,5 +50,9 @@ def resolve_backend_name(requested: str | None, device: str) -> str:
     name = requested or default_backend_name(device)
     if name == CUDA_PREFERRED and not flashinfer_usable(device):
         raise ValueError("attention backend 'flashinfer' needs a CUDA device and the flashinfer package")
+    if name == CUDA_FALLBACK and not triton_usable(device):
+        raise ValueError(
+            "attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1) and the triton package"
+        )
     backend_class(name)  # validates the name
     return name

@@ -1,0 +1,116 @@
+"""Every tensor of a step lives on the runner's device: one prefill, one mixed and one decode step of the
+tiny model, built by the scheduler's `StepBuilder`, run with the runner on the `meta` device up to the
+logits. A tensor left on the CPU fails here as it would on CUDA, without a GPU.
+
+`meta` alone is laxer than CUDA (its kernels accept CPU index tensors), so the steps run under
+`SameDeviceMode`, which refuses any operation whose tensor arguments sit on two devices. Copies between
+devices are the one exception (they are how data gets there); 0-dim CPU tensors are scalars, which CUDA
+kernels take too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from srt.managers.schedule_batch import Req
+from srt.managers.step_builder import StepBuilder
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampling_params import SamplingParams
+
+aten = torch.ops.aten
+CROSS_DEVICE_COPIES = {aten._to_copy, aten.copy_, aten.lift_fresh, aten._local_scalar_dense}
+
+
+class SameDeviceMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket not in CROSS_DEVICE_COPIES:
+            devices = {
+                t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0
+            }
+            if len(devices) > 1:
+                raise AssertionError(f"{func} mixes devices {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+def test_same_device_mode_refuses_what_cuda_refuses():
+    """The checker itself: meta takes a CPU index tensor; under the mode it is refused, a copy is not."""
+    table = torch.zeros(8, 4, device="meta")
+    cpu_rows = torch.tensor([1, 2])
+    assert table[cpu_rows].device.type == "meta"  # what the mode exists for
+    with SameDeviceMode():
+        with pytest.raises(AssertionError, match="mixes devices"):
+            table[cpu_rows]
+        assert table[cpu_rows.to("meta")].shape == (2, 4)
+        table[1:3] = torch.ones(2, 4)  # a copy into the device
+
+
+@pytest.fixture(scope="module")
+def meta_runner(tiny_model_dir) -> ModelRunner:
+    return ModelRunner(
+        tiny_model_dir, device="meta", dtype="float32", max_total_tokens=256, max_running_requests=4
+    )
+
+
+def planned(rid: str, ids: list[int]) -> Req:
+    """A request as the scheduler plans its first prefill: no cached prefix, the whole prompt to extend."""
+    req = Req(rid, ids, SamplingParams(max_new_tokens=4))
+    req.fill_ids = list(ids)
+    req.extend_len = len(ids)
+    return req
+
+
+def test_prefill_mixed_and_decode_steps_stay_on_the_device(meta_runner):
+    runner = meta_runner
+    builder = StepBuilder(
+        runner.req_to_token_pool,
+        runner.token_to_kv_pool_allocator,
+        ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator),
+    )
+    first, second = planned("a", [11, 12, 13, 14, 15]), planned("b", [21, 22, 23])
+    with SameDeviceMode():
+        batch = builder.extend([first], [])
+        assert {t.device.type for t in (batch.input_ids, batch.positions, batch.seq_lens)} == {"meta"}
+        logits = runner.forward(batch)
+        assert logits.device.type == "meta" and logits.shape == (1, runner.vocab_size)
+        first.kv_len, first.extend_len = 5, 0
+        first.output_ids.append(30)
+
+        batch = builder.extend([second], [first])  # mixed: a prefill and a decode token in one step
+        assert batch.is_mixed and batch.req_pool_indices.device.type == "meta"
+        assert runner.forward(batch).shape == (2, runner.vocab_size)
+        first.kv_len += 1
+        second.kv_len, second.extend_len = 3, 0
+        first.output_ids.append(31)
+        second.output_ids.append(40)
+
+        batch = builder.decode([first, second])
+        assert batch.is_decode and batch.seq_lens_cpu == [7, 4]
+        assert runner.forward(batch).shape == (2, runner.vocab_size)
+
+
+def test_prompt_logprob_step_stays_on_the_device(meta_runner):
+    runner = meta_runner
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    builder = StepBuilder(
+        runner.req_to_token_pool,
+        runner.token_to_kv_pool_allocator,
+        ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator),
+    )
+    req = planned("c", [5, 6, 7, 8])
+    rows, targets = [0, 1, 2], [6, 7, 8]
+    with SameDeviceMode():
+        batch = builder.extend(
+            [req],
+            [],
+            logprob_rows=torch.tensor(rows),
+            logprob_targets=torch.tensor(targets),
+            logprob_top_k=2,
+        )
+        logits, scores = runner.forward_with_prompt_logprobs(batch)
+    assert logits.shape == (1, runner.vocab_size)
+    assert scores.token_logprobs.shape == (3,) and scores.top_indices.shape == (3, 2)

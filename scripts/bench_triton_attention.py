@@ -54,6 +54,9 @@ class Layout:
         self.seq_lens = torch.tensor(totals, device=device)
         self.q = torch.randn(sum(new_lens), heads, head_dim, dtype=DTYPE, device=device)
         self.prefix, self.new, self.scale = list(prefix_lens), list(new_lens), head_dim**-0.5
+        # this step's own K/V, as the model hands them to the backend: the new tokens' pool rows, in order
+        new_slots = torch.cat([s[p:] for s, p in zip(self.seq_slots, self.prefix, strict=True)])
+        self.k_new, self.v_new = self.k[new_slots], self.v[new_slots]
 
     def reference(self) -> torch.Tensor:
         outs, start = [], 0
@@ -67,7 +70,7 @@ class Layout:
         return torch.cat([o[0].transpose(0, 1) for o in outs])
 
     def extend(self, out, tiles=None) -> None:
-        extend_attention(self.q, self.k, self.v, out, self.req_to_token, self.rows, self.q_starts, self.new_lens,
+        extend_attention(self.q, self.k, self.v, self.k_new, self.v_new, out, self.req_to_token, self.rows, self.q_starts, self.new_lens,
                          self.prefix_lens, max(self.new), self.scale, tiles)  # fmt: skip
 
     def decode(self, out) -> None:

@@ -102,16 +102,20 @@ class Step:
         backend.init_forward_metadata(batch)
         return backend.forward(self.q, self.k, self.v, 0, batch)
 
-    def reference(self) -> torch.Tensor:
-        """float64 causal softmax attention over each sequence's prefix (from the pool) and new K/V
-        (rounded to the pool's dtype, as the kernel reads them)."""
+    def reference(self, new_from_pool: bool = False) -> torch.Tensor:
+        """float64 causal softmax attention over each sequence's prefix (from the pool, in its dtype) and
+        new K/V: the step's own, as extend reads them, or (`new_from_pool`) rounded to the pool's dtype, as
+        decode reads its one new token back from the pool."""
         k_buf, v_buf = self.kv_pool.get_kv_buffer(0)
         group = self.q.shape[1] // self.k.shape[1]
         outs, start = [], 0
         for p, n, slots in zip(self.prefix_lens, self.new_lens, self.slots, strict=True):
             new = slice(start, start + n)
-            keys = torch.cat([k_buf[slots[:p]], self.k[new].to(k_buf.dtype)]).double()
-            values = torch.cat([v_buf[slots[:p]], self.v[new].to(v_buf.dtype)]).double()
+            new_k, new_v = self.k[new], self.v[new]
+            if new_from_pool:
+                new_k, new_v = new_k.to(k_buf.dtype), new_v.to(v_buf.dtype)
+            keys = torch.cat([k_buf[slots[:p]].double(), new_k.double()])
+            values = torch.cat([v_buf[slots[:p]].double(), new_v.double()])
             keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
             scores = torch.einsum("qhd,khd->hqk", self.q[new].double(), keys) * self.scaling
             visible = torch.ones(n, p + n, dtype=torch.bool, device=scores.device).tril(p)
@@ -192,7 +196,8 @@ def test_extend_kernel_writes_every_row_it_owns():
     as_index = dict(dtype=torch.int32, device=DEVICE)
     starts = torch.tensor(list(itertools.accumulate(step.new_lens, initial=0))[:-1], **as_index)
     kernels.extend_attention(
-        step.q, *step.kv_pool.get_kv_buffer(0), out, step.req_pool.req_to_token, step.rows.to(DEVICE),
+        step.q, *step.kv_pool.get_kv_buffer(0), step.k, step.v, out, step.req_pool.req_to_token,
+        step.rows.to(DEVICE),
         starts, torch.tensor(step.new_lens, **as_index), torch.tensor(step.prefix_lens, **as_index),
         max(step.new_lens), step.scaling,
     )  # fmt: skip
@@ -232,7 +237,7 @@ def test_reduced_precision_pools_and_queries(q_dtype, kv_dtype):
     step = Step([0, 20], [6, 3], 4, 2, 16, q_dtype, kv_dtype, seed=7, device=DEVICE)
     assert_matches(step.run(ForwardMode.EXTEND), step.reference(), q_dtype)
     decode = Step([13, 1], [1, 1], 4, 2, 16, q_dtype, kv_dtype, seed=8, device=DEVICE)
-    assert_matches(decode.run(ForwardMode.DECODE), decode.reference(), q_dtype)
+    assert_matches(decode.run(ForwardMode.DECODE), decode.reference(new_from_pool=True), q_dtype)
 
 
 def test_unsupported_head_dims_are_refused_at_construction():

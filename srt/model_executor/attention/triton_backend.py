@@ -70,7 +70,7 @@ class TritonAttnBackend(AttentionBackend):
         else:
             meta = self._extend
             extend_attention(
-                q, k_buf, v_buf, out, req_to_token, batch.req_pool_indices, meta.q_starts, meta.new_lens,
+                q, k_buf, v_buf, k, v, out, req_to_token, batch.req_pool_indices, meta.q_starts, meta.new_lens,
                 meta.prefix_lens, meta.max_new_tokens, self.scaling,
             )  # fmt: skip
         return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -59,7 +59,7 @@ def run_scheduler_process(
             check_tp_size(model_dir, server_args.tp_size)  # before any peer starts: one clear error
             dist_init_method = tp_init_method(port_args, dp_rank)
             peers = TpPeers.start(server_args, model_dir, dp_rank, dist_init_method)
-        runner = build_runner(server_args, model_dir, tp_rank=0, dist_init_method=dist_init_method)
+        runner = build_runner(server_args, model_dir, 0, dist_init_method, dp_rank)
         reporter = build_reporter(server_args, runner, dp_rank, startup_seconds=time.monotonic() - start)
         kv_events = start_kv_event_publisher(server_args, dp_rank, reporter.collector)
         tracing = SchedulerTracing.create(server_args, dp_rank)
@@ -93,7 +93,11 @@ def run_scheduler_process(
 
 
 def build_runner(
-    server_args: ServerArgs, model_dir: str, tp_rank: int = 0, dist_init_method: str | None = None
+    server_args: ServerArgs,
+    model_dir: str,
+    tp_rank: int = 0,
+    dist_init_method: str | None = None,
+    dp_rank: int = 0,
 ) -> ModelRunner:
     """This rank's model runner; every TP rank builds it from the same arguments."""
     from srt.model_executor.model_runner import ModelRunner
@@ -114,6 +118,7 @@ def build_runner(
         quantization=server_args.quantization,
         kv_cache_dtype=server_args.kv_cache_dtype,
         cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
+        dp_rank=dp_rank,
     )
 
 

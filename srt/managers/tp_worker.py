@@ -149,7 +149,7 @@ def run_tp_peer(
     configure_process_logging(
         server_args.log_level, rank_tag(tp_rank, dp_rank if server_args.dp_size > 1 else None)
     )
-    runner = build_runner(server_args, model_dir, tp_rank=tp_rank, dist_init_method=init_method)
+    runner = build_runner(server_args, model_dir, tp_rank, init_method, dp_rank)
     # NullReporter: rank 0 alone writes the log lines and the metrics
     peer_loop(Scheduler(server_args, runner))
 

@@ -62,12 +62,19 @@ DEFAULT_MEM_FRACTION_STATIC = {"cpu": 0.1, "cuda": 0.8}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> str:
-    """`auto` is CUDA when available; each tensor-parallel rank takes its own GPU."""
+def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0) -> str:
+    """`auto` is CUDA when available. With several ranks on CUDA, each takes its own GPU: data-parallel
+    replica r's tensor-parallel rank t uses GPU r * tp_size + t, as SGLang lays them out."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and tp_size > 1:
-        device = f"cuda:{tp_rank}"
+    if device == "cuda" and (tp_size > 1 or dp_rank > 0):
+        index = dp_rank * tp_size + tp_rank
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"data-parallel replica {dp_rank}, tensor-parallel rank {tp_rank} needs GPU {index}, but "
+                f"{torch.cuda.device_count()} GPUs are visible; lower --dp-size or --tp-size"
+            )
+        device = f"cuda:{index}"
         torch.cuda.set_device(device)
     return device
 
@@ -165,6 +172,7 @@ class ModelRunner:
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
         cuda_graph_max_bs: int = 0,
+        dp_rank: int = 0,
     ):
         """`cuda_graph_max_bs`: record decode CUDA graphs up to this batch size (0: none; CUDA only, with a
         backend whose decode is graph-safe, without tensor parallelism)."""
@@ -172,7 +180,7 @@ class ModelRunner:
         # on a CPU the ranks share the cores: oversubscribed threads would only contend
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
         self.model_dir = resolve_model_dir(model_dir)
-        self.device = resolve_device(device, tp_rank, tp_size)
+        self.device = resolve_device(device, tp_rank, tp_size, dp_rank)
         self.dtype = resolve_dtype(dtype, self.device)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         check_tp_divides(self.hf_config, tp_size)
@@ -278,7 +286,9 @@ class ModelRunner:
         if max_bs <= 0 or not self.device.startswith("cuda"):
             return None
         if self.tp.size > 1:
-            logger.info("decode CUDA graphs are off with tensor parallelism (its collectives run on gloo)")
+            logger.info(
+                "decode CUDA graphs are off with tensor parallelism (capturing its all-reduces is untested)"
+            )
             return None
         if not getattr(self.model.attn_backend, "cuda_graph_safe_decode", False):
             logger.info(

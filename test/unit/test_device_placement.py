@@ -114,3 +114,20 @@ def test_prompt_logprob_step_stays_on_the_device(meta_runner):
         logits, scores = runner.forward_with_prompt_logprobs(batch)
     assert logits.shape == (1, runner.vocab_size)
     assert scores.token_logprobs.shape == (3,) and scores.top_indices.shape == (3, 2)
+
+
+def test_each_gpu_rank_takes_its_own_gpu(monkeypatch):
+    """Replica r's tensor-parallel rank t runs on GPU r * tp_size + t; too few GPUs is a clear error."""
+    from srt.model_executor.model_runner import resolve_device
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    assert resolve_device("cuda") == "cuda" and picked == []
+    assert resolve_device("cuda", tp_rank=1, tp_size=2) == "cuda:1"
+    assert resolve_device("cuda", tp_rank=1, tp_size=2, dp_rank=1) == "cuda:3"
+    assert resolve_device("cuda", dp_rank=2) == "cuda:2"
+    assert picked == ["cuda:1", "cuda:3", "cuda:2"]
+    with pytest.raises(ValueError, match="needs GPU 4, but 4 GPUs are visible"):
+        resolve_device("cuda", tp_size=2, dp_rank=2)
+    assert resolve_device("cpu", tp_rank=1, tp_size=2, dp_rank=1) == "cpu"

@@ -32,6 +32,16 @@ def _f(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
+# A field's annotation (a string: annotations are postponed) -> the type argparse converts its flag's value
+# to; bool fields are store_true flags. A field of any other annotation fails at parser construction rather
+# than parsing as a string (a `float | None` once reached the range check as a str).
+CLI_TYPES: dict[str, type] = {
+    "str": str, "str | None": str, "list[str] | None": str,
+    "int": int, "int | None": int,
+    "float": float, "float | None": float, "list[float] | None": float,
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     # Model
@@ -274,9 +284,7 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
-            kind = {"int": int, "int | None": int, "float": float, "list[float] | None": float}.get(
-                str(f.type), str
-            )
+            kind = CLI_TYPES[str(f.type)]
             parser.add_argument(
                 flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)", **meta
             )

@@ -67,6 +67,9 @@ def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1, dp_rank: int
     replica r's tensor-parallel rank t uses GPU r * tp_size + t, as SGLang lays them out."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = "this torch has no CUDA support" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"--device {device}: {build}; use --device cpu (or auto)")
     if device == "cuda" and (tp_size > 1 or dp_rank > 0):
         index = dp_rank * tp_size + tp_rank
         if index >= torch.cuda.device_count():

@@ -121,6 +121,7 @@ def test_each_gpu_rank_takes_its_own_gpu(monkeypatch):
     from srt.model_executor.model_runner import resolve_device
 
     picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", picked.append)
     assert resolve_device("cuda") == "cuda" and picked == []
@@ -131,3 +132,12 @@ def test_each_gpu_rank_takes_its_own_gpu(monkeypatch):
     with pytest.raises(ValueError, match="needs GPU 4, but 4 GPUs are visible"):
         resolve_device("cuda", tp_size=2, dp_rank=2)
     assert resolve_device("cpu", tp_rank=1, tp_size=2, dp_rank=1) == "cpu"
+
+
+def test_asking_for_cuda_without_it_is_a_flag_error(monkeypatch):
+    from srt.model_executor.model_runner import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="--device cuda: .*use --device cpu"):
+        resolve_device("cuda")

@@ -5,7 +5,8 @@ logits. A tensor left on the CPU fails here as it would on CUDA, without a GPU.
 `meta` alone is laxer than CUDA (its kernels accept CPU index tensors), so the steps run under
 `SameDeviceMode`, which refuses any operation whose tensor arguments sit on two devices. Copies between
 devices are the one exception (they are how data gets there); 0-dim CPU tensors are scalars, which CUDA
-kernels take too."""
+kernels take too. Also: which GPU each data- and tensor-parallel rank takes, and `--device cuda` without
+CUDA."""
 
 from __future__ import annotations
 

@@ -61,6 +61,9 @@ class _ProcessLabelFilter(logging.Filter):
         return True
 
 
+ADVISORY_WARNINGS_ENV = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+
+
 def load_tokenizer(path: str):
     """`AutoTokenizer.from_pretrained(path)`, keeping torch out of a process that has not loaded it yet.
 
@@ -70,8 +73,12 @@ def load_tokenizer(path: str):
     utilities"). The block is lifted afterwards, so a later `import torch` (an optional grammar backend's)
     still works."""
     hide = "torch" not in sys.modules
+    # transformers' first import would warn that PyTorch was not found: true here, and meant
+    quiet = hide and "transformers" not in sys.modules and ADVISORY_WARNINGS_ENV not in os.environ
     if hide:
         sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's "not importable"
+    if quiet:
+        os.environ[ADVISORY_WARNINGS_ENV] = "1"
     try:
         from transformers import AutoTokenizer
 
@@ -79,6 +86,8 @@ def load_tokenizer(path: str):
     finally:
         if hide and "torch" in sys.modules and sys.modules["torch"] is None:
             del sys.modules["torch"]
+        if quiet:
+            del os.environ[ADVISORY_WARNINGS_ENV]
 
 
 def configure_logging(level: str, process_label: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,8 +42,10 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, device: str, max_bs: int):
-        self.model = model
+    def __init__(self, forward_eager: Callable[[ForwardBatch], torch.Tensor], device: str, max_bs: int):
+        """`forward_eager`: the model runner's own eager step (backend metadata, then the model), recorded
+        as it is, so a replay is that step."""
+        self.forward_eager = forward_eager
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = max_bs
         index = dict(dtype=torch.int64, device=device)
@@ -79,21 +82,17 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
-        self.model.attn_backend.init_forward_metadata(batch)
-        return self.model(batch.input_ids, batch.positions, batch)
-
     def _capture(self, bs: int, pool):
         batch = self._static_batch(bs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                self._run(batch)
+                self.forward_eager(batch)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.logits[bs] = self._run(batch)
+            self.logits[bs] = self.forward_eager(batch)
         self.graphs[bs] = graph
         return graph.pool()
 

@@ -299,7 +299,7 @@ class ModelRunner:
                 self.attention_backend_name,
             )
             return None
-        return CudaGraphRunner(self.model, self.device, min(max_bs, self.max_running_requests))
+        return CudaGraphRunner(self._forward_eager, self.device, min(max_bs, self.max_running_requests))
 
     def _mapped_embedding(self, model: torch.nn.Module) -> torch.Tensor | None:
         """The embedding table as a private map of the checkpoint (see map_checkpoint_tensor), where the
@@ -324,7 +324,10 @@ class ModelRunner:
             self.kv_cache_dtype, attn.num_kv_heads, attn.head_dim, self.hf_config.num_hidden_layers
         )
         if mem_fraction_static is None:
-            mem_fraction_static = DEFAULT_MEM_FRACTION_STATIC.get(torch.device(self.device).type, 0.1)
+            device_type = torch.device(self.device).type
+            mem_fraction_static = DEFAULT_MEM_FRACTION_STATIC.get(
+                device_type, DEFAULT_MEM_FRACTION_STATIC["cpu"]
+            )
         budget = int(available_memory_bytes(self.device) * mem_fraction_static)
         if not self.device.startswith("cuda"):
             budget //= self.tp.size  # the ranks share the host's memory; each GPU rank has its own
@@ -344,10 +347,14 @@ class ModelRunner:
         if self.cuda_graph is not None and self.cuda_graph.can_run(batch):
             logits = self.cuda_graph.replay(batch)
         else:
-            self.model.attn_backend.init_forward_metadata(batch)
-            logits = self.model(batch.input_ids, batch.positions, batch)
+            logits = self._forward_eager(batch)
         self.synchronize()
         return logits
+
+    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step itself, launched kernel by kernel (also what the decode CUDA graphs record)."""
+        self.model.attn_backend.init_forward_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (a no-op on the CPU, whose kernels run as they are called)."""

@@ -109,3 +109,17 @@ class PagedDriver:
         for seq in seqs:
             self.release(seq)
         return traces
+
+
+def same_or_diverged_at_a_near_tie(got: list[int], want: list[int], gaps: list[float], tie: float) -> bool:
+    """True when two greedy token lists are equal. Otherwise asserts that they first differ at a near-tie (the
+    top-1 minus top-2 logit gap at that step, `gaps[step]`, under `tie`) and returns False: a flip there is
+    legitimate, and past it the two decode different contexts."""
+    diverged = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    if diverged is None:
+        return True
+    assert gaps[diverged] < tie, (
+        f"{got[: diverged + 1]} vs {want[: diverged + 1]} diverge at step {diverged} where the top-2 logit gap "
+        f"is {gaps[diverged]:.2e} (not a near-tie)"
+    )
+    return False

@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nOutput tok/s, round by round:\n\n{rounds_table(rounds)}")
     for name, rss in peak_rss.items():
         if name in results:
-            print(f"peak RSS of {name} (sum of its processes' peaks, all levels): {rss / 2**30:.2f} GiB")
+            scope = "all levels" if len(rounds) == 1 else f"all levels, the largest of {len(rounds)} rounds"
+            print(f"peak RSS of {name} (sum of its processes' peaks, {scope}): {rss / 2**30:.2f} GiB")
     for name, runs in results.items():
         for run in runs:
             if run.server is not None:

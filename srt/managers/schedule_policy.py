@@ -4,6 +4,7 @@ token budgets and the KV memory that running requests still need (`PrefillAdder`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from enum import Enum, auto
 
 from srt.managers.schedule_batch import Req
@@ -35,6 +36,28 @@ def new_token_ratio_after_retraction(running: list[Req]) -> float:
     decoded = sum(len(r.output_ids) for r in running)
     budget = sum(r.sampling_params.max_new_tokens for r in running) or 1
     return max(min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / budget), INIT_NEW_TOKEN_RATIO)
+
+
+def retract_until_decode_fits(
+    running: list[Req], room: Callable[[], int], release: Callable[[Req], None]
+) -> tuple[list[Req], Req | None]:
+    """Take requests out of `running` (releasing each) until `room()` KV slots cover one decode token apiece.
+
+    The retracted are those with the least output (least work lost), longest prompt first among equals.
+    Returns them in the order they were taken, and the last request left if even it alone does not fit (a
+    request larger than the whole pool), which is then out of `running` too."""
+    if room() >= len(running):
+        return [], None
+    running.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+    retracted: list[Req] = []
+    while len(running) > 1 and room() < len(running):
+        retracted.append(running.pop())
+        release(retracted[-1])
+    too_large = None
+    if room() < len(running):
+        too_large = running.pop()
+        release(too_large)
+    return retracted, too_large
 
 
 def order_waiting_queue(policy: str, waiting: list[Req], tree_cache) -> None:

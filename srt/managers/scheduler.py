@@ -41,6 +41,7 @@ from srt.managers.schedule_policy import (
     decayed_new_token_ratio,
     new_token_ratio_after_retraction,
     order_waiting_queue,
+    retract_until_decode_fits,
 )
 from srt.managers.scheduler_grammar import SchedulerGrammar
 from srt.managers.scheduler_reporter import NullReporter, StepReporter
@@ -55,6 +56,9 @@ from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+# `--log-level debug`: every forward step's shape and time, for reading a workload step by step
+STEP_DEBUG_LINE = "step: %d prefill tokens, %d decode rows, forward %.1f ms"
+TOO_LARGE_FOR_KV = "the KV cache cannot hold this request"
 
 
 class Scheduler:
@@ -340,6 +344,8 @@ class Scheduler:
     def _observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
         if self.mixed_budget is not None:
             self.mixed_budget.observe(prefill_tokens, decode_tokens, seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(STEP_DEBUG_LINE, prefill_tokens, decode_tokens, seconds * 1e3)
 
     def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         mask = self.grammar.mask(reqs)
@@ -361,30 +367,20 @@ class Scheduler:
         req.reset_prefix()
 
     def _ensure_decode_memory(self) -> None:
-        """Retract requests until the next decode step has a KV slot for every running request.
-
-        The retracted are those with the least output (least work lost), longest prompt first among equals;
-        they keep their output and return to the front of the waiting queue."""
-
-        def room() -> int:
-            return self.allocator.available_size() + self.tree_cache.evictable_size()
-
-        if room() >= len(self.running):
-            return
-        self.running.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
-        retracted: list[Req] = []
-        while len(self.running) > 1 and room() < len(self.running):
-            req = self.running.pop()
-            self._release(req)
-            req.num_retractions += 1
-            self.tracing.on_retraction(req)
-            retracted.append(req)
-        if room() < len(self.running):  # a single request larger than the whole pool
-            req = self.running.pop()
-            self._release(req)
-            req.finished_reason = FinishReason("length", message="the KV cache cannot hold this request")
-            self.finished_outside_step.append(req)
+        """Retract requests (schedule_policy.retract_until_decode_fits) until the next decode step has a KV
+        slot for every running request; they keep their output and return to the front of the queue."""
+        retracted, too_large = retract_until_decode_fits(
+            self.running,
+            lambda: self.allocator.available_size() + self.tree_cache.evictable_size(),
+            self._release,
+        )
+        if too_large is not None:
+            too_large.finished_reason = FinishReason("length", message=TOO_LARGE_FOR_KV)
+            self.finished_outside_step.append(too_large)
         if retracted:
+            for req in retracted:
+                req.num_retractions += 1
+                self.tracing.on_retraction(req)
             self.waiting[:0] = reversed(retracted)
             self.new_token_ratio = new_token_ratio_after_retraction(self.running)
             self.reporter.on_retraction(self, len(retracted))

@@ -4,7 +4,9 @@ what it would have been alone, and the KV pool is whole again afterwards."""
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 from itertools import pairwise
 
 import pytest
@@ -181,6 +183,17 @@ def test_retraction_resumes_with_identical_output(tiny_model_dir, mixed, quant):
     assert_pool_whole(sched)
 
 
+def test_a_request_that_outgrows_the_whole_pool_ends_with_length_and_says_why(tiny_model_dir):
+    """Alone and still out of KV slots, there is nothing left to retract: it finishes, the pool is whole."""
+    sched = make_scheduler(tiny_model_dir, max_total_tokens=64)
+    res = drive(sched, {0: [request("big", prompts(1, low=40, high=40)[0], greedy(60))]})
+    finish = res["big"].finish
+    assert finish.type == "length" and "KV cache cannot hold" in finish.message
+    assert 0 < len(res["big"].output_ids) < 60
+    assert res["big"].num_retractions == 0
+    assert_pool_whole(sched)
+
+
 def test_abort_frees_memory_everywhere(tiny_model_dir):
     sched = make_scheduler(tiny_model_dir, max_running_requests=2)
     ps = prompts(4)
@@ -258,3 +271,25 @@ def test_running_requests_are_not_starved_by_a_burst_of_prefills(tiny_model_dir)
     # after the burst arrives, no two prefill steps are adjacent while anything decodes
     assert all(not (a == b == "prefill") for a, b in pairwise(modes[first_prefill:]))
     assert len(res["first"].output_ids) == 30
+
+
+def test_debug_log_gives_every_steps_prefill_tokens_decode_rows_and_forward_time(tiny_model_dir, caplog):
+    """`--log-level debug`: one line a step, whose counts add up to the prompts and the decoded tokens."""
+    ps = prompts(3, seed=11)
+    sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=True)
+    with caplog.at_level(logging.DEBUG, logger="srt.managers.scheduler"):
+        res = drive(
+            sched,
+            {0: [request("a", ps[0], greedy(5))], 2: [request(f"r{i}", ps[i], greedy(4)) for i in (1, 2)]},
+        )
+    steps = [
+        re.fullmatch(r"step: (\d+) prefill tokens, (\d+) decode rows, forward ([\d.]+) ms", r.getMessage())
+        for r in caplog.records
+        if r.getMessage().startswith("step:")
+    ]
+    assert steps and all(steps)
+    assert sum(int(m[1]) for m in steps) == sum(len(p) for p in ps)
+    # every output token but each request's first (sampled in its prefill step) came from a decode row
+    assert sum(int(m[2]) for m in steps) == sum(len(r.output_ids) - 1 for r in res.values()) == 4 + 3 + 3
+    assert all(float(m[3]) > 0 for m in steps)
+    assert any(int(m[1]) and int(m[2]) for m in steps)  # a mixed step: the late arrivals ride along

@@ -2,6 +2,10 @@
 
 Prints batch-1 decode tokens/s, aggregate decode tokens/s at several batch sizes, and prefill tokens/s of
 one long prompt. Usage: python scripts/bench_model_forward.py [--model-path DIR_OR_GGUF] [--context 256]
+
+`--mixed NEW ROWS` also times a mixed step: one sequence extends by NEW tokens after a `--mixed-prefix`
+cached prefix while ROWS sequences of `--context` cached tokens decode one each (a concurrency-64 step is
+about 130 and 36). `--kernel-times` adds the int8 model's C kernels' share of each step, kernel by kernel.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ import argparse
 import logging
 import statistics
 import time
+from collections import Counter, defaultdict
 
 import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_source import resolve_model_dir
 
@@ -85,6 +91,110 @@ def time_prefill(runner: ModelRunner, length: int, repeats: int) -> float:
     return min(times)
 
 
+def time_mixed(runner: ModelRunner, new: int, prefix: int, rows: int, context: int, steps: int) -> float:
+    """Median seconds of a mixed step: `new` prompt tokens after `prefix` cached ones, plus `rows` decoding
+    sequences of `context` cached tokens."""
+    table, allocator = runner.req_to_token_pool.req_to_token, runner.token_to_kv_pool_allocator
+    times = []
+    for _ in range(WARMUP_STEPS + steps):
+        runner.req_to_token_pool.clear()
+        allocator.clear()
+        seqs = runner.req_to_token_pool.alloc(rows + 1)
+        table[seqs[0], : prefix + new] = allocator.alloc(prefix + new)
+        for row in seqs[1:]:
+            table[row, : context + 1] = allocator.alloc(context + 1)
+        slots = torch.cat([table[seqs[0], prefix : prefix + new], table[seqs[1:], context]])
+        batch = ForwardBatch(
+            mode=ForwardMode.MIXED,
+            batch_size=rows + 1,
+            input_ids=torch.full((new + rows,), TOKEN_ID, dtype=torch.int64),
+            positions=torch.cat([torch.arange(prefix, prefix + new), torch.full((rows,), context)]),
+            out_cache_loc=slots,
+            req_pool_indices=torch.tensor(seqs, dtype=torch.int64),
+            seq_lens=torch.tensor([prefix + new] + [context + 1] * rows),
+            seq_lens_cpu=[prefix + new] + [context + 1] * rows,
+            extend_prefix_lens_cpu=[prefix] + [context] * rows,
+            extend_seq_lens_cpu=[new] + [1] * rows,
+            num_decode=rows,
+        )
+        start = time.perf_counter()
+        runner.forward(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[WARMUP_STEPS:])
+
+
+class KernelTimes:
+    """Wall time of each of the C kernels' calls (CpuKernels' methods), summed by kernel while installed."""
+
+    KERNELS = (
+        "linear",
+        "quantize_two_level",
+        "combine_two_level",
+        "extend_attention",
+        "decode_attention",
+        "silu_mul",
+        "rmsnorm",
+        "rope_",
+    )
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self._originals = {name: getattr(CpuKernels, name) for name in self.KERNELS}
+
+    def __enter__(self) -> KernelTimes:
+        for name, method in self._originals.items():
+            setattr(CpuKernels, name, self._timed(name, method))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, method in self._originals.items():
+            setattr(CpuKernels, name, method)
+
+    def _timed(self, name, method):
+        def timed(kernels, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(kernels, *args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        return timed
+
+    def report(self, steps: int, step_seconds: float) -> str:
+        """Per kernel: ms a step, its share of `step_seconds`, calls a step; then what no kernel took."""
+        lines = []
+        for name, seconds in sorted(self.seconds.items(), key=lambda item: -item[1]):
+            ms = seconds / steps * 1e3
+            share = 100 * seconds / steps / step_seconds
+            lines.append(f"  {name:20s} {ms:7.1f} ms {share:5.1f} %  {self.calls[name] / steps:.0f} calls")
+        rest = step_seconds - sum(self.seconds.values()) / steps
+        lines.append(
+            f"  {'(outside the kernels)':20s} {rest * 1e3:7.1f} ms {100 * rest / step_seconds:5.1f} %"
+        )
+        return "\n".join(lines)
+
+
+def timed_with_kernels(args, label: str, fn, steps_per_call: int) -> None:
+    """Log `fn()` (seconds a step); with --kernel-times, run it again three times with every kernel call
+    timed (the timers add a little to each call) and log each kernel's mean share of a step. The mean counts
+    warm-up steps and the building of each step's tables too (in "outside the kernels")."""
+    logger.info("%s: %.1f ms a step", label, fn() * 1e3)
+    if not args.kernel_times:
+        return
+    runs = 3
+    with KernelTimes() as kernels:
+        start = time.perf_counter()
+        for _ in range(runs):
+            fn()
+        mean = (time.perf_counter() - start) / (runs * steps_per_call)
+    report = kernels.report(runs * steps_per_call, mean)
+    logger.info(
+        "%s, kernels timed (mean of %d steps: %.1f ms):\n%s", label, runs * steps_per_call, mean * 1e3, report
+    )
+
+
 def time_hf_decode(model, bs: int, context: int, steps: int) -> float:
     """Seconds per decode step of transformers on the same weights (DynamicCache), same shapes."""
     from transformers import DynamicCache
@@ -128,13 +238,16 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the runner's choice)"
     )
+    parser.add_argument("--mixed", type=int, nargs=2, metavar=("NEW", "ROWS"), help="also time a mixed step")
+    parser.add_argument("--mixed-prefix", type=int, default=128, help="cached prompt tokens before NEW")
+    parser.add_argument("--kernel-times", action="store_true", help="each C kernel's share of a step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
     runner = ModelRunner(
         resolve_model_dir(args.model_path),
         max_total_tokens=BENCH_KV_TOKENS,
-        max_running_requests=max(args.batch_sizes),
+        max_running_requests=max([*args.batch_sizes, args.mixed[1] + 1 if args.mixed else 1]),
         quantization=args.quantization,
     )
     logger.info(
@@ -163,6 +276,18 @@ def main() -> None:
         hf_seconds = time_hf_prefill(hf, args.prefill, repeats=3)
         line += f" | hf {args.prefill / hf_seconds:7.1f} tok/s | srt/hf {hf_seconds / seconds:.2f}x"
     logger.info(line)
+    if args.kernel_times:
+        timed_with_kernels(
+            args, f"prefill {args.prefill} tokens", lambda: time_prefill(runner, args.prefill, repeats=3), 3
+        )
+    if args.mixed:
+        new, rows = args.mixed
+        timed_with_kernels(
+            args,
+            f"mixed step: {new} prompt tokens after {args.mixed_prefix}, {rows} decode rows at {args.context}",
+            lambda: time_mixed(runner, new, args.mixed_prefix, rows, args.context, args.steps),
+            WARMUP_STEPS + args.steps,
+        )
 
 
 if __name__ == "__main__":

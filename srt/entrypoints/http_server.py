@@ -29,8 +29,11 @@ from srt.entrypoints.openai.errors import (
 )
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from srt.entrypoints.openai.serving_chat import ChatHandler
+from srt.entrypoints.openai.serving_common import check_model
 from srt.entrypoints.openai.serving_completions import CompletionHandler
 from srt.entrypoints.serving_native import GenerateHandler
+from srt.entrypoints.serving_tokenize import TokenizeHandler
+from srt.entrypoints.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from srt.managers.input_processor import GenerateInput, ServerUnavailableError
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.sampling.sampling_params import SamplingParams
@@ -51,6 +54,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     chat = ChatHandler(tm, model_name, server_args.tool_call_parser)
     completions = CompletionHandler(tm, model_name)
     native = GenerateHandler(tm)
+    tokens = TokenizeHandler(tm, model_name, chat.tool_parser)
     created = int(time.time())
 
     @asynccontextmanager
@@ -101,6 +105,25 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             "max_model_len": tm.context_len,
         }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # `path`: served names may hold slashes (org/name)
+    async def retrieve_model(model: str):
+        try:
+            check_model(model, model_name)
+        except OpenAIError as e:
+            return e.to_response()
+        return (await models())["data"][0]
+
+    # ---- tokenizer (vLLM's and SGLang's routes) ----
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await tokens.tokenize(body)
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await tokens.detokenize(body)
 
     # ---- native ----
     @app.post("/generate")

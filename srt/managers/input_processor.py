@@ -24,6 +24,7 @@ MAX_CHARS_PER_TOKEN = 32
 # Longer texts are tokenized on worker threads (the Rust tokenizer releases the GIL), so the event loop keeps
 # serving; shorter ones cost less than the hand-off.
 INLINE_TOKENIZE_CHARS = 4096
+INLINE_DECODE_IDS = 1024  # the same for decoding token ids (about as many characters)
 TOKENIZER_THREADS = 2
 
 
@@ -96,10 +97,10 @@ class InputProcessor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: self.tokenizer(text, **kw).input_ids)
 
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, refused by size before any tokenizing, off the event loop when long."""
         self.check_input_chars(len(text), param)
-        return await self._tokenize(text)
+        return await self._tokenize(text, add_special_tokens=add_special_tokens)
 
     @property
     def template_takes_tools(self) -> bool:
@@ -107,12 +108,14 @@ class InputProcessor:
         messages: srt/function_call)."""
         return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
-    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         chars = sum(len(m["content"] or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self.check_input_chars(chars, "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as e:  # a template may reject role orders (e.g. two system messages)
             raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
@@ -121,6 +124,18 @@ class InputProcessor:
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", param)
+
+    async def decode(self, ids: list[int], param: str = "tokens") -> str:
+        """The text of any token ids in the vocabulary (`/detokenize`), off the event loop when long."""
+        self.check_token_ids(ids, param)
+        if len(ids) <= INLINE_DECODE_IDS:
+            return self.tokenizer.decode(ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.decode, ids)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (byte-level pieces, as the tokenizer stores them)."""
+        return self.tokenizer.convert_ids_to_tokens(ids)
 
     def decode_prompt(self, ids: list[int]) -> str:
         """The text of a token-id prompt (for `echo`), after checking the ids are in the vocabulary."""

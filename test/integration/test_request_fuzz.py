@@ -1,5 +1,5 @@
-"""Issue 8, property-based: whatever JSON a client sends to a generation route, the answer is a 2xx or a
-4xx with OpenAI's error object, never a 5xx, and the server's processes survive.
+"""Issue 8, property-based: whatever JSON a client sends to a generation route (or to the tokenizer routes),
+the answer is a 2xx or a 4xx with OpenAI's error object, never a 5xx, and the server's processes survive.
 
 Arbitrary JSON values (huge integers, NaN, lone surrogates, nested containers) replace random fields of an
 otherwise valid body. Valid bodies are kept cheap: a token budget that is a valid integer is cut to
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 MAX_FUZZ_TOKENS = 4
 HTTP_TIMEOUT_SECONDS = 60.0
-# ~150 examples in all, split over the three routes.
+# 50 examples a route (the generation routes and the tokenizer routes).
 FUZZ = settings(
     max_examples=50,
     deadline=None,
@@ -78,6 +78,10 @@ GENERATE_FIELDS = [
     "top_logprobs_num",
 ]
 GENERATE_SAMPLING_FIELDS = [*SAMPLING_FIELDS, "max_new_tokens", "min_new_tokens"]
+TOKENIZE_FIELDS = [
+    "prompt", "messages", "model", "tools", "tool_choice", "add_special_tokens", "add_generation_prompt",
+    "return_token_strs",
+]  # fmt: skip
 
 
 def overrides(fields: list[str]) -> st.SearchStrategy[dict]:
@@ -129,6 +133,19 @@ def generate_bodies(draw) -> dict:
         body["sampling_params"] = dict(body["sampling_params"])
         cap_tokens(body["sampling_params"], "max_new_tokens")
     return body
+
+
+@st.composite
+def tokenize_bodies(draw) -> dict:
+    body = draw(
+        st.sampled_from([{"prompt": "Once upon a time"}, {"messages": [{"role": "user", "content": "Hi"}]}])
+    )
+    return {**body, **draw(overrides(TOKENIZE_FIELDS))}
+
+
+@st.composite
+def detokenize_bodies(draw) -> dict:
+    return {"tokens": [1, 2, 3], **draw(overrides(["tokens", "model"]))}
 
 
 def anything_or(bodies: st.SearchStrategy[dict]) -> st.SearchStrategy:
@@ -195,6 +212,20 @@ def test_completions_never_5xx(client, body):
 @given(body=anything_or(generate_bodies()))
 def test_generate_never_5xx(client, body):
     check_answer(client, "/generate", body)
+
+
+@pytest.mark.usefixtures("child_pids")
+@FUZZ
+@given(body=anything_or(tokenize_bodies()))
+def test_tokenize_never_5xx(client, body):
+    check_answer(client, "/tokenize", body)
+
+
+@pytest.mark.usefixtures("child_pids")
+@FUZZ
+@given(body=anything_or(detokenize_bodies()))
+def test_detokenize_never_5xx(client, body):
+    check_answer(client, "/detokenize", body)
 
 
 def test_the_server_survived_the_fuzzing(server, client, child_pids):

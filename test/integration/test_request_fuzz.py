@@ -193,39 +193,21 @@ def check_answer(client: httpx.Client, path: str, body) -> None:
         assert isinstance(error["type"], str) and error["type"], error
 
 
-@pytest.mark.usefixtures("child_pids")
-@FUZZ
-@given(body=anything_or(chat_bodies()))
-def test_chat_completions_never_5xx(client, body):
-    check_answer(client, "/v1/chat/completions", body)
+ROUTE_BODIES = {
+    "/v1/chat/completions": chat_bodies(),
+    "/v1/completions": completion_bodies(),
+    "/generate": generate_bodies(),
+    "/tokenize": tokenize_bodies(),
+    "/detokenize": detokenize_bodies(),
+}
 
 
 @pytest.mark.usefixtures("child_pids")
+@pytest.mark.parametrize("path", ROUTE_BODIES)
 @FUZZ
-@given(body=anything_or(completion_bodies()))
-def test_completions_never_5xx(client, body):
-    check_answer(client, "/v1/completions", body)
-
-
-@pytest.mark.usefixtures("child_pids")
-@FUZZ
-@given(body=anything_or(generate_bodies()))
-def test_generate_never_5xx(client, body):
-    check_answer(client, "/generate", body)
-
-
-@pytest.mark.usefixtures("child_pids")
-@FUZZ
-@given(body=anything_or(tokenize_bodies()))
-def test_tokenize_never_5xx(client, body):
-    check_answer(client, "/tokenize", body)
-
-
-@pytest.mark.usefixtures("child_pids")
-@FUZZ
-@given(body=anything_or(detokenize_bodies()))
-def test_detokenize_never_5xx(client, body):
-    check_answer(client, "/detokenize", body)
+@given(data=st.data())
+def test_route_never_5xx(client, path, data):
+    check_answer(client, path, data.draw(anything_or(ROUTE_BODIES[path]), label="body"))
 
 
 def test_the_server_survived_the_fuzzing(server, client, child_pids):

@@ -29,7 +29,7 @@ from srt.entrypoints.openai.errors import (
 )
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from srt.entrypoints.openai.serving_chat import ChatHandler
-from srt.entrypoints.openai.serving_common import check_model
+from srt.entrypoints.openai.serving_common import model_not_found
 from srt.entrypoints.openai.serving_completions import CompletionHandler
 from srt.entrypoints.serving_native import GenerateHandler
 from srt.entrypoints.serving_tokenize import TokenizeHandler
@@ -108,10 +108,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")  # `path`: served names may hold slashes (org/name)
     async def retrieve_model(model: str):
-        try:
-            check_model(model, model_name)
-        except OpenAIError as e:
-            return e.to_response()
+        if model != model_name:  # an empty name too: here it is the resource asked for, not optional
+            return model_not_found(model, model_name).to_response()
         return (await models())["data"][0]
 
     # ---- tokenizer (vLLM's and SGLang's routes) ----

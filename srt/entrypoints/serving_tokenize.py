@@ -27,10 +27,9 @@ class TokenizeHandler:
             messages=req.messages, tools=req.tools, tool_choice=req.tool_choice
         )
         messages, tools = ChatTools(chat, self.tool_parser).prompt(self.tm.inputs.template_takes_tools)
-        ids = await self.tm.inputs.apply_chat_template(messages, tools, req.add_generation_prompt)
-        if req.add_special_tokens:  # what the template left out (a tokenizer's BOS, for one)
-            ids = self.tm.inputs.tokenizer.build_inputs_with_special_tokens(ids)
-        return ids
+        return await self.tm.inputs.apply_chat_template(
+            messages, tools, req.add_generation_prompt, add_special_tokens=bool(req.add_special_tokens)
+        )
 
     def _answer(self, ids: list[int], token_strs: bool) -> dict:
         out = {"count": len(ids), "max_model_len": self.tm.context_len, "tokens": ids}

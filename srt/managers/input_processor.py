@@ -109,7 +109,11 @@ class InputProcessor:
         return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     async def apply_chat_template(
-        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,  # the template writes the special tokens it wants
     ) -> list[int]:
         chars = sum(len(m["content"] or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self.check_input_chars(chars, "messages")
@@ -119,7 +123,7 @@ class InputProcessor:
             )
         except Exception as e:  # a template may reject role orders (e.g. two system messages)
             raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
-        return await self._tokenize(text, add_special_tokens=False)
+        return await self._tokenize(text, add_special_tokens=add_special_tokens)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):

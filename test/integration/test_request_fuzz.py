@@ -140,7 +140,10 @@ def tokenize_bodies(draw) -> dict:
     body = draw(
         st.sampled_from([{"prompt": "Once upon a time"}, {"messages": [{"role": "user", "content": "Hi"}]}])
     )
-    return {**body, **draw(overrides(TOKENIZE_FIELDS))}
+    # every valid combination of the flags is likely, not only what an override happens to draw
+    flags = ("add_special_tokens", "add_generation_prompt", "return_token_strs")
+    body |= {flag: draw(st.sampled_from([True, False, None])) for flag in flags}
+    return {**body, **draw(st.one_of(st.just({}), overrides(TOKENIZE_FIELDS)))}  # half are valid bodies
 
 
 @st.composite

@@ -91,6 +91,17 @@ def test_a_list_of_texts_is_answered_field_by_field_and_v1_routes_are_the_same(a
     assert post(http, "/v1/detokenize", {"tokens": singles[1]["tokens"]})["text"] == "hello"
 
 
+@pytest.mark.parametrize("special", [True, False, None])
+@pytest.mark.parametrize("form", ["prompt", "messages"])
+def test_add_special_tokens_is_honoured_for_both_forms(api, form, special):
+    """SmolLM2's tokenizer adds no BOS of its own, so the ids are the same either way; what matters is that
+    every combination is answered (one of them was a 500)."""
+    _, http = api
+    body = {"prompt": TEXT} if form == "prompt" else {"messages": CHAT}
+    default = post(http, "/tokenize", body)
+    assert post(http, "/tokenize", body | {"add_special_tokens": special})["tokens"] == default["tokens"]
+
+
 BAD_BODIES = [
     ({}, "prompt"),
     ({"prompt": "x", "messages": CHAT}, "prompt"),
@@ -131,3 +142,4 @@ def test_an_unknown_model_is_a_404_on_every_route_and_the_key_is_required(api, d
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("org/other-model")
+    assert http.get("/v1/models/").status_code == 404  # no name is not the served name here

@@ -29,15 +29,20 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def model_not_found(requested: str, served: str) -> OpenAIError:
+    """OpenAI's 404 for a model name this server does not serve."""
+    return OpenAIError(
+        f"The model `{requested}` does not exist. This server serves `{served}`.",
+        status=HTTPStatus.NOT_FOUND,
+        param="model",
+        code="model_not_found",
+    )
+
+
 def check_model(requested: str | None, served: str) -> None:
     """Accept the served name (or no name); anything else is OpenAI's 404 `model_not_found`."""
     if requested and requested != served:
-        raise OpenAIError(
-            f"The model `{requested}` does not exist. This server serves `{served}`.",
-            status=HTTPStatus.NOT_FOUND,
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(requested, served)
 
 
 def to_openai_error(exc: Exception) -> OpenAIError:

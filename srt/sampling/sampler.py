@@ -1,16 +1,17 @@
 """Turns a batch of last-position logits into next tokens, one set of sampling parameters per row.
 
 Order per row: penalties -> logit_bias -> min_new_tokens mask -> temperature -> top_k -> top_p -> min_p -> sample.
-Greedy rows take the argmax of the penalized logits. Sampling inverts the row's CDF at one uniform
-draw: one random number per row instead of one per vocabulary entry (per-token noise costs more than
-the rest of the step on a CPU). A request with its own generator draws its number alone, so a seeded
-request's tokens do not depend on what else is in the batch.
+Greedy rows (temperature below `GREEDY_TEMPERATURE`, or top_k 1) take the argmax of the penalized logits.
+Sampling inverts the row's CDF at one uniform draw: one random number per row instead of one per vocabulary
+entry (per-token noise costs more than the rest of the step on a CPU). A request with its own generator draws
+its number alone, so a seeded request's tokens do not depend on what else is in the batch.
 Log-probabilities are those of the raw model distribution (before penalties and temperature).
 
 The per-row parameters become tensors once per batch (`SamplingBatch`, rebuilt only when the batch
-changes); a decode step builds no parameter tensor. Everything that depends on a request's parameters (penalties, masks, temperature, top-k/top-p/min-p, the
-top-logprobs count) runs before the random draws: a batch that raises has consumed no generator's numbers,
-so the scheduler can retry it row by row and the rows that do not fail get exactly the tokens they would have.
+changes); a decode step builds no parameter tensor. Everything that depends on a request's parameters
+(penalties, masks, temperature, top-k/top-p/min-p, the top-logprobs count) runs before the random draws: a
+batch that raises has consumed no generator's numbers, so the scheduler can retry it row by row and the rows
+that do not fail get exactly the tokens they would have.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TOP_P_DISABLED = 1.0
 # How many best tokens to search for the top-p cut-off, widening per row before a full sort: a model's
 # next-token distribution almost always puts top_p of its mass inside the first few hundred tokens.
 TOP_P_CANDIDATES = (128, 2048)
+FLOAT32_MAX = torch.finfo(torch.float32).max  # sampling runs on float32 logits
 
 
 @dataclass
@@ -197,7 +199,8 @@ def _top_p_cutoff(probs: torch.Tensor, target: torch.Tensor, candidates: int) ->
     """Probability of the last token kept per row ([rows, 1]); NaN where the candidates fall short."""
     best = probs.topk(candidates, dim=-1).values
     mass_before = torch.cumsum(best, dim=-1) - best
-    num_kept = (mass_before < target).sum(dim=-1, keepdim=True)
+    # at least the best token: a top_p that float32 holds as 0 (below ~1e-45) keeps no mass otherwise
+    num_kept = (mass_before < target).sum(dim=-1, keepdim=True).clamp_(min=1)
     cutoff = best.gather(1, num_kept - 1)
     reached = (mass_before[:, -1:] + best[:, -1:]) >= target
     return cutoff.masked_fill(~reached, float("nan"))

@@ -21,7 +21,13 @@ from srt.sampling.penalties import (
     PenaltyPool,
     banned_token_ids,
 )
-from srt.sampling.sampler import TokenFilters, draw_uniforms, generator_groups, sample_from_probs
+from srt.sampling.sampler import (
+    FLOAT32_MAX,
+    TokenFilters,
+    draw_uniforms,
+    generator_groups,
+    sample_from_probs,
+)
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -33,7 +39,7 @@ class SamplingRow(PenalizedRow, Protocol):
 
 @dataclass
 class RandomRows:
-    """The rows that sample (temperature > 0): their indices, temperatures, filters and generators."""
+    """The rows that sample (not greedy): their indices, temperatures, filters and generators."""
 
     rows: torch.Tensor  # int64 [R], rows of the batch
     temperature: torch.Tensor  # [R, 1]
@@ -42,7 +48,9 @@ class RandomRows:
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """Next tokens of these rows from their (already penalized and masked) logits [R, vocab]."""
-        probs = self.filters.apply(logits / self.temperature)
+        # +inf (a repetition penalty so small that the division overflows) becomes the largest float: the
+        # row then samples among those tokens alone, the limit it stands for, instead of a softmax of NaN
+        probs = self.filters.apply((logits / self.temperature).clamp_(max=FLOAT32_MAX))
         return sample_from_probs(probs, draw_uniforms(self.groups, probs.shape[0], probs.device))
 
 

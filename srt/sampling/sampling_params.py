@@ -12,6 +12,10 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # logit_bias: OpenAI's range for one bias, and the most entries one request may bias (OpenAI allows 300; a
 # larger bound costs nothing: the sampler's work is one scatter over the entries).
 LOGIT_BIAS_LIMIT = 100.0
+# Temperatures below this are greedy (SGLang's threshold): dividing logits by a smaller one overflows float32
+# (1e-40 is already denormal, 1e-300 rounds to 0) and the softmax turns into NaN, while the limit of
+# sampling as the temperature falls is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-6
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
@@ -60,7 +64,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def num_constraints(self) -> int:

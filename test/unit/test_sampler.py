@@ -280,3 +280,43 @@ def test_greedy_ids_is_argmax_ties_included():
     logits[7, 10] = float("inf")
     assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
     assert greedy_ids(logits)[5] == 0
+
+
+# ---- extreme but valid parameters ----------------------------------------------------------------------
+# Each of these once gave NaN probabilities (a garbage token, silently) or an index error (a 500).
+
+
+@pytest.mark.parametrize("temperature", [1e-7, 1e-30, 1e-40, 1e-300, 5e-324])
+def test_a_vanishing_temperature_is_greedy(sampler, temperature):
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5)) * 10
+    gens = [torch.Generator().manual_seed(s) for s in range(3)]
+    out = run(
+        sampler, logits, [SamplingParams(temperature=temperature, seed=s) for s in range(3)], generators=gens
+    )
+    assert out.next_token_ids == logits.argmax(-1).tolist()
+
+
+def test_a_small_temperature_above_the_greedy_threshold_still_samples_the_best_token(sampler):
+    """1e-5 is not greedy, but its logits (x 1e5) stay finite: the best token takes all the mass."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6))
+    out = run(sampler, logits, [SamplingParams(temperature=1e-5)] * 2)
+    assert out.next_token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-30])
+def test_a_vanishing_top_p_keeps_the_best_token(sampler, top_p):
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(7))
+    out = run(sampler, logits, [SamplingParams(temperature=1.0, top_p=top_p)] * 4)
+    assert out.next_token_ids == logits.argmax(-1).tolist()
+
+
+def test_a_repetition_penalty_that_overflows_samples_among_the_repeated_tokens_only(sampler):
+    """Positive logits of seen tokens divided by 1e-300 (0 in float32) are +inf: sampling picks among those
+    tokens, never one of the others, and never a NaN draw."""
+    logits = torch.full((64, VOCAB), -1.0)
+    seen = [3, 11, 17]
+    logits[:, seen] = 0.5
+    gens = [torch.Generator().manual_seed(s) for s in range(64)]
+    params = [SamplingParams(temperature=0.7, repetition_penalty=1e-300, seed=s) for s in range(64)]
+    out = run(sampler, logits, params, generators=gens, inputs=[seen] * 64)
+    assert set(out.next_token_ids) == set(seen)  # all three drawn across 64 rows, nothing else

@@ -213,6 +213,51 @@ def test_route_never_5xx(client, path, data):
     check_answer(client, path, data.draw(anything_or(ROUTE_BODIES[path]), label="body"))
 
 
+# ---- valid values at their extremes: these must be served (200), not merely not 5xx ----
+VOCAB_IDS = st.integers(0, 49151)  # SmolLM2's vocabulary
+TINY_FLOATS = st.sampled_from([5e-324, 1e-300, 1e-45, 1e-40, 1e-30])
+
+
+@st.composite
+def extreme_sampling(draw) -> dict:
+    """Every sampling parameter of /v1/completions, each set (or left out) to a valid value, extremes likely."""
+    candidates = {
+        "temperature": st.one_of(st.just(0.0), TINY_FLOATS, st.floats(1e-6, 3.0), st.floats(1e30, 1e308)),
+        "top_p": st.one_of(TINY_FLOATS, st.floats(1e-6, 1.0), st.just(1.0)),
+        "top_k": st.one_of(st.just(-1), st.integers(1, 3), st.integers(1, 2**31 - 1)),
+        "min_p": st.one_of(st.just(0.0), st.just(1.0), st.floats(0.0, 1.0)),
+        "presence_penalty": st.floats(-2.0, 2.0),
+        "frequency_penalty": st.floats(-2.0, 2.0),
+        "repetition_penalty": st.one_of(TINY_FLOATS, st.floats(1e-6, 2.0)),
+        "seed": st.integers(-(2**63), 2**63 - 1),
+        "n": st.integers(1, 3),
+        "logit_bias": st.dictionaries(VOCAB_IDS.map(str), st.floats(-100.0, 100.0), max_size=4),
+        "min_tokens": st.integers(0, MAX_FUZZ_TOKENS),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+        "stop_token_ids": st.lists(VOCAB_IDS, max_size=3),
+        "logprobs": st.integers(0, 5),
+        "echo": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+    }
+    chosen = draw(st.lists(st.sampled_from(sorted(candidates)), unique=True, max_size=len(candidates)))
+    body = {"prompt": "Once upon a time", "max_tokens": MAX_FUZZ_TOKENS}
+    return body | {name: draw(candidates[name]) for name in chosen}
+
+
+@pytest.mark.usefixtures("child_pids")
+@settings(FUZZ, max_examples=150)  # many parameters: more examples to meet their combinations
+@given(body=extreme_sampling(), stream=st.booleans())
+def test_valid_extreme_sampling_parameters_are_served(client, body, stream):
+    content = json.dumps(body | {"stream": stream}).encode()
+    r = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 200, f"HTTP {r.status_code} for {content!r}: {r.text[:500]}"
+    if stream:
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-500:]
+    else:
+        assert len(r.json()["choices"]) == body.get("n", 1)
+
+
 def test_the_server_survived_the_fuzzing(server, client, child_pids):
     """Runs last: the same children, the launcher alive, /health 200 and a normal request served."""
     assert server.proc.poll() is None, f"the launcher exited with {server.proc.returncode}"

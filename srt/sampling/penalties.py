@@ -22,6 +22,7 @@ import torch
 from srt.sampling.sampling_params import SamplingParams
 
 NO_REPETITION_PENALTY = 1.0
+SMALLEST_REPETITION_PENALTY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 # Rows the pool starts with when the first penalized request arrives; it doubles when full.
 MIN_POOL_ROWS = 8
 
@@ -88,6 +89,9 @@ class PenaltyPool:
         if not self._free:
             self._grow()
         row = self._free.pop()
+        # a penalty that float32 holds as 0 (below ~1e-45) would make a zero logit 0 / 0 = NaN; the smallest
+        # normal float still sends every seen token's positive logit to +inf, as the request means
+        repetition_penalty = max(repetition_penalty, SMALLEST_REPETITION_PENALTY)
         self.counts[row] = torch.bincount(output, minlength=self.vocab_size)
         self.repetition[row] = repetition_penalty
         self.rep_factor[row] = NO_REPETITION_PENALTY

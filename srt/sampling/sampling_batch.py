@@ -87,7 +87,8 @@ class SamplingBatch:
             chosen = [params[i] for i in random_idx]
             random = RandomRows(
                 torch.tensor(random_idx, dtype=torch.int64, device=device),
-                torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(1),
+                # past float32's range a temperature would be inf, and a masked token's -inf / inf is NaN
+                torch.tensor([min(p.temperature, FLOAT32_MAX) for p in chosen], device=device).unsqueeze(1),
                 TokenFilters.build(
                     [p.top_k for p in chosen],
                     [p.top_p for p in chosen],

@@ -239,6 +239,7 @@ def extreme_sampling(draw) -> dict:
         "echo": st.booleans(),
         "ignore_eos": st.booleans(),
         "skip_special_tokens": st.booleans(),
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     }
     chosen = draw(st.lists(st.sampled_from(sorted(candidates)), unique=True, max_size=len(candidates)))
     body = {"prompt": "Once upon a time", "max_tokens": MAX_FUZZ_TOKENS}

@@ -52,3 +52,16 @@ def test_an_overflowing_repetition_penalty_is_answered(client):
         extra_body={"repetition_penalty": 1e-300},
     )
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("temperature", [3.5e38, 1e300])
+def test_a_temperature_past_float32_with_a_grammar_is_answered(client, temperature):
+    """Once a 500: the grammar's masked tokens became NaN and the sampler drew a token the grammar forbids."""
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a number"}],
+        max_tokens=4,
+        temperature=temperature,
+        response_format={"type": "json_object"},
+    )
+    assert reply.choices[0].message.content.startswith("{")

@@ -320,3 +320,28 @@ def test_a_repetition_penalty_that_overflows_samples_among_the_repeated_tokens_o
     params = [SamplingParams(temperature=0.7, repetition_penalty=1e-300, seed=s) for s in range(64)]
     out = run(sampler, logits, params, generators=gens, inputs=[seen] * 64)
     assert set(out.next_token_ids) == set(seen)  # all three drawn across 64 rows, nothing else
+
+
+@pytest.mark.parametrize("temperature", [3.5e38, 1e300])
+def test_a_temperature_past_float32_samples_uniformly_among_the_allowed_tokens(sampler, temperature):
+    """inf in float32: a masked token's -inf / inf was NaN, and the row drew token 0 whatever the mask said
+    (a grammar then rejected it: a 500). min_new_tokens masks EOS here."""
+    draws = 400
+    logits = torch.zeros(draws, VOCAB)
+    logits[:, EOS] = 50.0  # the model's favourite, but masked
+    gens = [torch.Generator().manual_seed(s) for s in range(draws)]
+    params = [SamplingParams(temperature=temperature, min_new_tokens=1, seed=s) for s in range(draws)]
+    tokens = run(sampler, logits, params, generators=gens).next_token_ids
+    assert EOS not in tokens
+    assert len(set(tokens)) > VOCAB // 2  # spread over the allowed tokens, not stuck on one
+
+
+def test_a_repetition_penalty_below_float32_leaves_no_nan(sampler):
+    """5e-324 is 0 in float32: a seen token's zero logit became 0 / 0 = NaN and the row's softmax NaN."""
+    logits = torch.full((32, VOCAB), -1.0)
+    logits[:, 5] = 0.0
+    logits[:, 9] = 0.5
+    gens = [torch.Generator().manual_seed(s) for s in range(32)]
+    params = [SamplingParams(temperature=1.0, repetition_penalty=5e-324, seed=s) for s in range(32)]
+    out = run(sampler, logits, params, generators=gens, inputs=[[5, 9]] * 32)
+    assert set(out.next_token_ids) == {9}  # the one seen token with a positive logit: +inf

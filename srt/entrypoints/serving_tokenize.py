@@ -9,7 +9,6 @@ text fits.
 from __future__ import annotations
 
 from srt.entrypoints.openai.chat_tools import ChatTools
-from srt.entrypoints.openai.protocol import ChatCompletionRequest
 from srt.entrypoints.openai.serving_common import check_model, to_openai_error
 from srt.entrypoints.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from srt.function_call import ToolCallParser
@@ -23,10 +22,7 @@ class TokenizeHandler:
         self.tool_parser = tool_parser
 
     async def _chat_ids(self, req: TokenizeRequest) -> list[int]:
-        chat = ChatCompletionRequest.model_construct(
-            messages=req.messages, tools=req.tools, tool_choice=req.tool_choice
-        )
-        messages, tools = ChatTools(chat, self.tool_parser).prompt(self.tm.inputs.template_takes_tools)
+        messages, tools = ChatTools(req, self.tool_parser).prompt(self.tm.inputs.template_takes_tools)
         return await self.tm.inputs.apply_chat_template(
             messages, tools, req.add_generation_prompt, add_special_tokens=bool(req.add_special_tokens)
         )

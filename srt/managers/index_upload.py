@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-INDEX_DTYPE = torch.int64
+from srt.mem_cache.memory_pool import INDEX_DTYPE
+
 # A staging buffer grows at least this much at a time, so a slowly growing batch re-pins rarely.
 STAGING_GROWTH = 2
 

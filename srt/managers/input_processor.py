@@ -91,11 +91,16 @@ class InputProcessor:
                 param,
             )
 
+    async def _call(self, inline: bool, fn, *args):
+        """`fn(*args)` here when the work is short (cheaper than a hand-off), else on a tokenizer thread."""
+        if inline:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     async def _tokenize(self, text: str, **kw) -> list[int]:
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer(text, **kw).input_ids
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: self.tokenizer(text, **kw).input_ids)
+        return await self._call(
+            len(text) <= INLINE_TOKENIZE_CHARS, lambda: self.tokenizer(text, **kw).input_ids
+        )
 
     async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, refused by size before any tokenizing, off the event loop when long."""
@@ -132,10 +137,7 @@ class InputProcessor:
     async def decode(self, ids: list[int], param: str = "tokens") -> str:
         """The text of any token ids in the vocabulary (`/detokenize`), off the event loop when long."""
         self.check_token_ids(ids, param)
-        if len(ids) <= INLINE_DECODE_IDS:
-            return self.tokenizer.decode(ids)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.tokenizer.decode, ids)
+        return await self._call(len(ids) <= INLINE_DECODE_IDS, self.tokenizer.decode, ids)
 
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each id's vocabulary entry (byte-level pieces, as the tokenizer stores them)."""

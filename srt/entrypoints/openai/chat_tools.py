@@ -8,9 +8,14 @@ turns. With `tool_choice` `auto` the output is read with the server's `--tool-ca
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from srt.entrypoints.openai.protocol import ChatCompletionRequest
 from srt.function_call import ToolCallParser, ToolCallStream
 from srt.function_call.tool_schema import forced_call_stream
+
+if TYPE_CHECKING:
+    from srt.entrypoints.tokenize_protocol import TokenizeRequest
 
 FINISH_TOOL_CALLS = "tool_calls"
 
@@ -30,7 +35,8 @@ def template_message(m) -> dict:
 class ChatTools:
     """One request's view of tools: the prompt messages, and a reader per choice when calls are expected."""
 
-    def __init__(self, req: ChatCompletionRequest, parser: ToolCallParser):
+    def __init__(self, req: ChatCompletionRequest | TokenizeRequest, parser: ToolCallParser):
+        """`req`: a chat request, or a `/tokenize` one (the same `messages` and tool fields)."""
         self.req = req
         self.parser = parser
         self.offered = [t.model_dump(exclude_none=True) for t in req.tools_offered]

@@ -42,6 +42,7 @@ on its own, so a sequence's result does not depend on its batch.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -164,10 +165,30 @@ def dequantize(
     return out.add_(bias) if bias is not None else out
 
 
+# The speed probe's shape (rows, features, outputs) and how much slower than `_int_mm` the packed kernel may
+# be there. oneDNN falls back to its reference int8 matmul on some CPUs (seen on a 2-core AMD EPYC with
+# AVX-512 but no AMX: `ref_int8`, ~1,000x slower than `_int_mm`, a 5,000-token prefill took minutes), and a
+# correctness probe alone cannot tell.
+SPEED_PROBE_SHAPE = (64, 512, 512)
+PACKED_MAX_SLOWDOWN = 3.0
+SPEED_PROBE_RUNS = 2
+
+
+def _best_seconds(fn, runs: int = SPEED_PROBE_RUNS) -> float:
+    fn()  # the first call may create the kernel
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 @functools.cache
 def packed_kernel_available() -> bool:
-    """Whether oneDNN's packed int8 linear exists in this build and reproduces `_int_mm` exactly (integer
-    products below 2^24 with unit scales must come back as the same whole numbers): probed once per process."""
+    """Whether oneDNN's packed int8 linear exists in this build, reproduces `_int_mm` exactly (integer
+    products below 2^24 with unit scales must come back as the same whole numbers) and is not a slow
+    fallback (at most PACKED_MAX_SLOWDOWN times `_int_mm`'s time on a probe): checked once per process."""
     try:
         gen = torch.Generator().manual_seed(0)
         w = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=gen)
@@ -175,9 +196,24 @@ def packed_kernel_available() -> bool:
         probe._pack_unchecked()
         x = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=gen)
         expected = torch._int_mm(x, w.t()).to(torch.float32)
-        return torch.equal(packed_int8_matmul(x, probe), expected)
+        if not torch.equal(packed_int8_matmul(x, probe), expected):
+            return False
+        return packed_kernel_speed_ratio() <= PACKED_MAX_SLOWDOWN
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+
+
+def packed_kernel_speed_ratio() -> float:
+    """The packed kernel's time over `_int_mm`'s on SPEED_PROBE_SHAPE (best of a few runs each)."""
+    rows, k, n = SPEED_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    probe = Int8Weight(w, torch.ones(n))
+    probe._pack_unchecked(keep_plain=True)
+    x = torch.randint(-63, 64, (rows, k), dtype=torch.int8, generator=gen)
+    packed = _best_seconds(lambda: packed_int8_matmul(x, probe))
+    plain = _best_seconds(lambda: torch._int_mm(x, probe.weight_t))
+    return packed / max(plain, 1e-9)
 
 
 def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -8,9 +8,15 @@ field; an unknown model is OpenAI's 404.
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
 import pytest
+
+from srt.managers.input_processor import MAX_CHARS_PER_TOKEN
 
 pytestmark = pytest.mark.slow
 
@@ -143,3 +149,187 @@ def test_an_unknown_model_is_a_404_on_every_route_and_the_key_is_required(api, d
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("org/other-model")
     assert http.get("/v1/models/").status_code == 404  # no name is not the served name here
+
+
+# ---- size limits: a request's texts together, /detokenize's ids and its text ----
+
+
+@pytest.fixture(scope="module")
+def limits(api) -> tuple[int, int]:
+    """(the server's context length, the most characters all of a request's texts may have together)."""
+    context_len = post(api[1], "/tokenize", {"prompt": "x"})["max_model_len"]
+    return context_len, context_len * MAX_CHARS_PER_TOKEN
+
+
+def words(chars: int) -> str:
+    return ("lorem ipsum dolor " * (chars // 18 + 1))[:chars]
+
+
+# (what, the texts' lengths as a function of the limit, status): each text alone is within the limit
+BATCH_SIZES = [
+    ("one text at the limit", lambda limit: [limit], 200),
+    ("two halves at the limit", lambda limit: [limit // 2, limit - limit // 2], 200),
+    ("two halves one past it", lambda limit: [limit // 2, limit - limit // 2 + 1], 400),
+    ("64 texts, together one past", lambda limit: [limit // 64] * 63 + [limit - 63 * (limit // 64) + 1], 400),
+    ("31 texts each just under it (8 MB)", lambda limit: [limit - 544] * 31, 400),
+]
+
+
+@pytest.mark.parametrize("lengths,status", [c[1:] for c in BATCH_SIZES], ids=[c[0] for c in BATCH_SIZES])
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/tokenize"])
+def test_all_texts_of_a_batch_together_are_within_the_text_limit(api, limits, path, lengths, status):
+    _, http = api
+    texts = [words(n) for n in lengths(limits[1])]
+    assert all(len(t) <= limits[1] for t in texts)
+    r = http.post(path, json={"prompt": texts})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["error"]["param"] == "prompt" and str(limits[1]) in r.json()["error"]["message"]
+    else:
+        assert len(r.json()["tokens"]) == len(r.json()["count"]) == len(texts)
+
+
+@pytest.fixture(scope="module")
+def long_token(api) -> tuple[int, int]:
+    """(id, characters) of the longest token of an 80-character run of '#' (one token in SmolLM2's vocabulary,
+    so few ids make a long text)."""
+    _, http = api
+    answer = post(http, "/tokenize", {"prompt": "#" * 80, "return_token_strs": True})
+    token = max(answer["tokens"], key=lambda t: len(post(http, "/detokenize", {"tokens": [t]})["text"]))
+    return token, len(post(http, "/detokenize", {"tokens": [token]})["text"])
+
+
+# (what, the ids as a function of (context length, text limit, long token id, its characters), status)
+DETOKENIZE_SIZES = [
+    ("the context's length of ids", lambda ctx, limit, tok, n: [1] * ctx, 200),
+    ("one id more", lambda ctx, limit, tok, n: [1] * (ctx + 1), 400),
+    ("4,000,000 ids (8 MB)", lambda ctx, limit, tok, n: [1] * 4_000_000, 400),
+    ("a long token up to the text limit", lambda ctx, limit, tok, n: [tok] * (limit // n), 200),
+    ("a long token one past the text limit", lambda ctx, limit, tok, n: [tok] * (limit // n + 1), 400),
+]
+
+
+@pytest.mark.parametrize(
+    "ids,status", [c[1:] for c in DETOKENIZE_SIZES], ids=[c[0] for c in DETOKENIZE_SIZES]
+)
+def test_detokenize_takes_at_most_the_context_of_ids_and_answers_at_most_the_text_limit(
+    api, limits, long_token, ids, status
+):
+    """Within both caps what /detokenize answers can be sent back to /tokenize; past either it is a 400,
+    so an 8 MB body can no longer be answered with ~100 MB."""
+    _, http = api
+    context_len, limit = limits
+    tokens = ids(context_len, limit, *long_token)
+    assert len(tokens) > context_len or len(tokens) * long_token[1] > limit or status == 200
+    r = http.post("/detokenize", json={"tokens": tokens})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["error"]["param"] == "tokens"
+    else:
+        assert len(r.json()["text"]) <= limit
+        assert http.post("/tokenize", json={"prompt": r.json()["text"]}).status_code == 200
+
+
+# ---- tool results must answer an earlier call ----
+
+
+def tool_call(call_id: str) -> dict:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+
+
+def calls(*ids: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [tool_call(i) for i in ids]}
+
+
+def result(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 18}'}
+
+
+USER = {"role": "user", "content": "Weather in Paris and Rome?"}
+TOOL_HISTORIES = [
+    ("answers the call", [USER, calls("call_1"), result("call_1")], 200),
+    ("answers both calls", [USER, calls("call_1", "call_2"), result("call_2"), result("call_1")], 200),
+    (
+        "a second turn's call",
+        [
+            USER,
+            calls("a"),
+            result("a"),
+            {"role": "assistant", "content": "18"},
+            USER,
+            calls("b"),
+            result("b"),
+        ],
+        200,
+    ),
+    ("no call was made", [USER, result("call_1")], 400),
+    ("another call's id", [USER, calls("call_1"), result("call_2")], 400),
+    ("the call comes after its result", [USER, result("call_1"), calls("call_1")], 400),
+    ("the id differs in case", [USER, calls("call_A"), result("call_a")], 400),
+]
+
+
+@pytest.mark.parametrize(
+    "messages,status", [c[1:] for c in TOOL_HISTORIES], ids=[c[0] for c in TOOL_HISTORIES]
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_tool_result_must_answer_an_earlier_assistant_call(api, path, messages, status):
+    """OpenAI's rule (it answers 400 too): a tool message's `tool_call_id` is the id of a call an earlier
+    assistant message made."""
+    _, http = api
+    body = {"messages": messages, "tools": TOOLS}
+    if path == "/v1/chat/completions":
+        body |= {"model": MODEL, "max_tokens": 1}
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["error"]["param"] == "messages" and "tool_call_id" in r.json()["error"]["message"]
+
+
+# ---- the largest allowed requests leave the server responsive ----
+
+
+def test_health_answers_while_the_largest_allowed_tokenize_and_detokenize_run(api, limits, long_token):
+    """The largest answers the limits allow (a batch of texts together at the limit that tokenize to ~3 ids
+    a character, with token strings; a context's length of long tokens) are built off the event loop."""
+    _, http = api
+    context_len, limit = limits
+    emoji = "😀🙈"  # each a character, several byte-level tokens
+    texts = [(emoji * limit)[: limit // 4]] * 4
+    detokenize_ids = [long_token[0]] * (limit // long_token[1])
+    assert len(detokenize_ids) <= context_len
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=http.base_url, timeout=30) as probe:
+            while not done.is_set():
+                start = time.monotonic()
+                assert probe.get("/health").status_code == 200
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.02)
+
+    def run(path: str, body: dict) -> httpx.Response:
+        with httpx.Client(base_url=http.base_url, headers=http.headers, timeout=120) as client:
+            return client.post(path, json=body)
+
+    with ThreadPoolExecutor(3) as pool:
+        poller = pool.submit(poll)
+        time.sleep(0.1)
+        big = pool.submit(run, "/tokenize", {"prompt": texts, "return_token_strs": True})
+        long = pool.submit(run, "/detokenize", {"tokens": detokenize_ids})
+        big_r, long_r = big.result(), long.result()
+        done.set()
+        poller.result()
+    assert big_r.status_code == 200 and long_r.status_code == 200
+    counts = big_r.json()["count"]
+    assert sum(counts) > 2 * limit and len(big_r.json()["token_strs"][0]) == counts[0]
+    print(
+        f"/tokenize answered {sum(counts)} ids ({len(big_r.content) / 1e6:.1f} MB); /health: {len(latencies)} "
+        f"probes, slowest {max(latencies) * 1000:.0f} ms"
+    )
+    assert max(latencies) < 1.0

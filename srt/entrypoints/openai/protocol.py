@@ -200,11 +200,34 @@ class ChatMessage(StrictModel):
         return self.content or ""
 
 
+def _tool_results_answer_calls(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """A `tool` message must answer a call an earlier assistant message made (OpenAI answers 400 too): a
+    result for no call would be rendered into the prompt as the answer to a call the model never made."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "tool" and m.tool_call_id not in called:
+            raise FieldError(
+                f"message {i} is a tool result for `tool_call_id` {m.tool_call_id!r}, which no earlier "
+                "assistant message's `tool_calls` has",
+                "messages",
+            )
+        called.update(c.id for c in m.tool_calls or ())
+    return messages
+
+
+# A chat's history, as /v1/chat/completions and /tokenize take it.
+ChatMessages = Annotated[
+    list[ChatMessage],
+    Field(min_length=1, max_length=MAX_MESSAGES),
+    AfterValidator(_tool_results_answer_calls),
+]
+
+
 class ChatCompletionRequest(ToolFields, SamplingFields):
     route: ClassVar[str] = "/v1/chat/completions"
     refused: ClassVar[dict[str, str]] = CHAT_REFUSED
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: ChatMessages
     modalities: Modalities | None = None
     # Accepted and ignored, as OpenAI documents them: storage, billing and caching hints, no effect on output.
     metadata: Metadata | None = None

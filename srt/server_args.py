@@ -8,7 +8,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from srt.constrained import DEFAULT_GRAMMAR_BACKEND, GRAMMAR_BACKENDS
+from srt.constrained import DEFAULT_GRAMMAR_BACKEND, DEFAULT_GRAMMAR_COMPILE_TIMEOUT, GRAMMAR_BACKENDS
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from srt.kv_events.config import parse_kv_events_config
 from srt.metrics.custom_labels import parse_allowed_custom_labels
@@ -109,6 +109,11 @@ class ServerArgs:
         DEFAULT_GRAMMAR_BACKEND,
         "structured-output library (response_format, regex, ebnf); none refuses constrained requests",
         choices=GRAMMAR_BACKENDS,
+    )
+    grammar_compile_timeout: float = _f(
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+        "seconds a constraint (response_format, json_schema, regex, ebnf, a forced tool choice) may take to be "
+        "compiled and its first token mask computed, in the HTTP process's grammar judge; longer is a 400",
     )
     tool_call_parser: str = _f(
         DEFAULT_TOOL_CALL_PARSER,
@@ -216,6 +221,8 @@ class ServerArgs:
             problems.append("--chunked-prefill-size must be positive or -1 (disabled)")
         if self.stream_interval < 1 or self.decode_log_interval < 1:
             problems.append("--stream-interval and --decode-log-interval must be >= 1")
+        if not (self.grammar_compile_timeout > 0):
+            problems.append("--grammar-compile-timeout must be > 0 seconds")
         if self.log_stats_interval <= 0:
             problems.append("--log-stats-interval must be > 0")
         if self.enable_metrics and self.disable_metrics:

@@ -3,9 +3,9 @@
 A constraint is a `GrammarKey` — a kind (`json_schema`, `regex`, `ebnf`) and its text — and is the cache key
 of its compiled grammar. The contract every backend keeps:
 
-- `validate(key)` needs no tokenizer and is cheap (a few ms): it parses the constraint as `compile` would and
-  raises `GrammarError` for anything `compile` would reject for the same reason. The HTTP process calls it so
-  that a bad schema is a 400 naming its field; the scheduler never sees one that fails it.
+- `judge(key)` compiles the constraint and computes its first mask, raising `GrammarError` for anything
+  that would fail a request later. The HTTP process's grammar judge (`judge.py`) calls it, in a child
+  process, so a bad constraint is a 400 naming its field; the scheduler never sees one that fails it.
 - `compile(key)` builds the tokenizer-specific grammar; it may take long (hundreds of ms) and is called from a
   worker thread, never from the scheduler loop. It raises `GrammarError` on failure. The result is immutable
   and shared by every request with the same key.
@@ -16,7 +16,10 @@ of its compiled grammar. The contract every backend keeps:
   grammar may end.
 - `GrammarMatcher.accept_token(t)` advances past a sampled token and returns False if the grammar rejects it;
   `is_terminated()` is True once nothing but the end can follow (llguidance says so at once, xgrammar after
-  accepting the stop token): the scheduler then finishes the request with `stop`.
+  accepting the stop token): the scheduler then finishes the request with `stop`. `error()` is the
+  library's complaint ('' when none): a mask computed past one of its limits, or a grammar found
+  unsatisfiable while matching. A mask with an error is not to be trusted (llguidance then allows only the
+  stop token, which would end the request as a "complete" empty match), so the scheduler fails the request.
 
 Tools' `tool_choice="required"` or a named function are a JSON schema over the call's arguments (an `anyOf`
 of the tools' `{"name": const, "arguments": schema}` objects): they compile through the same `json_schema`
@@ -37,6 +40,8 @@ GRAMMAR_KINDS = (JSON_SCHEMA, REGEX, EBNF)
 # response_format {"type": "json_object"}: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 BITS_PER_WORD = 32
+# llguidance's stop reason (NoExtension, NoExtensionBias) when no token can continue the grammar.
+NO_EXTENSION = "NoExtension"
 
 
 class GrammarKey(NamedTuple):
@@ -59,12 +64,20 @@ def bitmask_words(vocab_size: int) -> int:
 class GrammarMatcher:
     """One request's position in its grammar: a library's matcher and its two operations under srt's names."""
 
-    __slots__ = ("matcher", "accept_token", "is_terminated")
+    __slots__ = ("matcher", "accept_token", "is_terminated", "error", "key")
 
-    def __init__(self, matcher: Any, accept_token: Callable[[int], bool], is_terminated: Callable[[], bool]):
+    def __init__(
+        self,
+        matcher: Any,
+        accept_token: Callable[[int], bool],
+        is_terminated: Callable[[], bool],
+        error: Callable[[], str] = lambda: "",
+    ):
         self.matcher = matcher
         self.accept_token = accept_token
         self.is_terminated = is_terminated
+        self.error = error
+        self.key: GrammarKey | None = None  # the constraint it matches (set by the grammar manager)
 
 
 def build_by_kind(key: GrammarKey, builders: dict[str, Callable[[str], Any]], errors: tuple) -> Any:
@@ -78,6 +91,16 @@ def build_by_kind(key: GrammarKey, builders: dict[str, Callable[[str], Any]], er
         raise GrammarError(f"the {key.kind} does not compile: {e}", key.kind) from e
 
 
+def check_first_mask(key: GrammarKey, matcher: GrammarMatcher, any_allowed: bool) -> None:
+    error = matcher.error().strip().removeprefix("Warning: ")
+    if error.startswith(NO_EXTENSION):
+        raise GrammarError(f"the {key.kind} admits no output (no first token can start a match)", key.kind)
+    if error:
+        raise GrammarError(f"the {key.kind} cannot be enforced: {error}", key.kind)
+    if not any_allowed:
+        raise GrammarError(f"the {key.kind} admits no output", key.kind)
+
+
 class GrammarBackend(ABC):
     """A structured-output library bound to one tokenizer (see the module docstring for the contract)."""
 
@@ -87,10 +110,6 @@ class GrammarBackend(ABC):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
 
-    @classmethod
-    @abstractmethod
-    def validate(cls, key: GrammarKey) -> None: ...
-
     @abstractmethod
     def compile(self, key: GrammarKey) -> Any: ...
 
@@ -99,6 +118,14 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None: ...
+
+    def judge(self, key: GrammarKey) -> None:
+        """Compile `key` and compute its first mask as a request would, raising GrammarError where the library
+        reports a problem (a limit hit, an unsatisfiable schema) or the mask allows no token at all."""
+        matcher = self.new_matcher(self.compile(key))
+        bitmask = self.allocate_bitmask(1)
+        self.fill_bitmask([matcher], bitmask)
+        check_first_mask(key, matcher, bool(bitmask.any()))
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         import torch

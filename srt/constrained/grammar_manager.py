@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from srt.constrained import create_grammar_backend
-from srt.constrained.base_backend import EBNF, JSON_SCHEMA, REGEX, GrammarBackend, GrammarKey, GrammarMatcher
+from srt.constrained.base_backend import GrammarBackend, GrammarKey, GrammarMatcher
 from srt.constrained.bitmask import GrammarMask
 
 logger = logging.getLogger(__name__)
@@ -33,13 +33,9 @@ logger = logging.getLogger(__name__)
 GRAMMAR_CACHE_SIZE = 256
 
 
-def grammar_key(params: Any) -> GrammarKey | None:
-    """The request's constraint (SamplingParams' `json_schema` / `regex` / `ebnf`; at most one is set)."""
-    for kind in (JSON_SCHEMA, REGEX, EBNF):
-        spec = getattr(params, kind, None)
-        if spec is not None:
-            return GrammarKey(kind, spec)
-    return None
+class GrammarMismatch(RuntimeError):
+    """The grammar library and its own mask disagree, or it gave up on a mask: the output can no longer be
+    trusted to follow the constraint."""
 
 
 class GrammarCache:
@@ -144,6 +140,7 @@ class GrammarManager:
                 continue
             try:
                 req.grammar = self.backend.new_matcher(future.result())
+                req.grammar.key = key
                 ready.append(req)
             except Exception as e:
                 self.cache.drop(key)  # a failure is not cached: the next request retries
@@ -173,14 +170,25 @@ class GrammarManager:
         self.backend.fill_bitmask([reqs[i].grammar for i in rows], bitmask)
         return GrammarMask(bitmask, rows, self.vocab_size)
 
-    @staticmethod
-    def advance(req: Any, token_id: int) -> bool | None:
-        """Feed the sampled token to the request's matcher: False if rejected, True if the grammar has ended,
-        None otherwise."""
+    def advance(self, req: Any, token_id: int) -> bool | None:
+        """Feed the sampled token to the request's matcher: True if the grammar has ended, None otherwise.
+        Raises `GrammarMismatch` when the mask the token was sampled under cannot be trusted (the library
+        reported an error computing it) or the matcher rejects a token its own mask allowed; the grammar is
+        then dropped from the cache, so the next request with it compiles afresh instead of inheriting a
+        broken one."""
         matcher: GrammarMatcher = req.grammar
-        if not matcher.accept_token(token_id):
-            return False
-        return True if matcher.is_terminated() else None
+        error = matcher.error()
+        if not error and not matcher.accept_token(token_id):
+            error = matcher.error() or f"the grammar rejected token {token_id}, which its mask allowed"
+        if not error and matcher.is_terminated():
+            error = matcher.error()  # llguidance also stops on an error (e.g. a grammar found unsatisfiable)
+            if not error:
+                return True
+        if error:
+            if matcher.key is not None:
+                self.cache.drop(matcher.key)
+            raise GrammarMismatch(error)
+        return None
 
     def shutdown(self) -> None:
         if self._worker is not None:

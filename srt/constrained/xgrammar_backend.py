@@ -42,17 +42,6 @@ class XGrammarBackend(GrammarBackend):
         self._compiler = xgr.GrammarCompiler(info, max_threads=MASK_THREADS, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=MASK_THREADS)
 
-    @classmethod
-    def validate(cls, key: GrammarKey) -> None:
-        import xgrammar as xgr
-
-        builders = {
-            JSON_SCHEMA: lambda spec: xgr.Grammar.from_json_schema(spec, **JSON_OPTIONS),
-            REGEX: xgr.Grammar.from_regex,
-            EBNF: lambda spec: xgr.Grammar.from_ebnf(spec, root_rule_name=EBNF_ROOT_RULE),
-        }
-        build_by_kind(key, builders, ERRORS)
-
     def compile(self, key: GrammarKey) -> Any:
         builders = {
             JSON_SCHEMA: lambda spec: self._compiler.compile_json_schema(spec, **JSON_OPTIONS),

@@ -80,6 +80,7 @@ class GenerateHandler:
             rid=req.rid or uuid.uuid4().hex,
             input_texts=texts,
         )
+        await self.tm.inputs.judge_constraint(obj.sampling_params)
         return obj, self.tm.generate(obj, request), batched
 
     def _result(self, rid: str, c: ChoiceAcc, arrival: float, logprob: bool) -> dict:

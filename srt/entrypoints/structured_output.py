@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from srt.constrained.base_backend import JSON_OBJECT_SCHEMA
+from srt.constrained.satisfiable import check_json_nesting
 from srt.entrypoints.request_types import FieldError, StrictModel
 
 # Longest constraint text (a schema as JSON, a regex, a grammar): compiling is superlinear in its size, and a
@@ -26,6 +27,7 @@ CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _schema_text(value: str) -> str:
+    check_json_nesting(value)  # before parsing: Python's json raises RecursionError (a 500) near 1,000 deep
     try:
         schema = json.loads(value)
     except ValueError as e:

@@ -14,16 +14,43 @@ from srt.function_call.stream import ToolCallStream
 EMPTY_PARAMETERS = {"type": "object"}
 
 
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def rebase_refs(schema, base: str):
+    """A copy of `schema` whose local `$ref`s ("#", "#/$defs/x") point into `base`, the JSON pointer where it is
+    embedded: a tool's parameters schema (pydantic writes `$defs` and `$ref`s) keeps meaning the same inside
+    the list-of-calls schema."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
+
+
 def tool_call_schema(tools: list[tuple[str, dict | None]], parallel: bool) -> str:
     """`tools`: (name, parameters schema or None) of the tools the model may call."""
+    where = "#/items/properties/arguments" if len(tools) == 1 else "#/items/anyOf/{}/properties/arguments"
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": params or EMPTY_PARAMETERS},
+            "properties": {
+                "name": {"const": name},
+                "arguments": rebase_refs(params, where.format(i)) if params else EMPTY_PARAMETERS,
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for name, params in tools
+        for i, (name, params) in enumerate(tools)
     ]
     schema: dict = {
         "type": "array",

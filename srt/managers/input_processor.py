@@ -1,8 +1,9 @@
 """The main process's input side: from a validated HTTP request to checked token ids and sampling params.
 
 The request models (srt/entrypoints) checked types and ranges; what needs the model is checked here — the
-vocabulary, the context length, whether a constraint compiles. Texts are refused by size before they are
-tokenized, and long ones are tokenized on worker threads so the event loop keeps serving.
+vocabulary, the context length, and (`judge_constraint`, through srt/constrained/judge.py, off the event
+loop) whether a constraint can be enforced. Texts are refused by size before they are tokenized, and long
+ones are tokenized on worker threads so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from srt.constrained import GrammarError, validate_constraint
+from srt.constrained import GrammarError, constraint_key
+from srt.constrained.judge import GrammarJudge
 from srt.sampling.sampling_params import SamplingParams
 
 # A text longer than context_len * MAX_CHARS_PER_TOKEN cannot fit the context with any tokenizer in practice
@@ -72,11 +74,32 @@ class InputProcessor:
         self.grammar_backend = grammar_backend
         self.context_len = 0
         self.max_req_input_len = 0
+        self.judge: GrammarJudge | None = None
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     def set_limits(self, context_len: int, max_req_input_len: int) -> None:
         self.context_len = context_len
         self.max_req_input_len = max_req_input_len
+
+    def set_judge(self, judge: GrammarJudge) -> None:
+        self.judge = judge
+
+    async def judge_constraint(self, params: SamplingParams, forced_tools: bool = False) -> None:
+        """A 400 naming the field unless the request's constraint (if any) can be enforced: a forced tool
+        choice's grammar holds the tools' parameter schemas, so a bad one is `tools`' fault; a JSON schema
+        comes from `response_format` (or SGLang's `json_schema` alias)."""
+        key = constraint_key(params)
+        if key is None:
+            return
+        assert self.judge is not None, "set_judge() must run before constrained requests are checked"
+        try:
+            await self.judge.check(key)
+        except GrammarError as e:
+            if forced_tools:
+                raise InvalidRequestError(
+                    f"the tools' parameter schemas cannot be enforced: {e}", "tools"
+                ) from e
+            raise InvalidRequestError(str(e), "response_format" if e.kind == "json_schema" else e.kind) from e
 
     @property
     def max_input_chars(self) -> int:
@@ -154,10 +177,6 @@ class InputProcessor:
         assert self.max_req_input_len, "set_limits() must run before requests are checked"
         base = obj.sampling_params
         self.check_token_ids(base.stop_token_ids, "stop_token_ids")
-        try:
-            validate_constraint(self.grammar_backend, base)
-        except GrammarError as e:  # a JSON schema comes from response_format (or its json_schema alias)
-            raise InvalidRequestError(str(e), "response_format" if e.kind == "json_schema" else e.kind) from e
         if base.logit_bias:
             self.check_token_ids(list(base.logit_bias), "logit_bias")
         if base.top_k >= self.vocab_size:

@@ -15,11 +15,14 @@ from srt.sampling.sampling_params import SamplingParams
 @dataclass
 class FinishReason:
     """Why a request ended. `type` is one of stop / length / abort / error (OpenAI's finish_reason for the
-    first two); `matched` is the EOS/stop token id or the stop string that ended it."""
+    first two); `matched` is the EOS/stop token id or the stop string that ended it; `param` marks an error
+    that the request's own input caused."""
 
     type: str
     matched: int | str | None = None
     message: str | None = None
+    # an `error` the request's own input caused (its constraint, named here): the client gets a 400 for it
+    param: str | None = None
 
     def to_openai(self) -> str:
         return self.type
@@ -83,6 +86,9 @@ class SchedulerReady:
     attention_backend: str
     # the method the runner resolved (--quantization unset means the device's default)
     quantization: str = "none"
+    # the vocabulary and stop tokens the scheduler's grammars use, so the HTTP process judges with the same
+    vocab_size: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -5,7 +5,9 @@
   whose grammar failed finish with `error`. Nothing else waits for a compilation.
 - Sampling: `mask(reqs)` is the step's bitmask over the constrained rows (None, at no cost, when there are
   none); after sampling, `advance` feeds each constrained request its token: a rejected token or a raising
-  matcher finishes that request alone with `error`; a grammar that has ended finishes it with `stop`.
+  matcher finishes that request alone with `error`, as does a mask the library flagged (it cannot be
+  trusted); a grammar that has ended without an error finishes it with `stop`, so `stop` on a constrained
+  request always means a complete match.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from srt.constrained import NO_GRAMMAR_BACKEND
+from srt.constrained import NO_GRAMMAR_BACKEND, constraint_key
 from srt.constrained.bitmask import GrammarMask
-from srt.constrained.grammar_manager import GrammarManager, grammar_key
+from srt.constrained.grammar_manager import GrammarManager, GrammarMismatch
+from srt.constrained.judge import short
 from srt.managers.fault_isolation import PROCESS_FATAL_ERRORS, fail_request
 from srt.managers.io_struct import FinishReason
 
@@ -54,7 +57,7 @@ class SchedulerGrammar:
     def submit(self, req: Req) -> bool:
         """Take `req` into the grammar queue if it is constrained (True); a constrained request on a server
         without a grammar backend finishes with `error`, also True."""
-        key = grammar_key(req.sampling_params)
+        key = constraint_key(req.sampling_params)
         if key is None:
             return False
         if self.manager is None:
@@ -88,18 +91,23 @@ class SchedulerGrammar:
             if req.finished and req.finished_reason.type == "error":  # its sampling failed: no token
                 continue
             try:
-                state = GrammarManager.advance(req, next_ids[i])
+                state = self.manager.advance(req, next_ids[i])
+            except GrammarMismatch as e:
+                kind = req.grammar.key.kind if req.grammar.key is not None else None
+                req.finished_reason = FinishReason(
+                    "error",
+                    message=f"the {kind or 'constraint'} could not be enforced past token "
+                    f"{len(req.output_ids)}: {short(str(e))}",
+                    param=kind,
+                )
+                logger.error("Request %s: grammar failure at token %d: %s", req.rid, next_ids[i], e)
+                continue
             except PROCESS_FATAL_ERRORS:
                 raise
             except Exception as e:
                 fail_request(req, "advancing its grammar", e)
                 continue
-            if state is False:
-                req.finished_reason = FinishReason(
-                    "error", message=f"the grammar rejected token {next_ids[i]} (an internal error)"
-                )
-                logger.error("Request %s: the grammar rejected sampled token %d", req.rid, next_ids[i])
-            elif state is True and not req.finished:
+            if state is True and not req.finished:
                 req.finished_reason = FinishReason("stop")  # the grammar is complete
 
     def shutdown(self) -> None:

@@ -86,6 +86,8 @@ def run_scheduler_process(
             max_running_requests=runner.max_running_requests,
             attention_backend=runner.attention_backend_name,
             quantization=runner.quantization,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=list(runner.eos_token_ids),
         )
     )
     ready_writer.close()

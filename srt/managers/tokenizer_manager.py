@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from srt.constrained.judge import GrammarJudge
 from srt.managers.data_parallel_controller import DataParallelRouter
 from srt.managers.input_processor import (
     ClientDisconnected,
@@ -131,6 +132,15 @@ class TokenizerManager:
         """Record the scheduler's limits and create the request-level metrics (needs the context length)."""
         self.ready = ready
         self.inputs.set_limits(ready.context_len, ready.max_req_input_len)
+        self.inputs.set_judge(
+            GrammarJudge(
+                self.server_args.grammar_backend,
+                self.server_args.tokenizer_path or self.model_dir,
+                ready.vocab_size or self.vocab_size,
+                ready.eos_token_ids or [self.tokenizer.eos_token_id],
+                self.server_args.grammar_compile_timeout,
+            )
+        )
         self.metrics = RequestMetricsRecorder(self.server_args, ready.context_len)
         if self.server_args.enable_trace:  # the SDK is imported only then (srt/tracing/)
             from srt.tracing.request_tracer import RequestTracer
@@ -140,6 +150,8 @@ class TokenizerManager:
     async def start(self) -> None:
         """Bind the PULL socket and start the output dispatcher; call inside the server's event loop."""
         self.loop = asyncio.get_running_loop()
+        if self.inputs.judge is not None:
+            self.inputs.judge.start()  # in the background: ready before the first constrained request
         self._async_ctx = zmq.asyncio.Context()
         self.recv_sock = get_zmq_socket(self._async_ctx, zmq.PULL, self.port_args.tokenizer_input, bind=True)
         self._recv_task = asyncio.create_task(self._recv_loop(), name="tokenizer-recv")
@@ -153,6 +165,8 @@ class TokenizerManager:
             sock.close()
         if self.metrics is not None:
             self.metrics.close()  # writes the request export's queued lines
+        if self.inputs.judge is not None:
+            self.inputs.judge.close()
 
     @property
     def context_len(self) -> int:

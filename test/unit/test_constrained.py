@@ -14,11 +14,11 @@ from srt.constrained import (
     GRAMMAR_BACKENDS,
     GrammarError,
     GrammarKey,
+    constraint_key,
     create_grammar_backend,
-    validate_grammar,
 )
 from srt.constrained.bitmask import GrammarMask, apply_token_bitmask, forbidden_tokens
-from srt.constrained.grammar_manager import GrammarCache, GrammarManager, grammar_key
+from srt.constrained.grammar_manager import GrammarCache, GrammarManager
 from srt.sampling.sampling_params import SamplingParams
 
 BACKENDS = [b for b in GRAMMAR_BACKENDS if b != "none"]
@@ -96,16 +96,15 @@ def test_json_schema_compiles_and_accepts_a_valid_instance(backend, tokenizer):
 )
 def test_bad_constraint_raises_a_clear_error(backend, key, words):
     with pytest.raises(GrammarError) as err:
-        type(backend).validate(key)
+        backend.judge(key)
     assert err.value.kind == key.kind and words in str(err.value)
     with pytest.raises(GrammarError):
         backend.compile(key)
 
 
-def test_validate_needs_no_backend_instance_and_refuses_when_disabled():
-    validate_grammar("llguidance", THREE_DIGITS)
-    with pytest.raises(GrammarError, match="disabled"):
-        validate_grammar("none", THREE_DIGITS)
+def test_judge_passes_a_good_constraint(backend):
+    backend.judge(THREE_DIGITS)
+    backend.judge(GrammarKey("json_schema", SCHEMA))
 
 
 # ---- the manager: off-loop compilation and the cache ----
@@ -157,7 +156,7 @@ def test_manager_compiles_on_a_worker_and_caches_by_kind_and_spec(tokenizer):
     manager = make_manager(tokenizer, metrics)
     reqs = [FakeReq(f"r{i}", regex="[0-9]{3}") for i in range(3)] + [FakeReq("j", json_schema=SCHEMA)]
     for req in reqs:
-        manager.submit(req, grammar_key(req.sampling_params))
+        manager.submit(req, constraint_key(req.sampling_params))
     ready, failed = wait_ready(manager, len(reqs))
     assert not failed and {r.rid for r in ready} == {r.rid for r in reqs}
     assert len(metrics.compiles) == 2  # one per distinct (kind, spec)
@@ -174,7 +173,7 @@ def test_manager_fails_only_the_request_with_a_bad_grammar(tokenizer):
     manager = make_manager(tokenizer, None, synchronous=True)
     good, bad = FakeReq("good", regex="[a-z]+"), FakeReq("bad", regex="[a-z")
     for req in (good, bad):
-        manager.submit(req, grammar_key(req.sampling_params))
+        manager.submit(req, constraint_key(req.sampling_params))
     ready, failed = manager.pop_ready()
     assert [r.rid for r in ready] == ["good"]
     assert [r.rid for r, _ in failed] == ["bad"] and isinstance(failed[0][1], GrammarError)

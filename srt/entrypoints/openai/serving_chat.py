@@ -8,8 +8,6 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from srt.constrained import GrammarError, GrammarKey, validate_grammar
-from srt.constrained.base_backend import JSON_SCHEMA
 from srt.entrypoints.openai.chat_tools import ChatTools, finish_override
 from srt.entrypoints.openai.protocol import ChatCompletionRequest
 from srt.entrypoints.openai.serving_common import (
@@ -26,7 +24,7 @@ from srt.entrypoints.openai.serving_common import (
     wants_timing,
 )
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, StreamDelta, create_tool_call_parser
-from srt.managers.input_processor import GenerateInput, InvalidRequestError
+from srt.managers.input_processor import GenerateInput
 from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
 
 
@@ -79,8 +77,6 @@ class ChatHandler:
         ids = await self.tm.inputs.apply_chat_template(messages, tools)
         max_new = req.max_new_tokens()
         params = req.to_sampling_params(max_new or 1, req.num_top_logprobs())
-        if req.forced_tools is not None and params.json_schema is not None:
-            self._check_tool_grammar(params.json_schema)
         obj = GenerateInput(
             prompts=[ids],
             sampling_params=params,
@@ -89,14 +85,8 @@ class ChatHandler:
             rid=req.rid or uuid.uuid4().hex,
             fill_max_new_tokens=max_new is None,
         )
+        await self.tm.inputs.judge_constraint(params, forced_tools=req.forced_tools is not None)
         return obj, self.tm.generate(obj, request)
-
-    def _check_tool_grammar(self, schema: str) -> None:
-        """A forced tool_choice's grammar holds the tools' parameter schemas: a bad one is the tools' fault."""
-        try:
-            validate_grammar(self.tm.inputs.grammar_backend, GrammarKey(JSON_SCHEMA, schema))
-        except GrammarError as e:
-            raise InvalidRequestError(f"the tools' parameter schemas cannot be enforced: {e}", "tools") from e
 
     async def handle(self, req: ChatCompletionRequest, request):
         try:

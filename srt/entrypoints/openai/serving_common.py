@@ -57,9 +57,13 @@ def to_openai_error(exc: Exception) -> OpenAIError:
 
 
 def error_finish(reason: FinishReason, tm: TokenizerManager) -> OpenAIError:
-    """A request that ended with an error: 503 if the server is going down, else a 500 — the request was
-    valid (the HTTP layer validated it) and the server failed it, alone, while serving everyone else."""
+    """A request that ended with an error: a 400 naming the field when its own input caused it (a
+    constraint the grammar library gave up on mid-way), a 503 if the server is going down, else a 500 — the
+    request was valid (the HTTP layer validated it) and the server failed it, alone, while serving everyone
+    else."""
     message = reason.message or "the request failed"
+    if reason.param is not None:  # the request's own constraint could not be enforced
+        return OpenAIError(message, status=HTTPStatus.BAD_REQUEST, param=reason.param)
     if tm.dead_reason is not None:
         return OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE)
     return OpenAIError(message, status=HTTPStatus.INTERNAL_SERVER_ERROR, type=SERVER_ERROR)

@@ -103,6 +103,7 @@ class CompletionHandler:
             rid=req.rid or uuid.uuid4().hex,
             input_texts=texts,
         )
+        await self.tm.inputs.judge_constraint(obj.sampling_params)
         return obj, texts, self.tm.generate(obj, request)
 
     async def handle(self, req: CompletionRequest, request):

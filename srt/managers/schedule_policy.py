@@ -117,10 +117,13 @@ class PrefillAdder:
         self.rem_now -= locked
         return locked
 
-    def add_chunked_req(self, req: Req) -> AddResult:
-        """Continue a prompt already being prefilled in chunks (its prefix is its own, already locked)."""
+    def add_chunked_req(self, req: Req, at_most: float = math.inf, at_least: int = 0) -> AddResult:
+        """Continue a prompt already being prefilled in chunks (its prefix is its own, already locked):
+        within the step's budget and `at_most`, but at least `at_least` tokens if KV room allows (so
+        requests admitted ahead of it cannot starve it)."""
         rest = len(req.fill_ids) - req.kv_len
-        req.extend_len = int(min(rest, self.rem_chunk, self.rem_input, max(self.rem_now, 0)))
+        budget = max(min(self.rem_chunk, self.rem_input, at_most), at_least)
+        req.extend_len = int(min(rest, budget, max(self.rem_now, 0)))
         if req.extend_len == 0:  # no KV slot free now: the chunk waits for running requests to free some
             self.new_chunked_req = req
             return AddResult.NO_TOKEN
@@ -132,7 +135,9 @@ class PrefillAdder:
         self.rem_total -= min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
         return AddResult.CONTINUE
 
-    def add_one_req(self, req: Req) -> AddResult:
+    def add_one_req(self, req: Req, whole_only: bool = False) -> AddResult:
+        """Admit a waiting request: its whole prompt, or a first chunk of it that closes the batch (never
+        with `whole_only`, used while another prompt is mid-chunk: one chunked request at a time)."""
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
         req.prepare_fill()
@@ -149,6 +154,9 @@ class PrefillAdder:
             req.reset_prefix()
             return AddResult.OTHER
         budget = min(self.rem_chunk, self.rem_input)
+        if extend > budget and whole_only:
+            req.reset_prefix()
+            return AddResult.OTHER
         if extend > budget and math.isinf(self.rem_chunk) and self.can_run:
             # Chunking is off: a prompt over the remaining budget waits for a batch of its own.
             req.reset_prefix()

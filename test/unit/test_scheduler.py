@@ -273,6 +273,39 @@ def test_running_requests_are_not_starved_by_a_burst_of_prefills(tiny_model_dir)
     assert len(res["first"].output_ids) == 30
 
 
+@MIXED
+def test_a_short_prompt_does_not_wait_for_a_long_prompts_remaining_chunks(tiny_model_dir, mixed):
+    """A long prompt mid-chunk: a short request arriving then is prefilled in the very next step, ahead of the
+    long prompt's remaining chunks (which share that step, at least MIN_MIXED_PREFILL_TOKENS of them), and
+    both outputs are what they are alone."""
+    from srt.managers.mixed_chunk import MIN_MIXED_PREFILL_TOKENS
+
+    long_prompt = prompts(1, low=600, high=600, seed=5)[0]
+    short = prompts(1, low=6, high=6, seed=6)[0]
+    alone = {
+        rid: drive(make_scheduler(tiny_model_dir), {0: [request(rid, p, greedy(4))]})[rid].output_ids
+        for rid, p in (("long", long_prompt), ("short", short))
+    }
+    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=128, **mixing(mixed))
+    progress = []  # (step, the long prompt's prefilled tokens, whether the short request has been scheduled)
+
+    def record(step, s):
+        long_req = s.chunked_req
+        progress.append((step, None if long_req is None else long_req.kv_len, s.waiting == []))
+
+    res = drive(
+        sched,
+        {0: [request("long", long_prompt, greedy(4))], 1: [request("short", short, greedy(4))]},
+        on_step=record,
+    )
+    assert progress[1][2], "the short request waited behind the long prompt's remaining chunks"
+    assert progress[0][1] is not None and progress[1][1] is not None  # the long prompt is still mid-chunk ...
+    assert progress[1][1] - progress[0][1] >= MIN_MIXED_PREFILL_TOKENS  # ... and advanced in that step
+    assert res["short"].first_token_ts < res["long"].first_token_ts
+    assert {rid: c.output_ids for rid, c in res.items()} == alone
+    assert_pool_whole(sched)
+
+
 def test_debug_log_gives_every_steps_prefill_tokens_decode_rows_and_forward_time(tiny_model_dir, caplog):
     """`--log-level debug`: one line a step, whose counts add up to the prompts and the decoded tokens."""
     ps = prompts(3, seed=11)

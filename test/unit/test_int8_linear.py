@@ -110,7 +110,7 @@ def test_gptq_rounds_channels_calibration_never_saw_to_their_nearest_level():
     assert qw.weight[:, 0].abs().sum() > 0 and torch.isfinite(qw.scale).all()
 
 
-@pytest.mark.skipif(not packed_kernel_available(), reason="this torch build has no exact oneDNN int8 linear")
+@pytest.mark.skipif(not packed_kernel_available(), reason="this torch build has no exact, fast oneDNN int8 linear")
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_the_packed_kernel_gives_the_bits_of_int_mm(rows):
     """Integer products are exact, so the two kernels must agree to the bit, at every batch size."""
@@ -295,3 +295,27 @@ def test_a_cached_start_never_reads_the_fp32_weights_int8_replaces_or_the_embedd
     assert not [name for name in read if any(p in name for p in projections)]
     assert "model.embed_tokens.weight" not in read  # mapped instead (a lookup table once the head is int8)
     assert torch.equal(logits_of(second), logits_of(first))
+
+
+def test_a_packed_kernel_that_is_a_slow_fallback_is_not_used(monkeypatch):
+    """oneDNN may run its reference int8 matmul (seen: ~1,300x slower than `_int_mm` on a Zen 4 EPYC):
+    exact, so only the speed probe can refuse it, and the weights then stay plain."""
+    from srt.model_executor.layers import int8_linear
+
+    monkeypatch.setattr(int8_linear, "packed_kernel_speed_ratio", lambda: 1_000.0)
+    int8_linear.packed_kernel_available.cache_clear()
+    try:
+        assert not int8_linear.packed_kernel_available()
+        qw = int8_linear.quantize_per_channel(torch.randn(16, 64))
+        assert not qw.pack() and qw.packed is None and qw.weight is not None
+    finally:
+        int8_linear.packed_kernel_available.cache_clear()
+    monkeypatch.setattr(int8_linear, "packed_kernel_speed_ratio", lambda: 1.0)
+    try:
+        assert int8_linear.packed_kernel_available() == _packed_kernel_exists()
+    finally:
+        int8_linear.packed_kernel_available.cache_clear()
+
+
+def _packed_kernel_exists() -> bool:
+    return hasattr(torch.ops.onednn, "qlinear_pointwise")

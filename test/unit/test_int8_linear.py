@@ -110,7 +110,9 @@ def test_gptq_rounds_channels_calibration_never_saw_to_their_nearest_level():
     assert qw.weight[:, 0].abs().sum() > 0 and torch.isfinite(qw.scale).all()
 
 
-@pytest.mark.skipif(not packed_kernel_available(), reason="this torch build has no exact, fast oneDNN int8 linear")
+@pytest.mark.skipif(
+    not packed_kernel_available(), reason="this torch build has no exact, fast oneDNN int8 linear"
+)
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_the_packed_kernel_gives_the_bits_of_int_mm(rows):
     """Integer products are exact, so the two kernels must agree to the bit, at every batch size."""

@@ -33,6 +33,11 @@ MIXED_STEP_COST_MULTIPLE = 4.0
 # (the 2-core machine's noise) with ITL p99 0.62-0.68 s; 0.4-s steps 110-129 tok/s, no clear gain within
 # that noise, with ITL p99 up to 0.83 s.
 MIXED_STEP_FLOOR_SECONDS = 0.3
+# A prefill step with nothing decoding may take this long (`--chunked-prefill-size` still caps it): a request
+# arriving meanwhile waits for the step in flight, and on a 2-core CPU a 2,048-token chunk at the end of a
+# 6,300-token prompt took 18 s. Short enough for an interactive arrival, long enough that a step's fixed
+# cost (the weights streamed once, ~10 ms int8) stays ~1 % of it.
+LONE_PREFILL_STEP_SECONDS = 1.0
 # Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
 MIN_MIXED_PREFILL_TOKENS = 32
 # The budget before the cost model has measured b (measured on this project's CPU with SmolLM2-135M fp32:
@@ -91,6 +96,15 @@ class MixedChunkBudget:
             (self.floor_seconds - a) / b - decode_tokens,
         )
         return max(MIN_MIXED_PREFILL_TOKENS, int(budget))
+
+    def lone_prefill_tokens(self) -> int | None:
+        """Prefill tokens a step with nothing decoding may carry (LONE_PREFILL_STEP_SECONDS), or None before
+        the per-token cost is measured or where the model is not fed (tensor parallelism)."""
+        b = self.token_seconds
+        if b is None:
+            return None
+        a = self.fixed_seconds or 0.0
+        return max(MIN_MIXED_PREFILL_TOKENS, int((LONE_PREFILL_STEP_SECONDS - a) / b))
 
 
 def _ema(old: float | None, sample: float) -> float:

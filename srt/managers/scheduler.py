@@ -204,7 +204,8 @@ class Scheduler:
         running stream until the whole queue is prefilled (inter-token gaps of tens of seconds on a CPU).
         With mixed chunks (the CPU default; `--enable-mixed-chunk`/`--disable-mixed-chunk`), while requests
         decode, a prefill of at most the mixed budget (srt/managers/mixed_chunk.py) rides along in the same
-        step as their decode."""
+        step as their decode, and a prefill step with nothing decoding is bounded in time too (a request
+        arriving meanwhile waits for it)."""
         stepped: list[Req] = []
         ready, failed = self.grammar.pop_ready()
         self.waiting.extend(ready)
@@ -216,7 +217,12 @@ class Scheduler:
             prefill = self._schedule_prefill(token_budget=budget, decode_tokens=len(self.running))
             decode = self.running if prefill else []
         else:
-            prefill = [] if (self.last_step_was_prefill and self.running) else self._schedule_prefill()
+            lone = self.mixed_budget.lone_prefill_tokens() if self.mixed_budget is not None else None
+            prefill = (
+                []
+                if (self.last_step_was_prefill and self.running)
+                else self._schedule_prefill(token_budget=lone)
+            )
             decode = []
         if prefill:
             stepped = self._run_extend(prefill, decode)

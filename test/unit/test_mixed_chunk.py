@@ -8,6 +8,7 @@ import pytest
 
 from srt.managers.mixed_chunk import (
     DEFAULT_MIXED_PREFILL_TOKENS,
+    LONE_PREFILL_STEP_SECONDS,
     MIN_MIXED_PREFILL_TOKENS,
     MIXED_STEP_FLOOR_SECONDS,
     MixedChunkBudget,
@@ -135,6 +136,29 @@ def test_budget_without_timing_stays_at_the_default():
     budget.observe(256, 0, 0.5)
     budget.observe(0, 4, 0.06)
     assert budget.prefill_tokens(4) == DEFAULT_MIXED_PREFILL_TOKENS
+
+
+def test_a_prefill_step_with_nothing_decoding_is_bounded_in_time_once_the_cost_is_known():
+    budget = MixedChunkBudget()
+    assert budget.lone_prefill_tokens() is None  # unmeasured (or not adaptive): the chunk size alone
+    budget.fixed_seconds, budget.token_seconds = 0.010, 0.005
+    assert budget.lone_prefill_tokens() == int((LONE_PREFILL_STEP_SECONDS - 0.010) / 0.005)
+    budget.token_seconds = 10.0  # a step of one token already costs more: still progress
+    assert budget.lone_prefill_tokens() == MIN_MIXED_PREFILL_TOKENS
+
+
+def test_a_lone_long_prompt_is_prefilled_in_time_bounded_steps(tiny_model_dir):
+    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=4096, enable_mixed_chunk=True)
+    sched.mixed_budget.fixed_seconds, sched.mixed_budget.token_seconds = 0.0, LONE_PREFILL_STEP_SECONDS / 100
+    sched.mixed_budget.adaptive = False  # keep the cost model where the test put it
+    steps = []
+    res = drive(
+        sched,
+        {0: [request("long", prompts(1, low=450, high=450)[0], greedy(2))]},
+        on_step=lambda step, s: steps.append(s.chunked_req is not None),
+    )
+    assert sum(steps) == 4  # 450 tokens in steps of 100: four left a chunk pending
+    assert len(res["long"].output_ids) == 2
 
 
 def test_mixed_chunks_are_the_cpu_default_and_can_be_turned_off():

@@ -40,6 +40,8 @@ MAX_MESSAGE_CHARS = 300
 # How long the child may take to start (import the library, load the tokenizer) before requests give up.
 STARTUP_TIMEOUT_SECONDS = 120.0
 TIMED_OUT, CRASHED = "timed out", "crashed"
+# The child's process name (ps, top): 15 characters at most, the kernel's limit.
+JUDGE_PROCESS_NAME = "srt-grammar"
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def _child_main(conn, backend_name: str, tokenizer_path: str, vocab_size: int, e
     """The judge child: load the tokenizer and the backend, say ready, then answer one key at a time."""
     from srt.utils import load_tokenizer, set_parent_death_signal, set_process_name, watch_parent_process
 
-    set_process_name("srt-grammar-judge")
+    set_process_name(JUDGE_PROCESS_NAME)
     set_parent_death_signal()
     watch_parent_process()
     backend = create_grammar_backend(backend_name, load_tokenizer(tokenizer_path), vocab_size, eos_token_ids)

@@ -40,6 +40,7 @@ _NATIVE_PARAM = {
     "stop_token_ids": "sampling_params.stop_token_ids",
     "logit_bias": "sampling_params.logit_bias",
     "response_format": "sampling_params.json_schema",
+    "json_schema": "sampling_params.json_schema",
     "regex": "sampling_params.regex",
     "ebnf": "sampling_params.ebnf",
 }

@@ -114,6 +114,15 @@ class ConstraintFields(StrictModel):
             )
         return given
 
+    @property
+    def schema_param(self) -> str:
+        """The field a JSON-schema constraint came from, for an error to name: `response_format` where it
+        was given (it wins over nothing else: `constraint` refuses two), else SGLang's `json_schema`."""
+        response_format = getattr(self, "response_format", None)
+        if response_format is not None and response_format.type != "text":
+            return "response_format"
+        return "json_schema"
+
 
 class OpenAIConstraintFields(ConstraintFields):
     """The OpenAI routes' constraints: `response_format` and SGLang's extras in the body."""

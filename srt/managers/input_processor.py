@@ -84,10 +84,12 @@ class InputProcessor:
     def set_judge(self, judge: GrammarJudge) -> None:
         self.judge = judge
 
-    async def judge_constraint(self, params: SamplingParams, forced_tools: bool = False) -> None:
+    async def judge_constraint(
+        self, params: SamplingParams, forced_tools: bool = False, schema_param: str = "json_schema"
+    ) -> None:
         """A 400 naming the field unless the request's constraint (if any) can be enforced: a forced tool
         choice's grammar holds the tools' parameter schemas, so a bad one is `tools`' fault; a JSON schema
-        comes from `response_format` (or SGLang's `json_schema` alias)."""
+        is `schema_param`'s (`response_format` or SGLang's `json_schema`)."""
         key = constraint_key(params)
         if key is None:
             return
@@ -99,7 +101,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"the tools' parameter schemas cannot be enforced: {e}", "tools"
                 ) from e
-            raise InvalidRequestError(str(e), "response_format" if e.kind == "json_schema" else e.kind) from e
+            raise InvalidRequestError(str(e), schema_param if e.kind == "json_schema" else e.kind) from e
 
     @property
     def max_input_chars(self) -> int:

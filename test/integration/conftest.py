@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from srt.constrained.judge import JUDGE_PROCESS_NAME
 from srt.utils import descendant_pids, find_free_port, pid_alive, process_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -70,13 +71,20 @@ class ServerHandle:
         )
 
     def child_pids(self) -> dict[str, int]:
-        """Named descendants of the launcher, e.g. {"srt-scheduler": pid, "srt-detokenizer": pid}."""
+        """Named descendants of the launcher that serve requests, e.g. {"srt-scheduler": pid,
+        "srt-detokenizer": pid}. The grammar judge is left out: it is started in the background and replaced
+        by design after a constraint runs past its budget (`judge_pid`)."""
         out = {}
         for pid in descendant_pids(self.proc.pid):
             name = process_name(pid)
-            if name and name.startswith("srt-"):
+            if name and name.startswith("srt-") and name != JUDGE_PROCESS_NAME:
                 out[name] = pid
         return out
+
+    def judge_pid(self) -> int | None:
+        return next(
+            (p for p in descendant_pids(self.proc.pid) if process_name(p) == JUDGE_PROCESS_NAME), None
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_SECONDS) -> int | None:
         """Signal the launcher, wait for it, then kill whatever of its session is left."""

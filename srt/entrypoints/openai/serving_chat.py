@@ -85,7 +85,9 @@ class ChatHandler:
             rid=req.rid or uuid.uuid4().hex,
             fill_max_new_tokens=max_new is None,
         )
-        await self.tm.inputs.judge_constraint(params, forced_tools=req.forced_tools is not None)
+        await self.tm.inputs.judge_constraint(
+            params, forced_tools=req.forced_tools is not None, schema_param=req.schema_param
+        )
         return obj, self.tm.generate(obj, request)
 
     async def handle(self, req: ChatCompletionRequest, request):

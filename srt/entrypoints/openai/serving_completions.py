@@ -103,7 +103,7 @@ class CompletionHandler:
             rid=req.rid or uuid.uuid4().hex,
             input_texts=texts,
         )
-        await self.tm.inputs.judge_constraint(obj.sampling_params)
+        await self.tm.inputs.judge_constraint(obj.sampling_params, schema_param=req.schema_param)
         return obj, texts, self.tm.generate(obj, request)
 
     async def handle(self, req: CompletionRequest, request):

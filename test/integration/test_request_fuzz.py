@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import httpx
 import pytest
@@ -159,7 +160,8 @@ def anything_or(bodies: st.SearchStrategy[dict]) -> st.SearchStrategy:
 # ---- server ----
 @pytest.fixture(scope="module")
 def server():
-    with running_server(api_key=API_KEY) as handle:
+    # a short compile budget: hostile constraints are refused within it
+    with running_server("--grammar-compile-timeout", "2", api_key=API_KEY) as handle:
         yield handle
 
 
@@ -257,6 +259,118 @@ def test_valid_extreme_sampling_parameters_are_served(client, body, stream):
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-500:]
     else:
         assert len(r.json()["choices"]) == body.get("n", 1)
+
+
+# ---- hostile constraints: deep nesting, huge repetition counts, cycles ----
+@st.composite
+def deep_schema(draw) -> str:
+    depth = draw(st.integers(1, 400))
+    wrap = draw(st.sampled_from(['{"type":"object","properties":{"a":%s}}', '{"type":"array","items":%s}']))
+    text = '{"type":"integer"}'
+    for _ in range(depth):
+        text = wrap % text
+    return text
+
+
+@st.composite
+def ref_cycle_schema(draw) -> str:
+    """A chain of `$defs` that refers back to its start, with a way out (a null alternative) or not."""
+    n = draw(st.integers(1, 4))
+    base_case = draw(st.booleans())
+    defs = {}
+    for i in range(n):
+        step = {
+            "type": "object",
+            "properties": {"next": {"$ref": f"#/$defs/d{(i + 1) % n}"}},
+            "required": ["next"],
+        }
+        defs[f"d{i}"] = {"anyOf": [step, {"type": "null"}]} if base_case and i == n - 1 else step
+    return json.dumps({"$defs": defs, "$ref": "#/$defs/d0"})
+
+
+@st.composite
+def huge_repeat_regex(draw) -> str:
+    inner, outer = draw(st.integers(1, 2000)), draw(st.integers(1, 2000))
+    atom = draw(st.sampled_from(["x", "[ab]", "(a|b)", "\\d"]))
+    return f"({atom}{{{inner}}}){{{outer}}}"
+
+
+@st.composite
+def doubling_ebnf(draw) -> str:
+    levels = draw(st.integers(1, 24))
+    recursive = draw(st.booleans())  # a rule that only refers back to itself, with no way out
+    rules = "".join(f"r{i} ::= r{i + 1} r{i + 1}\n" for i in range(levels))
+    last = f'r{levels} ::= "a" r{levels}' if recursive else f'r{levels} ::= "a"'
+    return f"root ::= r0\n{rules}{last}\n"
+
+
+HOSTILE = {
+    "json_schema": st.one_of(deep_schema(), ref_cycle_schema()),
+    "regex": huge_repeat_regex(),
+    "ebnf": doubling_ebnf(),
+}
+
+
+@st.composite
+def hostile_constraint_bodies(draw) -> tuple[str, dict]:
+    kind = draw(st.sampled_from(sorted(HOSTILE)))
+    spec = draw(HOSTILE[kind])
+    route = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"]))
+    if route == "/generate":
+        return route, {"text": "Data:", "sampling_params": {"max_new_tokens": MAX_FUZZ_TOKENS, kind: spec}}
+    if route == "/v1/chat/completions" and kind == "json_schema" and draw(st.booleans()):
+        schema = json.loads(spec) if len(spec) < 20_000 else {"type": "object"}
+        how = draw(st.sampled_from(["response_format", "tool"]))
+        if how == "response_format":
+            extra = {
+                "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+            }
+        else:
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+            extra = {"tools": [tool], "tool_choice": "required"}
+        return route, {
+            "messages": [{"role": "user", "content": "Data?"}],
+            "max_tokens": MAX_FUZZ_TOKENS,
+            **extra,
+        }
+    head = (
+        {"prompt": "Data:"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "?"}]}
+    )
+    return route, {**head, "max_tokens": MAX_FUZZ_TOKENS, kind: spec}
+
+
+@pytest.mark.usefixtures("child_pids")
+@settings(FUZZ, max_examples=30)
+@given(case=hostile_constraint_bodies())
+def test_a_hostile_constraint_is_served_or_refused_never_broken(client, case):
+    """A 200 or a 400 naming the field; a 200 that says `stop` holds a complete match of a regex (checked
+    with Python's re, which reads these regexes alike) or a JSON document."""
+    route, body = case
+    r = client.post(route, json=body)
+    event(f"HTTP {r.status_code}")
+    assert r.status_code in (200, 400), f"HTTP {r.status_code} for {str(body)[:300]}: {r.text[:500]}"
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert error["param"] in ("json_schema", "regex", "ebnf", "response_format", "tools") or error[
+            "param"
+        ].startswith("sampling_params."), error
+        return
+    payload = r.json()
+    if route == "/generate":
+        text, finish = payload["text"], payload["meta_info"]["finish_reason"]["type"]
+    else:
+        choice = payload["choices"][0]
+        text = choice.get("text", choice.get("message", {}).get("content"))
+        finish = choice["finish_reason"]
+    if finish == "stop" and text is not None:
+        if "regex" in body or "regex" in body.get("sampling_params", {}):
+            pattern = body.get("regex") or body["sampling_params"]["regex"]
+            assert re.fullmatch(pattern, text), (pattern, text)
+        elif "json_schema" in body or "response_format" in body:
+            json.loads(text)
 
 
 def test_the_server_survived_the_fuzzing(server, client, child_pids):

@@ -65,10 +65,14 @@ def test_metadata_only_parameters_are_accepted_with_their_types_checked():
         assert param.startswith(next(iter(bad)))
 
 
-def test_tool_parameters_are_accepted():
+def test_tool_parameters_are_accepted_and_kept():
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     body = {"messages": MSGS, "tools": [tool], "tool_choice": "none", "parallel_tool_calls": False}
-    ChatCompletionRequest.model_validate(body)
+    req = ChatCompletionRequest.model_validate(body)
+    assert [(t.type, t.function.name, t.function.parameters) for t in req.tools] == [
+        ("function", "f", {"type": "object"})
+    ]
+    assert req.tool_choice == "none" and req.parallel_tool_calls is False
 
 
 def test_modalities_text_only():

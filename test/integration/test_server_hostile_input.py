@@ -522,11 +522,6 @@ def test_hostile_input_gets_an_openai_4xx(client, method, path, body, status, pa
         assert states_a_limit(error["message"], limit_below), f"no limit in the message: {error}"
 
 
-def test_the_table_is_large_enough():
-    assert len(CASES) >= 80
-    assert len({c.id for c in CASES}) == len(CASES), "duplicate case ids"
-
-
 # ---- requests in flight: duplicate rids and aborts ----
 class GenerateStream(threading.Thread):
     """A streamed /generate request in a thread; `events` are its decoded SSE payloads."""

@@ -130,7 +130,7 @@ def test_storing_kv_rounds_to_fp16_as_pytorch_does(kernels):
     for dtype, bits in ((torch.float16, torch.int16), (torch.float32, torch.int32)):
         k_pool, v_pool = torch.zeros(8, 13, dtype=dtype), torch.zeros(8, 13, dtype=dtype)
         half = int(dtype == torch.float16)
-        kernels._lib.srt_store_kv(
+        kernels.function("srt_store_kv")(
             qkv.data_ptr(), 5, 26, 0, 13, 13, loc.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), half
         )
         expected_k, expected_v = torch.zeros_like(k_pool), torch.zeros_like(v_pool)

@@ -6,6 +6,11 @@ they build in about a second with the system compiler (torch extensions take a m
 OpenMP by the same soname as torch's bundled runtime, which is already loaded, so both share one thread
 pool.
 
+The C ABI is declared once, by the sources: each exported `srt_*` function's ctypes signature is read from
+its prototype at load (`prototypes`, `bind`), so an argument added on one side only is a TypeError at the
+call, never a misread register. `CpuKernels`' methods check their tensors; `CpuKernels.function` hands the
+typed C function to a caller that checked its operands once (`cpu_decode.py`).
+
 Nothing depends on it: without a compiler, on a CPU without AVX2, or if the built library ever disagrees
 with the PyTorch path on the probe, `load()` returns None and `int8_linear.py` keeps its PyTorch ops.
 """
@@ -18,8 +23,10 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
@@ -43,19 +50,125 @@ ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
 # (TOKEN_BLOCK in cpu_int8_linear_kernels.c)
 TOKEN_BLOCK_PROBE = 32
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES = {
-    "srt_quantize_two_level": [_P, _I, _I, _I, _P, _P],
-    "srt_combine_two_level": [_P, _P, _P, _I, _I, _P, _P],
-    "srt_w8a8_linear": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P],
-    "srt_rmsnorm": [_P, _I, _I, _I, _P, ctypes.c_float, _P],
-    "srt_silu_mul": [_P, _I, _I, _I, _P],
-    "srt_rope": [_P, _I, _I, _I, _I, _P, _P, _I],
-    "srt_store_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
-    "srt_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, ctypes.c_float, _P],
-    "srt_extend_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P],
+# The C ABI is declared once, by the sources: every exported (non-static) `srt_*` function defined or
+# declared at the start of a line in SOURCES and HEADERS gets its ctypes signature from its prototype at load
+# (`parse_prototypes`). A type missing here raises at load rather than being guessed.
+C_TYPES = {
+    "void": None,
+    "int": ctypes.c_int,
+    "int32_t": ctypes.c_int32,
+    "int64_t": ctypes.c_int64,
+    "size_t": ctypes.c_size_t,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
 }
-_RETURNS = {"srt_decode_attention": ctypes.c_int, "srt_extend_attention": ctypes.c_int}
+_QUALIFIERS = frozenset(("const", "volatile", "restrict", "__restrict", "__restrict__"))
+_COMMENTS = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+# an exported function's prototype starts a line (bodies are indented): return type, name, "("
+_PROTOTYPE_START = re.compile(r"^[A-Za-z_][\w \t*]*?[ \t*]\b(srt_\w+)[ \t]*\(", re.M)
+_NAME_AND_PAREN = re.compile(r"\b(srt_\w+)\s*\(")
+
+
+@dataclass(frozen=True)
+class Prototype:
+    """One exported kernel's C signature as ctypes types (restype None for void)."""
+
+    name: str
+    restype: type | None
+    argtypes: tuple[type, ...]
+
+
+def _ctype(decl: str, prototype: str, with_name: bool) -> type | None:
+    """The ctypes type of one C parameter (`with_name`: its last word is the parameter's name) or return
+    type: any pointer or array is an address (c_void_p); other types must be in C_TYPES."""
+    if "(" in decl:
+        raise ValueError(f"{prototype}: unsupported parameter {decl.strip()!r} (function pointer?)")
+    if "*" in decl or "[" in decl:
+        return ctypes.c_void_p
+    words = [w for w in decl.split() if w not in _QUALIFIERS]
+    if with_name and len(words) > 1:
+        words = words[:-1]
+    name = " ".join(words)
+    if name not in C_TYPES:
+        raise ValueError(
+            f"{prototype}: C type {name!r} has no ctypes mapping in cpu_kernels.C_TYPES; add it there"
+        )
+    return C_TYPES[name]
+
+
+def parse_prototypes(text: str) -> dict[str, Prototype]:
+    """The exported `srt_*` functions of C source text, by name. Raises ValueError on a prototype it cannot
+    read, a type it cannot map, or one name declared twice with different signatures."""
+    text = _COMMENTS.sub(" ", text)
+    found: dict[str, Prototype] = {}
+    internal = set()
+    for match in _PROTOTYPE_START.finditer(text):
+        ret, name = text[match.start() : match.start(1)], match.group(1)  # the return type, with any "*"
+        if {"static", "ALWAYS_INLINE"} & set(ret.replace("*", " ").split()):
+            internal.add(name)  # not exported: no ctypes signature
+            continue
+        close, depth = match.end(), 1
+        while depth and close < len(text):  # the ")" that closes the parameter list
+            depth += {"(": 1, ")": -1}.get(text[close], 0)
+            close += 1
+        if depth:
+            raise ValueError(f"{name}: unterminated parameter list")
+        close -= 1
+        params = text[match.end() : close]
+        tail = text[close + 1 :].lstrip()[:1]
+        if tail not in ("{", ";"):
+            raise ValueError(f"{name}: cannot read the prototype (expected '{{' or ';' after its parameters)")
+        args = [p for p in (p.strip() for p in params.split(",")) if p]
+        if args == ["void"]:
+            args = []
+        proto = Prototype(
+            name, _ctype(ret, name, with_name=False), tuple(_ctype(a, name, with_name=True) for a in args)
+        )
+        if name in found and found[name] != proto:
+            raise ValueError(f"{name}: declared twice with different signatures")
+        found[name] = proto
+    # a prototype this reader did not recognise (say, its return type on the line above) must not go unbound
+    unread = set(_NAME_AND_PAREN.findall(text)) - set(found) - internal
+    if unread:
+        raise ValueError(
+            f"cannot read the prototypes of {sorted(unread)}: start each line with its return type"
+        )
+    return found
+
+
+@functools.cache
+def prototypes() -> dict[str, Prototype]:
+    """Every exported kernel's signature, from the sources the library is built from."""
+    text = []
+    for name in HEADERS + SOURCES:
+        with open(name) as f:
+            text.append(f.read())
+    found = parse_prototypes("\n".join(text))
+    if not found:
+        raise ValueError(f"no srt_* prototypes found in {SOURCES + HEADERS}")
+    return found
+
+
+def bind(lib: ctypes.CDLL, proto: Prototype):
+    """The function `proto.name` of lib as a ctypes function typed by its prototype, which refuses a call
+    with any other number of arguments (a ctypes C function allows extra ones: an argument dropped from
+    the C side would shift the rest silently) or an argument its type cannot convert."""
+    base = ctypes.CFUNCTYPE(None)
+    # _flags_ 0 rather than CDECL: on POSIX the same call (one C calling convention), with exact arity
+    flags = 0 if os.name == "posix" else base._flags_
+    fn_type = type(
+        proto.name, (base,), {"_argtypes_": proto.argtypes, "_restype_": proto.restype, "_flags_": flags}
+    )
+    return fn_type((proto.name, lib))
+
+
+class _Functions:
+    """The library's exported kernels as attributes, each bound by its C prototype (`bind`); only those
+    (a name the sources do not export is an AttributeError, not an unchecked call)."""
+
+    def __init__(self, lib: ctypes.CDLL, protos: dict[str, Prototype]):
+        for name, proto in protos.items():
+            setattr(self, name, bind(lib, proto))
 
 
 class CpuKernels:
@@ -63,10 +176,7 @@ class CpuKernels:
 
     def __init__(self, path: str):
         self.path = path
-        self._lib = lib = ctypes.CDLL(path)
-        for name, argtypes in _SIGNATURES.items():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = _RETURNS.get(name)
+        self._c = lib = _Functions(ctypes.CDLL(path), prototypes())
         self.isa = ISA_NAMES.get(lib.srt_isa(), "unknown")
         self.k_multiple = lib.srt_k_multiple()
         self.max_small_rows = lib.srt_max_rows() // 2  # tokens: two activation rows each
@@ -76,6 +186,15 @@ class CpuKernels:
         # batch-1 decode step in 20-25 ms against 15 ms through oneDNN. Where oneDNN has no exact int8 kernel
         # (AVX2 without VNNI: it saturates), it takes every call.
         self.use_small_linear = self.isa == "avx512-vnni"
+
+    def function(self, name: str):
+        """The raw C function `name`, typed by its prototype in the sources (`bind`), for a caller that binds
+        it once and calls it in a hot loop on operands it has checked itself (`cpu_decode.py`): it takes
+        addresses, and ctypes checks the number and types of its arguments, not the tensors behind them (the
+        methods below are the checked way in). KeyError for a name the sources do not export."""
+        if name not in prototypes():
+            raise KeyError(f"the CPU kernels export no function {name!r}")
+        return getattr(self._c, name)
 
     def takes_linear(self, m: int, k: int, has_packed: bool) -> bool:
         """Whether `linear` takes this layer call (m tokens of k features): a few tokens where the fused
@@ -94,7 +213,7 @@ class CpuKernels:
         m, k = x.shape
         q = torch.empty((2 * m, k), dtype=torch.int8)
         scale = torch.empty((2 * m, 1), dtype=torch.float32)
-        self._lib.srt_quantize_two_level(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), scale.data_ptr())
+        self._c.srt_quantize_two_level(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), scale.data_ptr())
         return q, scale
 
     def combine_two_level(
@@ -105,7 +224,7 @@ class CpuKernels:
         m = rows // 2
         out = torch.empty((m, n), dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        self._lib.srt_combine_two_level(
+        self._c.srt_combine_two_level(
             acc.data_ptr(), scale.data_ptr(), wscale.data_ptr(), m, n, b, out.data_ptr()
         )
         return out
@@ -127,7 +246,7 @@ class CpuKernels:
         if m > self.max_small_rows or k > self.max_k:  # two byte levels a token (one int16 with AVX2)
             q = torch.empty((2 * m, k), dtype=torch.int8)
             qscale = torch.empty(2 * m, dtype=torch.float32)
-        self._lib.srt_w8a8_linear(
+        self._c.srt_w8a8_linear(
             x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), scale.data_ptr(), wsum.data_ptr(), b, n,
             out.data_ptr(), None if q is None else q.data_ptr(), None if qscale is None else qscale.data_ptr(),
         )  # fmt: skip
@@ -138,7 +257,7 @@ class CpuKernels:
         x2 = _rows(x)
         m, k = x2.shape
         out = torch.empty((m, k), dtype=torch.float32)
-        self._lib.srt_rmsnorm(x2.data_ptr(), m, k, x2.stride(0), weight.data_ptr(), eps, out.data_ptr())
+        self._c.srt_rmsnorm(x2.data_ptr(), m, k, x2.stride(0), weight.data_ptr(), eps, out.data_ptr())
         return out.view(x.shape)
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -146,7 +265,7 @@ class CpuKernels:
         x2 = _rows(gate_up)
         m = x2.shape[0]
         out = torch.empty((m, inter), dtype=torch.float32)
-        self._lib.srt_silu_mul(x2.data_ptr(), m, inter, x2.stride(0), out.data_ptr())
+        self._c.srt_silu_mul(x2.data_ptr(), m, inter, x2.stride(0), out.data_ptr())
         return out.view(*gate_up.shape[:-1], inter)
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -158,7 +277,7 @@ class CpuKernels:
         cos2, sin2 = cos.reshape(n, head_dim // 2), sin.reshape(n, head_dim // 2)
         if cos2.stride(1) != 1 or sin2.stride(0) != cos2.stride(0) or sin2.stride(1) != 1:
             raise TypeError("rope_ takes cos and sin tables with unit column stride and equal row strides")
-        self._lib.srt_rope(
+        self._c.srt_rope(
             x.data_ptr(), n, x.stride(0), heads, head_dim, cos2.data_ptr(), sin2.data_ptr(), cos2.stride(0)
         )
 
@@ -179,7 +298,7 @@ class CpuKernels:
         q = _heads_rows(q)
         _check_attention_operands(q, k_pool, v_pool, slots, seq_lens)
         out = torch.empty((bs, heads * head_dim), dtype=torch.float32)
-        if self._lib.srt_decode_attention(
+        if self._c.srt_decode_attention(
             q.data_ptr(), bs, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
             _is_half(k_pool), slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, out.data_ptr(),
         ):  # fmt: skip
@@ -206,7 +325,7 @@ class CpuKernels:
             raise ValueError(
                 "extend_attention: slots must cover prefix and new tokens; out [n, heads, head_dim]"
             )
-        if self._lib.srt_extend_attention(
+        if self._c.srt_extend_attention(
             q.data_ptr(), n, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
             _is_half(k_pool), slots.data_ptr(), prefix_len, scale, out.data_ptr(),
         ):  # fmt: skip

@@ -65,7 +65,12 @@ class CpuDecodeStep:
     def __init__(self, model, kernels: CpuKernels):
         self.model = model
         self.kernels = kernels
-        self._lib = kernels._lib
+        # bound once: the C functions, typed by their prototypes (CpuKernels.function), called on the
+        # model's own weights and pool, which build() checked the kernels can read
+        self._fns = tuple(
+            kernels.function(f"srt_{name}")
+            for name in ("w8a8_linear", "rmsnorm", "rope", "store_kv", "decode_attention", "silu_mul")
+        )
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -120,7 +125,8 @@ class CpuDecodeStep:
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """As LlamaForCausalLM.hidden_states for a decode step: the last layer's output [bs, hidden]."""
-        lib, m = self._lib, input_ids.shape[0]
+        w8a8_linear, rmsnorm, rope, store_kv, decode_attention, silu_mul = self._fns
+        m = input_ids.shape[0]
         hidden = self.model.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.tables(positions)  # [m, 1, head_dim / 2], contiguous
         normed = torch.empty((m, self.hidden))
@@ -141,28 +147,28 @@ class CpuDecodeStep:
         heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]
 
         def linear(lin: _Linear, x: int, out: int) -> None:
-            lib.srt_w8a8_linear(
+            w8a8_linear(
                 x, m, lin.k, lin.k, lin.weight, lin.scale, lin.wsum, lin.bias, lin.n, out, q_ptr, qs_ptr
             )
 
         for layer in self.layers:
-            lib.srt_rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
+            rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
             linear(layer.qkv, nd, qk)
-            lib.srt_rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
-            lib.srt_store_kv(
+            rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
+            store_kv(
                 qk, m, width, self.q_size, self.q_size + self.kv_size, self.kv_size, loc.data_ptr(),
                 layer.k_pool, layer.v_pool, self.half,
             )  # fmt: skip
-            if lib.srt_decode_attention(
+            if decode_attention(
                 qk, m, width, heads, kv_heads, hd, layer.k_pool, layer.v_pool, self.half, slots.data_ptr(),
                 slots.shape[1], seq_lens.data_ptr(), self.scale, at,
             ):  # fmt: skip
                 raise MemoryError("decode_attention: no memory for the scores scratch")
             linear(layer.o, at, de)
             hidden.add_(delta)
-            lib.srt_rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
+            rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
             linear(layer.gate_up, nd, gu)
-            lib.srt_silu_mul(gu, m, self.inter, 2 * self.inter, ac)
+            silu_mul(gu, m, self.inter, 2 * self.inter, ac)
             linear(layer.down, ac, de)
             hidden.add_(delta)
         return hidden

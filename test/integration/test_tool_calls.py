@@ -1,12 +1,14 @@
 """Tools end to end (issue 12, part 2) with the real `openai` client: forced choices (`required`, named)
 return calls whose arguments validate against the tool's schema, with finish_reason `tool_calls`; streamed
-deltas reassemble into the same call; `auto` answers well-formed; the next turn, with the assistant's calls
-and the tool's result in the history, is accepted; bad tool fields are a 400 naming the field."""
+deltas reassemble into the same call; `auto` answers well-formed and streams the same; the next turn, with
+the assistant's calls and the tool's result in the history, renders that result and answers well-formed;
+bad tool fields are a 400 naming the field."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -66,7 +68,7 @@ def create(client, **kw):
         model=MODEL,
         messages=kw.pop("messages", MESSAGES),
         tools=TOOLS,
-        max_tokens=MAX_TOKENS,
+        max_tokens=kw.pop("max_tokens", MAX_TOKENS),
         temperature=0,
         **kw,
     )
@@ -131,15 +133,26 @@ def test_named_choice_calls_that_function(client):
     ]
 
 
-def test_auto_answers_well_formed(client):
-    """The 135M model may or may not call a tool; either way the answer has OpenAI's shape."""
-    (choice,) = create(client, tool_choice="auto").choices
+def check_answer(choice, allowed: set[str]) -> None:
+    """OpenAI's shape for a choice that may or may not call: calls iff finish_reason is `tool_calls`, each
+    call's arguments valid for its tool; otherwise text that stopped or ran out of tokens."""
     if choice.message.tool_calls:
-        check_calls(choice, set(SCHEMAS))
+        check_calls(choice, allowed)
     else:
         assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
-    content, calls, finish = streamed(client, tool_choice="auto")
-    assert finish in ("stop", "length", "tool_calls") and (calls or content is not None)
+
+
+def test_auto_answers_well_formed_and_streams_the_same(client):
+    """The 135M model may or may not call a tool; either way the answer has OpenAI's shape, and the greedy
+    stream reassembles into the same answer."""
+    (choice,) = create(client, tool_choice="auto").choices
+    check_answer(choice, set(SCHEMAS))
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert streamed(client, tool_choice="auto") == (
+        choice.message.content or None,
+        calls,
+        choice.finish_reason,
+    )
 
 
 def test_none_offers_no_tools_and_returns_text(client):
@@ -147,16 +160,27 @@ def test_none_offers_no_tools_and_returns_text(client):
     assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
 
 
-def test_second_turn_with_calls_and_tool_result_is_accepted(client):
+def prompt_tokens(server, messages) -> int:
+    """What the chat route would prefill for `messages` with TOOLS, as /tokenize counts it."""
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS}
+    r = httpx.post(f"{server.base_url}/tokenize", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def test_second_turn_renders_the_tool_result_and_answers_well_formed(server, client):
     first = create(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     call = first.choices[0].message.tool_calls[0]
-    history = [
-        *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'},
-    ]
-    second = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=16)
-    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    calls_turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}]
+    history = [*calls_turn, {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    second = create(client, messages=history, max_tokens=16)
+    assert second.usage.prompt_tokens == prompt_tokens(server, history)
+    assert second.usage.prompt_tokens > prompt_tokens(server, calls_turn), "the tool result was not rendered"
+    (choice,) = second.choices
+    check_answer(choice, set(SCHEMAS))
+    assert 0 < second.usage.completion_tokens <= 16
+    if choice.finish_reason == "length":
+        assert second.usage.completion_tokens == 16
 
 
 @pytest.mark.parametrize(

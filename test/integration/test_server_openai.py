@@ -281,18 +281,26 @@ def test_info_routes(default_server):
 
 def test_api_key_is_enforced(default_server):
     url = default_server.base_url
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": QUESTION})
+    chat = {"messages": QUESTION, "max_tokens": 1}
+    generate = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
-    assert httpx.post(f"{url}/generate", json={"text": "x"}).status_code == 401
+    assert httpx.post(f"{url}/generate", json=generate).status_code == 401
+    # the same routes take the right key
+    right = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, headers=right, timeout=60).status_code == 200
+    assert httpx.get(f"{url}/v1/models", headers=right).status_code == 200
+    assert httpx.post(f"{url}/generate", json=generate, headers=right, timeout=60).status_code == 200
     # probes and scrapers need no key
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 200
     bad = openai.OpenAI(base_url=default_server.openai_base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    assert default_server.api_key == API_KEY
+    good = openai.OpenAI(base_url=default_server.openai_base_url, api_key=API_KEY, max_retries=0)
+    assert [m.id for m in good.models.list().data] == [MODEL]
 
 
 def mapped_libraries(pid: int) -> str:

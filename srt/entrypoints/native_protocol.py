@@ -92,7 +92,7 @@ class GenerateRequest(RequestBody):
         """Whether the answer is a list depends on the form the client sent (a list of texts or id lists)."""
         req = handler(data)
         ids = data.get("input_ids") if isinstance(data, dict) else None
-        req._batched = isinstance(data.get("text"), list) or (bool(ids) and isinstance(ids[0], list))
+        req._batched = isinstance(data.get("text"), list) or (bool(ids) and isinstance(ids[0], list))  # noqa: SLF001 (its own model, from its validator)
         return req
 
     @property

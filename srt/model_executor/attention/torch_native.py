@@ -87,6 +87,12 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
             self._num_extend_tokens = batch.num_tokens - batch.num_decode
 
+    def decode_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This decode step's (slots int64 [bs, max_len], seq_lens int64 [bs]) as the CPU attention kernel
+        reads them (set by `init_forward_metadata`; with `cpu_kernels` only)."""
+        meta = self._decode
+        return meta.kv_indices, meta.seq_lens
+
     def _decode_metadata(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]
     ) -> _DecodeMeta:

@@ -310,7 +310,7 @@ def _fix_interpreter_scalar_index() -> None:
     length fail under TRITON_INTERPRET=1. Wrap the interpreter's tensor patching to flatten first."""
     from triton.runtime import interpreter
 
-    original = interpreter._patch_lang_tensor
+    original = interpreter._patch_lang_tensor  # noqa: SLF001 (patching Triton's interpreter)
     if getattr(original, "srt_fixed", False):
         return
 
@@ -319,7 +319,7 @@ def _fix_interpreter_scalar_index() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     patch_lang_tensor.srt_fixed = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter._patch_lang_tensor = patch_lang_tensor  # noqa: SLF001 (patching Triton's interpreter)
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

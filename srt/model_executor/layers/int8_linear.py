@@ -84,10 +84,10 @@ class Int8Weight:
             self.wsum = self.weight.sum(dim=1, dtype=torch.int32)
         if not packed:
             return False
-        self._pack_unchecked(keep_plain=fused)
+        self.pack_unchecked(keep_plain=fused)
         return True
 
-    def _pack_unchecked(self, keep_plain: bool = False) -> None:
+    def pack_unchecked(self, keep_plain: bool = False) -> None:
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
         self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
         self.unit_scale = torch.ones(self.weight.shape[0], dtype=torch.float32)
@@ -150,7 +150,7 @@ def int8_products(q: torch.Tensor, qw: Int8Weight) -> torch.Tensor:
     (its fp32 results are whole numbers below 2^24, see PACKED_MAX_K), else `_int_mm`."""
     if qw.packed is not None:
         return packed_int8_matmul(q, qw).to(torch.int32)
-    return torch._int_mm(q, qw.weight_t)
+    return torch._int_mm(q, qw.weight_t)  # noqa: SLF001 (PyTorch's exact int8 matmul has no public name)
 
 
 def dequantize(
@@ -193,9 +193,9 @@ def packed_kernel_available() -> bool:
         gen = torch.Generator().manual_seed(0)
         w = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=gen)
         probe = Int8Weight(w, torch.rand(24, generator=gen) + 0.5)
-        probe._pack_unchecked()
+        probe.pack_unchecked()
         x = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=gen)
-        expected = torch._int_mm(x, w.t()).to(torch.float32)
+        expected = torch._int_mm(x, w.t()).to(torch.float32)  # noqa: SLF001 (PyTorch's exact int8 matmul has no public name)
         if not torch.equal(packed_int8_matmul(x, probe), expected):
             return False
         return packed_kernel_speed_ratio() <= PACKED_MAX_SLOWDOWN
@@ -209,10 +209,10 @@ def packed_kernel_speed_ratio() -> float:
     gen = torch.Generator().manual_seed(1)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     probe = Int8Weight(w, torch.ones(n))
-    probe._pack_unchecked(keep_plain=True)
+    probe.pack_unchecked(keep_plain=True)
     x = torch.randint(-63, 64, (rows, k), dtype=torch.int8, generator=gen)
     packed = _best_seconds(lambda: packed_int8_matmul(x, probe))
-    plain = _best_seconds(lambda: torch._int_mm(x, probe.weight_t))
+    plain = _best_seconds(lambda: torch._int_mm(x, probe.weight_t))  # noqa: SLF001 (PyTorch's exact int8 matmul has no public name)
     return packed / max(plain, 1e-9)
 
 

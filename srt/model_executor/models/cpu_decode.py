@@ -140,8 +140,8 @@ class CpuDecodeStep:
             q, qscale = torch.empty((2 * m, self.max_k), dtype=torch.int8), torch.empty(2 * m)
         q_ptr, qs_ptr = (None, None) if q is None else (q.data_ptr(), qscale.data_ptr())
         h, nd, qk, at, de, gu, ac = (t.data_ptr() for t in (hidden, normed, qkv, attn, delta, gate_up, act))
-        meta = self.model.attn_backend._decode
-        slots, seq_lens, loc = meta.kv_indices, meta.seq_lens, batch.out_cache_loc
+        slots, seq_lens = self.model.attn_backend.decode_slots()
+        loc = batch.out_cache_loc
         if loc.dtype != torch.int64 or not loc.is_contiguous():
             loc = loc.to(torch.int64).contiguous()
         heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]

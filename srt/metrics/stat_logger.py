@@ -9,9 +9,10 @@ import logging
 import time
 from collections import deque
 
+from srt.utils import LOG_DATE_FORMAT
+
 # Requests over which the summary's prefix-cache hit rate is computed (vLLM's window).
 HIT_RATE_WINDOW_REQUESTS = 1000
-LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 _PERCENT = 100.0
 
 

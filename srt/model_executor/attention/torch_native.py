@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from srt.mem_cache.memory_pool import PADDING_SLOT  # padded index positions point at the reserved slot
 from srt.model_executor.attention.base import AttentionBackend
 from srt.model_executor.forward_batch_info import ForwardBatch
 
-# KV slot 0 is the allocator's reserved padding slot: padded index positions point there.
-PADDING_SLOT = 0
 # The decode gather buffers grow by at least this factor, so a slowly growing batch reallocates rarely.
 WORKSPACE_GROWTH = 1.5
 

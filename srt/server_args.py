@@ -9,18 +9,23 @@ import os
 from dataclasses import dataclass, field
 
 from srt.constrained import DEFAULT_GRAMMAR_BACKEND, DEFAULT_GRAMMAR_COMPILE_TIMEOUT, GRAMMAR_BACKENDS
+from srt.engine_options import (
+    ATTENTION_BACKENDS,
+    AUTO,
+    DTYPE_NAMES,
+    KV_CACHE_DTYPES,
+    MIN_KV_TOKENS,
+    QUANTIZATIONS,
+)
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from srt.kv_events.config import parse_kv_events_config
 from srt.metrics.custom_labels import parse_allowed_custom_labels
 from srt.utils import make_owned_temp_dir, remove_stale_dirs
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "w8a8_int8")
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
+DTYPES = (AUTO, *DTYPE_NAMES)
 IPC_DIR_PREFIX = "srt-ipc-"
 MIB = 1 << 20
 
@@ -209,8 +214,8 @@ class ServerArgs:
             problems.append("--tp-size and --dp-size must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             problems.append("--max-running-requests must be >= 1")
-        if self.max_total_tokens is not None and self.max_total_tokens < 16:
-            problems.append("--max-total-tokens must be >= 16")
+        if self.max_total_tokens is not None and self.max_total_tokens < MIN_KV_TOKENS:
+            problems.append(f"--max-total-tokens must be >= {MIN_KV_TOKENS}")
         if self.mem_fraction_static is not None and not (0 < self.mem_fraction_static < 1):
             problems.append("--mem-fraction-static must be in (0, 1)")
         if self.max_prefill_tokens < 1:

@@ -19,6 +19,7 @@ import time
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -49,7 +50,6 @@ REQ_POOL_HEADROOM = 4
 # The KV pool never exceeds this many full-length contexts: a memory fraction of a large host would
 # otherwise allocate (and zero) gigabytes no batch this runner serves can fill.
 MAX_CONTEXTS_IN_KV_POOL = 64
-MIN_KV_TOKENS = 16
 # Prompt-logprob rows go through the LM head this many at a time, so a step's transient memory for them does
 # not grow with the prompt or the number of requests asking. A block's fp32 scores are 64 x vocab x 4 bytes;
 # the int8 head's integer products and the log-softmax hold at most five such tensors at once: 1,280 x vocab
@@ -64,7 +64,7 @@ MEMINFO_PATH = "/proc/meminfo"
 # Default --mem-fraction-static by device type: a CPU host's memory is shared with everything else on it; a
 # GPU's free memory is this server's, less room for activations, logits and the decode CUDA graphs.
 DEFAULT_MEM_FRACTION_STATIC = {"cpu": 0.1, "cuda": 0.8}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0) -> str:
@@ -111,10 +111,6 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-# `--kv-cache-dtype` (server_args.KV_CACHE_DTYPES, kept equal by a test)
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
 
 
 def resolve_kv_cache_dtype(

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from srt.engine_options import QUANTIZATIONS
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("none", "w8a8_int8")
+QUANTIZATION_METHODS = QUANTIZATIONS
 # What `--quantization` means when unset on the CPU: the one that passed the quality gate of
 # scripts/eval_quality.py (README "CPU int8"), and fp32 until one does.
 DEFAULT_CPU_QUANTIZATION = "w8a8_int8"

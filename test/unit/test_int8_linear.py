@@ -261,10 +261,11 @@ def test_the_int8_model_maps_its_lookup_only_embedding_from_the_checkpoint(tiny_
 
 
 def test_the_int8_model_keeps_its_kv_cache_in_fp16_where_its_kernels_attend(tiny_model_dir, private_cache):
-    from srt import server_args
-    from srt.model_executor import model_runner
+    from srt.engine_options import KV_CACHE_DTYPES
+    from srt.model_executor.model_runner import resolve_kv_cache_dtype
 
-    assert server_args.KV_CACHE_DTYPES == model_runner.KV_CACHE_DTYPES  # the flag and the runner agree
+    for name in KV_CACHE_DTYPES:  # every choice the flag offers, the runner takes
+        assert isinstance(resolve_kv_cache_dtype(name, "w8a8_int8", "cpu", torch.float32), torch.dtype)
     auto = ModelRunner(tiny_model_dir, max_total_tokens=256, quantization="w8a8_int8")
     expected = torch.float16 if cpu_kernels.load() is not None else torch.float32
     assert auto.kv_cache_dtype == expected and auto.token_to_kv_pool.get_kv_buffer(0)[0].dtype == expected

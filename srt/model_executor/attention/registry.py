@@ -1,6 +1,5 @@
-"""Attention backends by name. Importable without torch (classes are named by import path and loaded on
-demand) so the CLI choices can come from here; `srt.server_args.ATTENTION_BACKENDS` must equal
-`BACKEND_NAMES` (a unit test checks it)."""
+"""Attention backends by name (srt.engine_options.ATTENTION_BACKENDS, the CLI's choices), each class named by
+import path and loaded on demand; a unit test checks that every name has one."""
 
 from __future__ import annotations
 

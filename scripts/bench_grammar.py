@@ -23,7 +23,7 @@ import torch
 
 from srt.constrained import GRAMMAR_BACKENDS, create_grammar_backend
 from srt.constrained.base_backend import GrammarKey
-from srt.constrained.bitmask import apply_token_bitmask
+from srt.constrained.bitmask import allocate_bitmask, apply_token_bitmask
 from srt.model_source import resolve_model_dir
 
 SCHEMA = {
@@ -104,7 +104,7 @@ def bench_backend(name: str, tokenizer, vocab_size: int, eos: list[int], args) -
     result = {"backend": name, "compile_ms": statistics.median(compile_ms), "tokens": steps}
     for batch in (1, 64):
         matchers = [backend.new_matcher(grammar) for _ in range(batch)]
-        bitmask = backend.allocate_bitmask(batch)
+        bitmask = allocate_bitmask(batch, vocab_size)
         logits = torch.randn(batch, vocab_size)
         fill = apply = slowest = 0.0
         for step in range(steps):

@@ -12,7 +12,7 @@ of its compiled grammar. The contract every backend keeps:
 - `new_matcher(grammar)` returns a fresh per-request matcher (cheap). A matcher is touched by one thread at a
   time: the worker creates it, then only the scheduler loop uses it.
 - `fill_bitmask(matchers, bitmask)` writes matcher i's allowed-token bitmask into row i of `bitmask`
-  (int32, `allocate_bitmask(n)`; bit j of word w allows token 32*w + j). EOS is allowed exactly where the
+  (int32, `bitmask.allocate_bitmask(n, vocab_size)`; bit j of word w allows token 32*w + j). EOS is allowed exactly where the
   grammar may end.
 - `GrammarMatcher.accept_token(t)` advances past a sampled token and returns False if the grammar rejects it;
   `is_terminated()` is True once nothing but the end can follow (llguidance says so at once, xgrammar after
@@ -119,15 +119,9 @@ class GrammarBackend(ABC):
     @abstractmethod
     def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None: ...
 
+    @abstractmethod
     def judge(self, key: GrammarKey) -> None:
         """Compile `key` and compute its first mask as a request would, raising GrammarError where the library
-        reports a problem (a limit hit, an unsatisfiable schema) or the mask allows no token at all."""
-        matcher = self.new_matcher(self.compile(key))
-        bitmask = self.allocate_bitmask(1)
-        self.fill_bitmask([matcher], bitmask)
-        check_first_mask(key, matcher, bool(bitmask.any()))
-
-    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
-        import torch
-
-        return torch.full((batch_size, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        reports a problem (a limit hit, an unsatisfiable schema) or the mask allows no token at all
+        (`check_first_mask`). Runs in the grammar judge's process, which imports torch only if the
+        backend's library does."""

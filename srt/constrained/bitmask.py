@@ -12,6 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from srt.constrained.base_backend import bitmask_words
+
+
+def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed int32 bitmask for `batch_size` rows over `vocab_size` tokens (backends fill it)."""
+    return torch.full((batch_size, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
 
 def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`[rows, words]` int32 allowed-bitmask (CPU) -> `[rows, vocab_size]` bool, True where forbidden."""

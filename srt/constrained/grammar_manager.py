@@ -24,7 +24,7 @@ from typing import Any
 
 from srt.constrained import create_grammar_backend
 from srt.constrained.base_backend import GrammarBackend, GrammarKey, GrammarMatcher
-from srt.constrained.bitmask import GrammarMask
+from srt.constrained.bitmask import GrammarMask, allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class GrammarManager:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
-        bitmask = self.backend.allocate_bitmask(len(rows))
+        bitmask = allocate_bitmask(len(rows), self.backend.vocab_size)
         self.backend.fill_bitmask([reqs[i].grammar for i in rows], bitmask)
         return GrammarMask(bitmask, rows, self.vocab_size)
 

@@ -13,6 +13,7 @@ from srt.constrained.base_backend import (
     GrammarKey,
     GrammarMatcher,
     build_by_kind,
+    check_first_mask,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +50,14 @@ class XGrammarBackend(GrammarBackend):
             EBNF: lambda spec: self._compiler.compile_grammar(spec, root_rule_name=EBNF_ROOT_RULE),
         }
         return build_by_kind(key, builders, ERRORS)
+
+    def judge(self, key: GrammarKey) -> None:
+        from srt.constrained.bitmask import allocate_bitmask  # torch: xgrammar imports it anyway
+
+        matcher = self.new_matcher(self.compile(key))
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        self.fill_bitmask([matcher], bitmask)
+        check_first_mask(key, matcher, bool(bitmask.any()))
 
     def new_matcher(self, grammar: Any) -> GrammarMatcher:
         m = self._xgr.GrammarMatcher(grammar)

@@ -17,7 +17,7 @@ from srt.constrained import (
     constraint_key,
     create_grammar_backend,
 )
-from srt.constrained.bitmask import GrammarMask, apply_token_bitmask, forbidden_tokens
+from srt.constrained.bitmask import GrammarMask, allocate_bitmask, apply_token_bitmask, forbidden_tokens
 from srt.constrained.grammar_manager import GrammarCache, GrammarManager
 from srt.sampling.sampling_params import SamplingParams
 
@@ -47,7 +47,7 @@ def backend(request, tokenizer):
 
 
 def allowed_ids(backend, matcher) -> list[int]:
-    bitmask = backend.allocate_bitmask(1)
+    bitmask = allocate_bitmask(1, backend.vocab_size)
     backend.fill_bitmask([matcher], bitmask)
     return (~forbidden_tokens(bitmask, backend.vocab_size)[0]).nonzero().flatten().tolist()
 

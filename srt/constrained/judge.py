@@ -44,6 +44,10 @@ TIMED_OUT, CRASHED = "timed out", "crashed"
 JUDGE_PROCESS_NAME = "srt-grammar"
 
 
+class JudgeUnavailable(RuntimeError):
+    """The judge process could not be started: no verdict on any constraint (a 503, not a 400)."""
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the child answers for one constraint: None when it passes, else the 400's message."""
@@ -101,7 +105,7 @@ class JudgeChild:
         child_conn.close()
         if not self.conn.poll(STARTUP_TIMEOUT_SECONDS) or self.conn.recv() != "ready":
             self.kill()
-            raise RuntimeError("the grammar judge process did not start")
+            raise JudgeUnavailable("the grammar judge process did not start")
 
     def ask(self, key: GrammarKey, timeout: float) -> Verdict | str:
         """The verdict; or TIMED_OUT when the child ran past `timeout`, CRASHED when it died (it is then
@@ -194,7 +198,12 @@ class GrammarJudge:
                 future = loop.run_in_executor(self._thread, self._judge_blocking, key)
                 self._pending[key] = future
                 future.add_done_callback(lambda f, key=key: self._record(key, f))
-            error = await asyncio.shield(future)
+            try:
+                error = await asyncio.shield(future)
+            except JudgeUnavailable:
+                raise
+            except Exception as e:  # the child could not even load the backend or the tokenizer
+                raise JudgeUnavailable(f"the grammar judge failed to start: {type(e).__name__}: {e}") from e
         if error is not None:
             raise GrammarError(error, key.kind)
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from srt.constrained import GrammarError, constraint_key
-from srt.constrained.judge import GrammarJudge
+from srt.constrained.judge import GrammarJudge, JudgeUnavailable
 from srt.sampling.sampling_params import SamplingParams
 
 # A text longer than context_len * MAX_CHARS_PER_TOKEN cannot fit the context with any tokenizer in practice
@@ -96,6 +96,8 @@ class InputProcessor:
         assert self.judge is not None, "set_judge() must run before constrained requests are checked"
         try:
             await self.judge.check(key)
+        except JudgeUnavailable as e:  # the judge itself could not run: not the constraint's fault
+            raise ServerUnavailableError(f"structured output is unavailable: {e}") from e
         except GrammarError as e:
             if forced_tools:
                 raise InvalidRequestError(

@@ -263,3 +263,15 @@ def test_tool_parameters_with_defs_compile_inside_the_calls_schema(llguidance, n
     )
     assert arguments["properties"]["items"]["items"] == {"$ref": f"{base}/$defs/Item"}
     assert arguments["properties"]["const_data"] == {"const": {"$ref": "#"}}  # data, not a reference
+
+
+def test_a_judge_that_cannot_start_is_unavailable_not_a_verdict(tmp_path):
+    """A tokenizer the child cannot load is the server's trouble (a 503), not the constraint's (a 400)."""
+    from srt.constrained.judge import JudgeUnavailable
+
+    judge = GrammarJudge("llguidance", str(tmp_path / "no-such-tokenizer"), 100, [0], 5.0)
+    try:
+        with pytest.raises(JudgeUnavailable):
+            asyncio.run(judge.check(GrammarKey("regex", "[0-9]")))
+    finally:
+        judge.close()

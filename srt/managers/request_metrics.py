@@ -20,7 +20,7 @@ from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
-    from srt.managers.tokenizer_manager import ReqState
+    from srt.managers.req_state import ReqState
 
 logger = logging.getLogger(__name__)
 

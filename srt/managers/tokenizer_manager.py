@@ -39,6 +39,7 @@ from srt.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from srt.managers.req_state import ReqState
 from srt.managers.request_metrics import RequestMetricsRecorder
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
@@ -73,27 +74,6 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # With the final output: the request's finished record (its timings; srt/managers/request_metrics.py).
     stats: FinishedRequestStats | None = None
-
-
-@dataclass
-class ReqState:
-    """Per internal request: where its outputs go and the main-process stamps its metrics need."""
-
-    rid: str
-    index: int
-    queue: asyncio.Queue
-    arrival_ts: float
-    prompt_tokens: int
-    max_new_tokens: int
-    n: int
-    group: str  # the rid the client knows; freed for reuse when its last sample finishes
-    first_token_recv_ts: float | None = None
-    last_token_ts: float | None = None  # scheduler clock
-    abandoned: bool = False  # the handler is gone; outputs are only counted, not delivered
-    logprob_ids: list[int] | None = None  # prompt[logprob_start_len:] when prompt logprobs are asked
-    labels: tuple[str, ...] = ()  # custom metric label values (srt/metrics/custom_labels.py)
-    params: SamplingParams | None = None
-    export: bool = True  # written to the request export (health checks are not)
 
 
 class TokenizerManager:

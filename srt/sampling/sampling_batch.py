@@ -21,14 +21,14 @@ from srt.sampling.penalties import (
     PenaltyPool,
     banned_token_ids,
 )
-from srt.sampling.sampler import (
+from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.token_filters import (
     FLOAT32_MAX,
     TokenFilters,
     draw_uniforms,
     generator_groups,
     sample_from_probs,
 )
-from srt.sampling.sampling_params import SamplingParams
 
 
 class SamplingRow(PenalizedRow, Protocol):

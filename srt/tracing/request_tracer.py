@@ -43,7 +43,7 @@ from srt.tracing.otel import Span, Tracer, mark_error, set_attributes
 
 if TYPE_CHECKING:
     from srt.managers.input_processor import GenerateInput
-    from srt.managers.tokenizer_manager import ReqState
+    from srt.managers.req_state import ReqState
 
 logger = logging.getLogger(__name__)
 A = SpanAttributes

@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from srt.sampling import sampler as sampler_module
+from srt.sampling import token_filters as token_filters_module
 from srt.sampling.penalties import apply_min_new_tokens, apply_penalties
-from srt.sampling.sampler import Sampler, filtered_probs, greedy_ids, make_generator, sample_from_probs
+from srt.sampling.sampler import Sampler, make_generator
 from srt.sampling.sampling_batch import one_off_batch
 from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.token_filters import filtered_probs, greedy_ids, sample_from_probs
 
 VOCAB = 50
 EOS = 2
@@ -99,7 +100,7 @@ def test_masks_are_per_row():
 
 
 def test_top_p_widens_its_search_when_the_first_candidates_fall_short(monkeypatch):
-    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", (1, 2))
+    monkeypatch.setattr(token_filters_module, "TOP_P_CANDIDATES", (1, 2))
     logits = torch.cat([logits_of(PROBS)] * 3)
     probs = filtered_probs(logits, top_k=[-1] * 3, top_p=[0.4, 0.7, 0.9], min_p=[0.0] * 3)
     assert [torch.nonzero(row > 0).flatten().tolist() for row in probs] == [[0], [0, 1], [0, 1, 2]]

@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from srt.managers.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput, TraceContext
+from srt.managers.req_state import ReqState
 from srt.managers.schedule_batch import Req
 from srt.managers.scheduler_tracing import SchedulerTracing
-from srt.managers.tokenizer_manager import ReqState
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs

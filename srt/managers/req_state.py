@@ -1,0 +1,31 @@
+"""`ReqState`: what the HTTP process keeps per internal request. A leaf module, so that the observers that
+read it (the request metrics recorder, the request tracer) need not import the TokenizerManager that owns
+the states."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class ReqState:
+    """Per internal request: where its outputs go and the main-process stamps its metrics need."""
+
+    rid: str
+    index: int
+    queue: asyncio.Queue
+    arrival_ts: float
+    prompt_tokens: int
+    max_new_tokens: int
+    n: int
+    group: str  # the rid the client knows; freed for reuse when its last sample finishes
+    first_token_recv_ts: float | None = None
+    last_token_ts: float | None = None  # scheduler clock
+    abandoned: bool = False  # the handler is gone; outputs are only counted, not delivered
+    logprob_ids: list[int] | None = None  # prompt[logprob_start_len:] when prompt logprobs are asked
+    labels: tuple[str, ...] = ()  # custom metric label values (srt/metrics/custom_labels.py)
+    params: SamplingParams | None = None
+    export: bool = True  # written to the request export (health checks are not)

@@ -79,9 +79,12 @@ def check_json_nesting_as_grammar(key: GrammarKey) -> None:
 
 
 # ---- JSON schema ----
+ROOT_REF = "#"
+
+
 def _resolve(root: Any, ref: str) -> tuple[bool, Any]:
     """(found, schema) of a local `$ref` ("#" or a JSON pointer "#/a/b"); (False, None) for anything else."""
-    if ref == "#":
+    if ref == ROOT_REF:
         return True, root
     if not ref.startswith("#/"):
         return False, None
@@ -103,6 +106,7 @@ class _SchemaProductivity:
     def __init__(self, root: Any):
         self.root = root
         self.known: dict[str, bool] = {}  # ref -> productive (False until shown otherwise)
+        self.referenced: set[str] = set()  # the refs the schema uses (the root is evaluated as one too)
 
     def productive(self, s: Any) -> bool:
         if s is False:
@@ -114,6 +118,7 @@ class _SchemaProductivity:
         if isinstance(ref, str):
             found, _ = _resolve(self.root, ref)
             if found:
+                self.referenced.add(ref)
                 self.known.setdefault(ref, False)
                 ok = self.known[ref]
         for name, combine in (("allOf", all), ("anyOf", any), ("oneOf", any)):
@@ -150,16 +155,23 @@ class _SchemaProductivity:
 
     def solve(self) -> str | None:
         """None when the root is productive, else what is wrong (for the 400's message)."""
-        self.productive(self.root)  # discovers the refs
+        # The root is a ref too ("#"), re-evaluated with the others: an evaluation stops at the first part
+        # that decides it, so a ref behind a part not yet known productive is found in a later round.
+        self.known[ROOT_REF] = False
         changed = True
         while changed and len(self.known) <= MAX_SYMBOLS:
+            # until nothing flips and no new ref turns up (a ref found this round is evaluated next round)
+            seen = len(self.known)
             changed = False
             for ref in list(self.known):
                 if not self.known[ref] and self.productive(_resolve(self.root, ref)[1]):
                     self.known[ref] = changed = True
-        if len(self.known) > MAX_SYMBOLS or self.productive(self.root):
+            changed = changed or len(self.known) != seen
+        if len(self.known) > MAX_SYMBOLS or self.known[ROOT_REF]:
             return None
-        stuck = sorted(ref for ref, ok in self.known.items() if not ok)
+        # the root itself is named only where the schema refers to it ("#"), and after any other stuck ref
+        stuck = sorted(ref for ref, ok in self.known.items() if not ok and ref != ROOT_REF)
+        stuck += [ROOT_REF] if ROOT_REF in self.referenced else []
         if stuck:
             return f"`$ref` {stuck[0]} can only be satisfied through itself (a cycle with no base case)"
         return "no finite JSON value satisfies it"

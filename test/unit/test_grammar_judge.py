@@ -63,6 +63,18 @@ def test_a_schema_with_no_finite_instance_is_unproductive(schema):
             },
             "$ref": "#/$defs/node",
         },
+        # chains of refs, found round by round (a chain was once refused: refs found late went unevaluated)
+        {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {"type": "integer"}}, "$ref": "#/$defs/a"},
+        {
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/c"}, "c": {"type": "integer"}},
+            "$ref": "#/$defs/a",
+        },
+        {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/x"}, "b": {"$ref": "#/$defs/y"}},
+            "required": ["a", "b"],
+            "$defs": {"x": {"$ref": "#/$defs/z"}, "z": {"type": "null"}, "y": {"$ref": "#/$defs/w"}, "w": {}},
+        },
         {"$ref": "https://example.com/remote.json"},  # not modelled: the library decides
         {"type": "object"},
         True,

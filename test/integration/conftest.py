@@ -56,6 +56,10 @@ class ServerHandle:
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def http_client(self, timeout: float) -> httpx.Client:
+        """An httpx client of this server's base URL, with its API key."""
+        return httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
+
     def openai_client(self, **kw):
         import openai
 

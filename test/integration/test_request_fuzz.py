@@ -167,7 +167,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server: ServerHandle):
-    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=HTTP_TIMEOUT_SECONDS) as c:
+    with server.http_client(HTTP_TIMEOUT_SECONDS) as c:
         yield c
 
 

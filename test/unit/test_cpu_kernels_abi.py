@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from srt.model_executor.layers import cpu_kernels
-from srt.model_executor.layers.cpu_kernels import Prototype, parse_prototypes
+from srt.model_executor.layers.c_abi import Prototype, bind, parse_prototypes
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -106,9 +106,9 @@ def test_an_argument_added_or_dropped_on_the_c_side_makes_the_old_call_raise():
     ):
         proto = parse_prototypes(text.replace(current, edited))["srt_rmsnorm"]
         with pytest.raises(TypeError, match=message):
-            cpu_kernels.bind(lib, proto)(*call)
+            bind(lib, proto)(*call)
     # a changed type is followed: the binding converts to what the C now takes
     proto = parse_prototypes(text.replace(current, current.replace("float eps", "double eps")))["srt_rmsnorm"]
-    assert cpu_kernels.bind(lib, proto).argtypes[5] is ctypes.c_double
+    assert bind(lib, proto).argtypes[5] is ctypes.c_double
     # and the current prototype binds the 7-argument call, which runs (m = 0 rows: nothing read or written)
     kernels.function("srt_rmsnorm")(*call)

@@ -22,11 +22,11 @@ import time
 import torch
 from transformers import AutoConfig
 
-from srt.managers.io_struct import TokenizedGenerateReqInput
-from srt.managers.scheduler import Scheduler
+from srt.io_struct import TokenizedGenerateReqInput
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_source import resolve_model_dir
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
 from srt.utils import CHILD_MALLOC_ENV
 

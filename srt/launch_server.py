@@ -7,7 +7,7 @@ anything imports prometheus_client and before any child is spawned (children inh
 watchdog thread turns the death of any child into an unhealthy `/health`, failed in-flight requests and a
 non-zero exit of the whole tree within a few seconds.
 
-Exit codes: 0 after a signal (in-flight requests drained, see srt/entrypoints/uvicorn_server.py), 2 for a
+Exit codes: 0 after a signal (in-flight requests drained, see srt/http_server/uvicorn_server.py), 2 for a
 configuration error (a bad flag, environment value or model; one line saying what to change), 1 when a
 process crashed.
 """
@@ -46,12 +46,12 @@ from srt.utils import (
 )
 
 if TYPE_CHECKING:
-    from srt.entrypoints.middleware import AdmissionGate
+    from srt.http_server.middleware import AdmissionGate
 
 logger = logging.getLogger("srt.launch_server")
 
-SCHEDULER_TARGET = ("srt.managers.scheduler_process", "run_scheduler_process")
-DETOKENIZER_TARGET = ("srt.managers.detokenizer_manager", "run_detokenizer_process")
+SCHEDULER_TARGET = ("srt.scheduler.scheduler_process", "run_scheduler_process")
+DETOKENIZER_TARGET = ("srt.detokenizer.detokenizer_manager", "run_detokenizer_process")
 # How often the start-up wait and the watchdog look at the children.
 POLL_SECONDS = 0.2
 # After a child died, the launcher is gone within this many seconds even if the HTTP server hangs.
@@ -128,7 +128,7 @@ class Launcher:
             for rank in range(a.dp_size)
         ]
         detokenizer = self._spawn("detokenizer", DETOKENIZER_TARGET, a, p, model_dir)
-        from srt.managers.tokenizer_manager import TokenizerManager
+        from srt.http_server.tokenizer_manager import TokenizerManager
 
         # Loading the tokenizer here overlaps with the children's start-up.
         try:
@@ -174,8 +174,8 @@ class Launcher:
             ) from e
         self._start_children(model_dir)
 
-        from srt.entrypoints.http_server import create_app
-        from srt.entrypoints.uvicorn_server import make_server
+        from srt.http_server.app import create_app
+        from srt.http_server.uvicorn_server import make_server
 
         if self.args.metrics_enabled:
             from srt.metrics.collector import start_process_metrics

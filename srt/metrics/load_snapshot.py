@@ -3,7 +3,7 @@
 Each scheduler already writes `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:num_used_tokens` and
 `sglang:max_total_num_tokens` into `PROMETHEUS_MULTIPROC_DIR` (livemostrecent gauge files, one per process).
 Reading those few hundred bytes costs tens of microseconds and needs no message on the ZMQ ring, so this is
-the source of the load reports for gateways (srt/entrypoints/load_report.py).
+the source of the load reports for gateways (srt/http_server/load_report.py).
 
 Freshness: the scheduler pushes its gauges after every prefill batch, every `--decode-log-interval` decode
 steps, at least every FLUSH_PERIOD (1 s) while busy, and at once when it goes idle; on top of that this

@@ -1,6 +1,6 @@
 """ModelRunner: loads the weights, sizes and allocates the KV pools, and runs one forward step.
 
-It does not know who schedules it (no imports from srt.managers): the caller builds a `ForwardBatch`, having
+It does not know who schedules it (no imports from srt.scheduler): the caller builds a `ForwardBatch`, having
 already written this step's KV slots into `req_to_token`, and gets back fp32 logits of the last new token
 of each sequence.
 

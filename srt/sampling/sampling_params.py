@@ -1,6 +1,6 @@
 """Per-request sampling parameters, as the scheduler and the sampler see them.
 
-The HTTP layer builds them only from values its request models validated (srt/entrypoints/request_types.py);
+The HTTP layer builds them only from values its request models validated (srt/http_server/request_types.py);
 `verify` is the scheduler's own guard against a request that bypassed it, failing that request alone."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from srt.managers.io_struct import BatchTokenIDOut, TraceContext
+from srt.io_struct import BatchTokenIDOut, TraceContext
 from srt.server_args import ServerArgs
 from srt.tracing.common import SPAN_DETOKENIZE, TRACE_LEVEL_STAGES, WallClock
 from srt.tracing.otel import Tracer

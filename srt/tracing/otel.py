@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from srt.managers.io_struct import TraceContext
+from srt.io_struct import TraceContext
 from srt.tracing.common import (
     ATTR_COMPONENT,
     PROTOCOL_GRPC,

@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from srt.managers.io_struct import FinishReason, TraceContext
+from srt.io_struct import FinishReason, TraceContext
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -42,8 +42,8 @@ from srt.tracing.http import RECEIVED_TS_KEY
 from srt.tracing.otel import Span, Tracer, mark_error, set_attributes
 
 if TYPE_CHECKING:
-    from srt.managers.input_processor import GenerateInput
-    from srt.managers.req_state import ReqState
+    from srt.http_server.input_processor import GenerateInput
+    from srt.http_server.req_state import ReqState
 
 logger = logging.getLogger(__name__)
 A = SpanAttributes

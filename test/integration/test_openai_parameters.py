@@ -22,8 +22,8 @@ import pytest
 from openai.resources.chat.completions import Completions as ChatResource
 from openai.resources.completions import Completions as CompletionResource
 
-from srt.entrypoints.native_protocol import NativeSamplingParams
-from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.http_server.native_protocol import NativeSamplingParams
+from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from test.integration.conftest import REPO_ROOT, ServerHandle, running_server
 
 pytestmark = pytest.mark.slow

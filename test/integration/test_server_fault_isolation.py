@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from srt.managers.fault_isolation import TEST_FAULT_DECODE_STEP, TEST_FAULT_ENV
 from srt.metrics.text_format import parse_metrics_text, total
+from srt.scheduler.fault_isolation import TEST_FAULT_DECODE_STEP, TEST_FAULT_ENV
 from test.integration.conftest import launch_server
 
 pytestmark = pytest.mark.slow

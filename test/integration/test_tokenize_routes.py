@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from srt.managers.input_processor import MAX_CHARS_PER_TOKEN
+from srt.http_server.input_processor import MAX_CHARS_PER_TOKEN
 
 pytestmark = pytest.mark.slow
 

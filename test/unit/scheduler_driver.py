@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from srt.managers.io_struct import TokenizedGenerateReqInput
-from srt.managers.scheduler import Scheduler
+from srt.io_struct import TokenizedGenerateReqInput
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.scheduler import Scheduler
 
 MAX_STEPS = 10_000
 

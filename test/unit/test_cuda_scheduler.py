@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from srt.managers.scheduler import Scheduler
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
 from test.unit.scheduler_driver import drive, greedy, request
 from test.unit.test_scheduler import assert_pool_whole, prompts

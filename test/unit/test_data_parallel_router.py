@@ -2,7 +2,7 @@
 
 import pytest
 
-from srt.managers.data_parallel_controller import DataParallelRouter
+from srt.http_server.dp_router import DataParallelRouter
 
 
 def test_round_robin_cycles_over_ranks():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from srt.managers.detokenizer_manager import REPLACEMENT_CHAR, DetokenizerManager, IncrementalDetokenizer
-from srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
+from srt.detokenizer.detokenizer_manager import REPLACEMENT_CHAR, DetokenizerManager, IncrementalDetokenizer
+from srt.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
 
 MIXED_TEXT = "Grüße aus Köln 🎉🚀 日本語のテキスト — naïve café ✓ done."
 

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from srt.managers.detokenizer_manager import DetokenizerManager
-from srt.managers.io_struct import BatchTokenIDOut, FinishReason
+from srt.detokenizer.detokenizer_manager import DetokenizerManager
+from srt.io_struct import BatchTokenIDOut, FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_a_bad_entry_fails_alone_and_the_rest_of_the_batch_is_converted(
     expected = converted(DetokenizerManager(tokenizer, None, None), batch(clean))
 
     mgr = DetokenizerManager(tokenizer, None, None)
-    with caplog.at_level(logging.ERROR, logger="srt.managers.detokenizer_manager"):
+    with caplog.at_level(logging.ERROR, logger="srt.detokenizer.detokenizer_manager"):
         got = converted(mgr, batch([clean[0], ("bad", bad, None, bad_stops), clean[1]]))
 
     assert {rid: got[rid] for rid in ("a", "c")} == expected
@@ -79,7 +79,7 @@ def test_a_bad_entry_fails_alone_and_the_rest_of_the_batch_is_converted(
 def test_a_failed_request_sends_nothing_more_and_is_forgotten_at_its_final_entry(tokenizer, caplog):
     mgr = DetokenizerManager(tokenizer, None, None)
     ids = tokenizer.encode("one two three")
-    with caplog.at_level(logging.ERROR, logger="srt.managers.detokenizer_manager"):
+    with caplog.at_level(logging.ERROR, logger="srt.detokenizer.detokenizer_manager"):
         first = converted(mgr, batch([("bad", ids[:1], None, 7)]))
         later = converted(mgr, batch([("bad", ids[1:2], None, 7), ("ok", ids, None, [])]))
         final = converted(mgr, batch([("bad", ids[2:], FinishReason("length"), 7)]))

@@ -15,11 +15,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from srt.managers.schedule_batch import Req
-from srt.managers.step_builder import StepBuilder
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.schedule_batch import Req
+from srt.scheduler.step_builder import StepBuilder
 
 aten = torch.ops.aten
 CROSS_DEVICE_COPIES = {aten._to_copy, aten.copy_, aten.lift_fresh, aten._local_scalar_dense}

@@ -9,8 +9,8 @@ import pickle
 import pytest
 import zmq
 
-from srt.managers import io_struct
-from srt.managers.io_struct import (
+from srt import io_struct
+from srt.io_struct import (
     AbortReq,
     BatchStrOut,
     BatchTokenIDOut,

@@ -14,11 +14,11 @@ import zmq
 from srt.kv_events.config import KVEventsConfig, offset_endpoint, parse_kv_events_config
 from srt.kv_events.publisher import ZmqEventPublisher
 from srt.kv_events.wire import END_SEQ, decode_batch, encode_batch, frames
-from srt.managers.scheduler import Scheduler
 from srt.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_id, chain_digests
 from srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from srt.mem_cache.radix_cache import RadixCache
 from srt.model_executor.model_runner import ModelRunner
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
 from test.unit.kv_event_subscriber import BlockSetSubscriber, tree_blocks, wait_sent
 from test.unit.scheduler_driver import drive, greedy, request

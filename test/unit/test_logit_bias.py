@@ -10,12 +10,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from srt.entrypoints.native_protocol import GenerateRequest
-from srt.entrypoints.openai.errors import validation_error
-from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from srt.managers.input_processor import GenerateInput, InvalidRequestError
-from srt.managers.io_struct import SchedulerReady
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.http_server.input_processor import GenerateInput, InvalidRequestError
+from srt.http_server.native_protocol import GenerateRequest
+from srt.http_server.openai.errors import validation_error
+from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.http_server.tokenizer_manager import TokenizerManager
+from srt.io_struct import SchedulerReady
 from srt.sampling.sampler import Sampler
 from srt.sampling.sampling_batch import one_off_batch
 from srt.sampling.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError

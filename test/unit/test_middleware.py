@@ -1,4 +1,4 @@
-"""The ASGI middlewares (srt/entrypoints/middleware.py) around a stub app: API key, body size limit,
+"""The ASGI middlewares (srt/http_server/middleware.py) around a stub app: API key, body size limit,
 admission (draining, concurrency cap), JSON bodies labelled as forms, and their order."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from srt.entrypoints.middleware import (
+from srt.http_server.middleware import (
     AdmissionGate,
     AdmissionMiddleware,
     BodyLimitMiddleware,

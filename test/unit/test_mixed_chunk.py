@@ -1,12 +1,12 @@
 """Mixed prefill/decode steps (`--enable-mixed-chunk`): a prompt that arrives while others decode is prefilled
 in the same forward step as their decode, its tokens and theirs are counted once each in the step metrics,
-and the prefill budget follows the documented rule (srt/managers/mixed_chunk.py)."""
+and the prefill budget follows the documented rule (srt/scheduler/mixed_chunk.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from srt.managers.mixed_chunk import (
+from srt.scheduler.mixed_chunk import (
     DEFAULT_MIXED_PREFILL_TOKENS,
     LONE_PREFILL_STEP_SECONDS,
     MIN_MIXED_PREFILL_TOKENS,
@@ -14,7 +14,7 @@ from srt.managers.mixed_chunk import (
     MixedChunkBudget,
     mixed_chunk_enabled,
 )
-from srt.managers.scheduler_logging import SchedulerReporter
+from srt.scheduler.step_reporter import SchedulerReporter
 from srt.server_args import ServerArgs
 from test.unit.scheduler_driver import drive, greedy, request
 from test.unit.test_scheduler import assert_pool_whole, make_scheduler, prompts

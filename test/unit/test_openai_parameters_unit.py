@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from srt.entrypoints.openai.protocol import CHAT_REFUSED, ChatCompletionRequest, CompletionRequest
-from srt.entrypoints.openai.serving_common import ChoiceAcc
-from srt.entrypoints.openai.serving_completions import best_of
+from srt.http_server.openai.protocol import CHAT_REFUSED, ChatCompletionRequest, CompletionRequest
+from srt.http_server.openai.serving_common import ChoiceAcc
+from srt.http_server.openai.serving_completions import best_of
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -9,10 +9,10 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
-from srt.entrypoints.http_server import create_app
-from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from srt.managers.io_struct import FinishReason, SchedulerReady
-from srt.managers.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.http_server.app import create_app
+from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.io_struct import FinishReason, SchedulerReady
 from srt.server_args import PortArgs, ServerArgs
 
 SCRIPT = ["Hello", " world", "!"]  # text deltas every scripted request produces

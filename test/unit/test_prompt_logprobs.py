@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from srt.managers.scheduler import Scheduler
 from srt.model_executor import model_runner
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
 from test.unit.scheduler_driver import MAX_STEPS, greedy, request
 
@@ -147,7 +147,7 @@ def test_batches_mix_requests_with_and_without_prompt_logprobs(tiny_model_dir, r
 
 def test_prompt_logprobs_of_a_prompt_prefilled_in_mixed_steps(tiny_model_dir, reference):
     """A prompt asking for its logprobs arrives while another request decodes: it is prefilled in mixed
-    chunks next to that decode (srt/managers/mixed_chunk.py) and its logprobs are still the reference's."""
+    chunks next to that decode (srt/scheduler/mixed_chunk.py) and its logprobs are still the reference's."""
     sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=True, chunked_prefill_size=16)
     sched.add_request(request("busy", prompt(10, seed=4), greedy(30)))
     sched.step()

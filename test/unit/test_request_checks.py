@@ -2,15 +2,15 @@
 
 import pytest
 
-from srt.managers.request_checks import refusal
-from srt.managers.schedule_batch import Req
-from srt.managers.schedule_policy import (
+from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.request_checks import refusal
+from srt.scheduler.schedule_batch import Req
+from srt.scheduler.schedule_policy import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
     decayed_new_token_ratio,
     new_token_ratio_after_retraction,
 )
-from srt.sampling.sampling_params import SamplingParams
 
 VOCAB, MAX_INPUT = 100, 8
 

@@ -10,13 +10,13 @@ import shutil
 import pytest
 from pydantic import ValidationError
 
-from srt.entrypoints.native_protocol import AbortRequest, FlushCacheRequest, GenerateRequest
-from srt.entrypoints.openai.errors import validation_error
-from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from srt.entrypoints.request_types import MAX_STOP_STRINGS
-from srt.managers.input_processor import GenerateInput, InvalidRequestError
-from srt.managers.io_struct import SchedulerReady
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.http_server.input_processor import GenerateInput, InvalidRequestError
+from srt.http_server.native_protocol import AbortRequest, FlushCacheRequest, GenerateRequest
+from srt.http_server.openai.errors import validation_error
+from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.http_server.request_types import MAX_STOP_STRINGS
+from srt.http_server.tokenizer_manager import TokenizerManager
+from srt.io_struct import SchedulerReady
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 

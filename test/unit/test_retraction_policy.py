@@ -3,9 +3,9 @@ the least work lost first, no more than needed, and a request that cannot fit ev
 
 from __future__ import annotations
 
-from srt.managers.schedule_batch import Req
-from srt.managers.schedule_policy import retract_until_decode_fits
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.schedule_batch import Req
+from srt.scheduler.schedule_policy import retract_until_decode_fits
 
 
 def running_req(rid: str, prompt_len: int, output_len: int, kv_slots: int) -> Req:

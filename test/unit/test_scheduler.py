@@ -11,9 +11,9 @@ from itertools import pairwise
 
 import pytest
 
-from srt.managers.io_struct import AbortReq
-from srt.managers.scheduler import Scheduler
+from srt.io_struct import AbortReq
 from srt.model_executor.model_runner import ModelRunner
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
 from test.unit.scheduler_driver import drive, greedy, request
 
@@ -278,7 +278,7 @@ def test_a_short_prompt_does_not_wait_for_a_long_prompts_remaining_chunks(tiny_m
     """A long prompt mid-chunk: a short request arriving then is prefilled in the very next step, ahead of the
     long prompt's remaining chunks (which share that step, at least MIN_MIXED_PREFILL_TOKENS of them), and
     both outputs are what they are alone."""
-    from srt.managers.mixed_chunk import MIN_MIXED_PREFILL_TOKENS
+    from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS
 
     long_prompt = prompts(1, low=600, high=600, seed=5)[0]
     short = prompts(1, low=6, high=6, seed=6)[0]
@@ -310,7 +310,7 @@ def test_debug_log_gives_every_steps_prefill_tokens_decode_rows_and_forward_time
     """`--log-level debug`: one line a step, whose counts add up to the prompts and the decoded tokens."""
     ps = prompts(3, seed=11)
     sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=True)
-    with caplog.at_level(logging.DEBUG, logger="srt.managers.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="srt.scheduler.scheduler"):
         res = drive(
             sched,
             {0: [request("a", ps[0], greedy(5))], 2: [request(f"r{i}", ps[i], greedy(4)) for i in (1, 2)]},

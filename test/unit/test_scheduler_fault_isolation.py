@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from srt.managers import fault_isolation
-from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler import fault_isolation
+from srt.scheduler.scheduler import Scheduler
 from test.unit.scheduler_driver import drive, greedy, request
 from test.unit.test_scheduler import assert_pool_whole, make_scheduler, prompts
 
@@ -161,8 +161,8 @@ def test_rows_that_survive_a_failed_batch_keep_their_random_draws():
     draws, so a seeded row's token is the one it gets alone."""
     import torch
 
-    from srt.managers.schedule_batch import Req
     from srt.sampling.sampler import Sampler, make_generator
+    from srt.scheduler.schedule_batch import Req
 
     vocab = 64
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))

@@ -13,13 +13,13 @@ import traceback
 import pytest
 import torch
 
-from srt.managers.scheduler import Scheduler
-from srt.managers.scheduler_process import dispatch
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import cache_path
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.scheduler import Scheduler
+from srt.scheduler.scheduler_process import dispatch
 from srt.server_args import ServerArgs
 from test.unit.model_driver import PagedDriver
 from test.unit.scheduler_driver import greedy, request

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from srt.entrypoints.serving_tokenize import JSON_PIECE_ITEMS, _dumps
+from srt.http_server.serving_tokenize import JSON_PIECE_ITEMS, _dumps
 
 N = JSON_PIECE_ITEMS
 ANSWERS = [

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from srt.constrained import GRAMMAR_BACKENDS, GrammarKey, create_grammar_backend
-from srt.entrypoints.openai.chat_tools import ChatTools
-from srt.entrypoints.openai.protocol import ChatCompletionRequest
-from srt.entrypoints.openai.tool_types import MAX_TOOLS
 from srt.function_call import create_tool_call_parser
+from srt.http_server.openai.chat_tools import ChatTools
+from srt.http_server.openai.protocol import ChatCompletionRequest
+from srt.http_server.openai.tool_types import MAX_TOOLS
 from test.unit.test_request_validation import param_of
 
 MSGS = [{"role": "user", "content": "weather in Paris?"}]

@@ -18,7 +18,7 @@ def idle_peer() -> None:
 
 
 def crashing_rank0(peer_pids: mp.Queue) -> None:
-    from srt.managers.tp_worker import TpPeers
+    from srt.scheduler.tp_peers import TpPeers
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as child_startup.run_child sets it; the peer inherits it
     peer = mp.get_context("spawn").Process(target=idle_peer, daemon=True)

@@ -1,4 +1,4 @@
-"""Request tracing's pure logic (srt/tracing/, srt/managers/scheduler_tracing.py) against the real SDK with an
+"""Request tracing's pure logic (srt/tracing/, srt/scheduler/scheduler_tracing.py) against the real SDK with an
 in-memory exporter: level parsing, the clock conversion, the exporter configuration, context propagation
 between processes, the scheduler's spans built from a request's stamps, the main process's root and choice
 spans, and that nothing imports the SDK while tracing is off."""
@@ -16,12 +16,12 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from srt.managers.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput, TraceContext
-from srt.managers.req_state import ReqState
-from srt.managers.schedule_batch import Req
-from srt.managers.scheduler_tracing import SchedulerTracing
+from srt.http_server.req_state import ReqState
+from srt.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput, TraceContext
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.schedule_batch import Req
+from srt.scheduler.scheduler_tracing import SchedulerTracing
 from srt.server_args import ServerArgs
 from srt.tracing.common import (
     PROTOCOL_ENV,
@@ -278,7 +278,7 @@ def test_child_death_ends_open_spans_with_an_error():
 def test_nothing_imports_the_sdk_while_tracing_is_off():
     code = (
         "import sys\n"
-        "import srt.entrypoints.http_server, srt.managers.detokenizer_manager, srt.managers.scheduler_process\n"
+        "import srt.http_server.app, srt.detokenizer.detokenizer_manager, srt.scheduler.scheduler_process\n"
         "bad = [m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter', 'grpc'))]\n"
         "assert not bad, bad\n"
     )
@@ -295,9 +295,9 @@ def trace_route(embedded_model_dir):
 
     from fastapi.testclient import TestClient
 
-    from srt.entrypoints.http_server import create_app
-    from srt.managers.io_struct import SchedulerReady
-    from srt.managers.tokenizer_manager import TokenizerManager
+    from srt.http_server.app import create_app
+    from srt.http_server.tokenizer_manager import TokenizerManager
+    from srt.io_struct import SchedulerReady
     from srt.server_args import PortArgs
 
     clients, dirs = {}, []

@@ -1,0 +1,1 @@
+"""The detokenizer process: incremental detokenization and stop strings, between the scheduler and the HTTP process."""

@@ -1,0 +1,222 @@
+"""The FastAPI application: every HTTP route of srt, its error handling and API-key guard.
+
+The app holds no model: it talks to the scheduler only through the TokenizerManager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+
+from srt.http_server.input_processor import GenerateInput, ServerUnavailableError
+from srt.http_server.middleware import install_middlewares
+from srt.http_server.native_protocol import AbortRequest, FlushCacheRequest, GenerateRequest
+from srt.http_server.openai.errors import (
+    SERVER_ERROR,
+    SERVICE_UNAVAILABLE,
+    OpenAIError,
+    status_error,
+    validation_error,
+)
+from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.http_server.openai.serving_chat import ChatHandler
+from srt.http_server.openai.serving_common import model_not_found
+from srt.http_server.openai.serving_completions import CompletionHandler
+from srt.http_server.serving_native import GenerateHandler
+from srt.http_server.serving_tokenize import TokenizeHandler
+from srt.http_server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from srt.http_server.tokenizer_manager import TokenizerManager
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from srt.tracing.common import parse_trace_level
+from srt.tracing.http import ReceivedTimeMiddleware
+
+logger = logging.getLogger(__name__)
+
+# /health_generate gives up (503) if one token takes longer than this.
+HEALTH_GENERATE_TIMEOUT_SECONDS = 20.0
+SRT_VERSION = "0.1.0"
+
+
+def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
+    """Build the app around a TokenizerManager whose scheduler already reported ready."""
+    model_name = server_args.model_name
+    chat = ChatHandler(tm, model_name, server_args.tool_call_parser)
+    completions = CompletionHandler(tm, model_name)
+    native = GenerateHandler(tm)
+    tokens = TokenizeHandler(tm, model_name, chat.tool_parser)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await tm.start()
+        yield
+        # Whatever is still waiting ends now with an error, so nothing sends on the sockets stop() closes.
+        tm.fail_all("the server is shutting down")
+        await tm.stop()
+
+    app = FastAPI(title="srt", version=SRT_VERSION, lifespan=lifespan)
+    app.state.tokenizer_manager = tm
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return validation_error(exc).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return status_error(
+            exc.status_code, exc.detail if isinstance(exc.detail, str) else None
+        ).to_response()
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return OpenAIError(
+            f"internal error: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR, type=SERVER_ERROR
+        ).to_response()
+
+    # ---- OpenAI ----
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await chat.handle(body, request)
+
+    @app.post("/v1/completions")
+    async def v1_completions(body: CompletionRequest, request: Request):
+        return await completions.handle(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "srt",
+            "root": model_name,
+            "max_model_len": tm.context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # `path`: served names may hold slashes (org/name)
+    async def retrieve_model(model: str):
+        if model != model_name:  # an empty name too: here it is the resource asked for, not optional
+            return model_not_found(model, model_name).to_response()
+        return (await models())["data"][0]
+
+    # ---- tokenizer (vLLM's and SGLang's routes) ----
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await tokens.tokenize(body)
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await tokens.detokenize(body)
+
+    # ---- native ----
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        return await native.handle(body, request)
+
+    @app.get("/health")
+    async def health():
+        if tm.dead_reason is not None:
+            return JSONResponse({"status": "unhealthy", "reason": tm.dead_reason}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        obj = GenerateInput(
+            prompts=[await tm.inputs.encode("ping") or [0]], sampling_params=SamplingParams(max_new_tokens=1)
+        )
+        try:
+            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_SECONDS):
+                async for out in tm.generate(obj, health_check=True):
+                    if out.finish_reason is not None and out.finish_reason.type == "error":
+                        raise ServerUnavailableError(out.finish_reason.message or "generation failed")
+        except (TimeoutError, ServerUnavailableError) as e:
+            msg = str(e) or "one-token generation timed out"
+            return OpenAIError(
+                msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE
+            ).to_response()
+        return {"status": "ok"}
+
+    # SGLang's current names (its bench_serving asks for them) beside the older /get_* ones.
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {
+            "model_path": server_args.model_path or tm.model_dir,
+            "tokenizer_path": server_args.tokenizer_path or tm.model_dir,
+            "served_model_name": model_name,
+            "is_generation": True,
+            "context_length": tm.context_len,
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info():
+        info = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
+        info.update(dataclasses.asdict(tm.ready) if tm.ready else {})
+        info["version"] = SRT_VERSION
+        return info
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(body: FlushCacheRequest | None = None):
+        try:
+            out = await tm.flush_cache()
+        except (TimeoutError, ServerUnavailableError) as e:
+            msg = str(e) or "the scheduler did not answer"
+            return OpenAIError(
+                msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE
+            ).to_response()
+        if not out.success:
+            return OpenAIError(out.message or "cache not flushed: requests are running").to_response()
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        if body.abort_all:
+            tm.abort_all()
+            return {"success": True}
+        return {"success": tm.abort_request(body.rid)}
+
+    @app.api_route("/set_trace_level", methods=["GET", "POST"])
+    async def set_trace_level(level: str | None = None):
+        """Trace detail for requests arriving from now on: 0 off, 1 request spans, 2 + stage spans, 3 + one
+        span per prefill chunk (srt/tracing/)."""
+        if tm.tracer is None:
+            msg = "tracing is off: start the server with --enable-trace"
+            return OpenAIError(msg, code="tracing_disabled").to_response()
+        try:
+            tm.tracer.level = parse_trace_level(level)
+        except ValueError as e:
+            return OpenAIError(str(e), param="level", code="invalid_value").to_response()
+        return {"success": True, "level": tm.tracer.level}
+
+    if server_args.metrics_enabled:
+        from srt.metrics.collector import instrument_http_app, make_metrics_asgi_app
+
+        instrument_http_app(app, {"model_name": model_name})
+        app.router.routes.append(Route("/metrics", endpoint=make_metrics_asgi_app()))
+    from srt.metrics.multiprocess import multiprocess_dir
+
+    if server_args.metrics_enabled and multiprocess_dir():  # load reports read the schedulers' gauges
+        from srt.http_server.load_report import LoadReportMiddleware
+        from srt.metrics.load_snapshot import SchedulerLoadReader
+
+        app.add_middleware(LoadReportMiddleware, reader=SchedulerLoadReader(multiprocess_dir()))
+    app.state.admission = install_middlewares(app, server_args)
+    if server_args.enable_trace:  # outermost: a request's trace starts before its body is read
+        app.add_middleware(ReceivedTimeMiddleware)
+    return app

@@ -1,0 +1,426 @@
+"""The scheduler: continuous batching over the paged KV pool and the prefix cache, driven one step at a time.
+
+`Scheduler.step()` runs one forward step — a prefill (extend) batch when waiting work fits, otherwise a decode
+batch of every running request — and returns the step's `BatchTokenIDOut`. It knows nothing of sockets, so
+tests drive it in-process; `scheduler_process.py` wraps it in the ZMQ loop.
+
+Fault isolation (`fault_isolation.py`): an exception while admitting one request, sampling its row or checking
+its stop conditions finishes *that* request with `error` (one log line with its rid), frees its memory, and
+the step goes on for everyone else. Failures that are not one request's (out of memory, a broken KV-pool
+invariant, a forward pass that raises) still propagate and end the process.
+
+Test hook (off unless set): with the environment variable `SRT_TEST_FAULT_RID=<substring>` at start-up, a
+request whose rid contains the substring raises inside sampling at its `TEST_FAULT_DECODE_STEP`-th decode
+step, which lets tests check the isolation end to end. It is read once, here, and kept on the instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import torch
+
+from srt.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.kv_events import KVEventSink
+from srt.mem_cache.radix_cache import RadixCache
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampler import Sampler, make_generator
+from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.fault_isolation import (
+    PROCESS_FATAL_ERRORS,
+    TEST_FAULT_ENV,
+    IsolatingSampler,
+    append_tokens,
+    fail_request,
+)
+from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS, MixedChunkBudget, mixed_chunk_enabled
+from srt.scheduler.prompt_logprobs import plan_prompt_logprobs
+from srt.scheduler.request_checks import refusal
+from srt.scheduler.schedule_batch import Req, build_token_output
+from srt.scheduler.schedule_policy import (
+    INIT_NEW_TOKEN_RATIO,
+    AddResult,
+    PrefillAdder,
+    decayed_new_token_ratio,
+    new_token_ratio_after_retraction,
+    order_waiting_queue,
+    retract_until_decode_fits,
+)
+from srt.scheduler.scheduler_grammar import SchedulerGrammar
+from srt.scheduler.scheduler_tracing import SchedulerTracing
+from srt.scheduler.step_builder import StepBuilder
+from srt.scheduler.step_hooks import NullReporter, StepReporter
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+# `--log-level debug`: every forward step's shape and time, for reading a workload step by step
+STEP_DEBUG_LINE = "step: %d prefill tokens, %d decode rows, forward %.1f ms"
+TOO_LARGE_FOR_KV = "the KV cache cannot hold this request"
+
+
+class Scheduler:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_runner: ModelRunner,
+        reporter: StepReporter | None = None,
+        kv_events: KVEventSink | None = None,  # --kv-events-config's publisher (srt/kv_events/)
+        tracing: SchedulerTracing | None = None,  # --enable-trace's spans (rank 0 only)
+    ):
+        self.args = server_args
+        self.tracing = tracing or SchedulerTracing()
+        self.runner = model_runner
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        self.reporter = reporter or NullReporter()
+        if server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator)
+        else:
+            self.tree_cache = RadixCache(
+                self.req_to_token_pool,
+                self.allocator,
+                residency_observer=self.reporter.residency_observer,
+                kv_events=kv_events,
+            )
+        self.sampler = IsolatingSampler(
+            Sampler(model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device),
+            test_fault_rid=os.environ.get(TEST_FAULT_ENV) or None,
+        )
+        self.default_generator = torch.Generator(device=model_runner.device).manual_seed(
+            server_args.random_seed
+        )
+        self.eos_token_ids = frozenset(model_runner.eos_token_ids)
+        self.vocab_size = model_runner.vocab_size
+        self.context_len = model_runner.context_len
+        self.max_running_requests = model_runner.max_running_requests
+        self.max_req_input_len = min(self.context_len, model_runner.max_total_num_tokens) - 1
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.finished_outside_step: list[Req] = []  # aborts and rejections, reported with the next output
+        self.live: dict[str, Req] = {}  # rid -> its request, from admission until its final output
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.last_step_was_prefill = False  # the last step ran a prefill (alone or mixed)
+        self.last_step_was_mixed = False
+        # mixed prefill/decode steps: their prefill budget, timing-adaptive only without tensor parallelism
+        # (every rank must schedule the same batches)
+        self.mixed_budget = (
+            MixedChunkBudget(adaptive=server_args.tp_size == 1)
+            if mixed_chunk_enabled(server_args, model_runner.device)
+            else None
+        )
+        self.builder = StepBuilder(self.req_to_token_pool, self.allocator, self.tree_cache)
+        self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
+
+    # ---- inputs ----
+    def add_request(self, recv: TokenizedGenerateReqInput) -> None:
+        """Queue a request, or finish it at once: refused (`error`), nothing to generate (`length`), or
+        failing to admit (its parameters make a check or its generator raise: `error`)."""
+        if not isinstance(recv.rid, str):  # nothing downstream could route an answer to it
+            logger.error("Dropping a request whose rid is not a string: %r", recv.rid)
+            return
+        params = recv.sampling_params
+        try:
+            req = Req(recv.rid, recv.input_ids, params, recv.stream)
+            self.tracing.attach(req, recv.trace)
+            req.finished_reason = refusal(req, self.live, self.max_req_input_len, self.vocab_size)
+            if not req.finished:
+                req.generator = make_generator(params.seed, self.default_generator)
+            elif req.finished_reason.type == "error":  # the HTTP layer should have refused it already
+                logger.error("Request %s refused: %s", req.rid, req.finished_reason.message)
+        except PROCESS_FATAL_ERRORS:
+            raise
+        except Exception as e:
+            # the report to the detokenizer reads the parameters: keep them only if they are parameters
+            req = Req(recv.rid, [], params if isinstance(params, SamplingParams) else SamplingParams())
+            fail_request(req, "admitting the request", e)
+        if req.finished:
+            self.finished_outside_step.append(req)
+        else:
+            self.live[req.rid] = req
+            if not self.grammar.submit(req):  # a constrained request waits for its grammar
+                self.waiting.append(req)
+            elif req.finished:
+                del self.live[req.rid]
+                self.finished_outside_step.append(req)
+
+    def abort_request(self, recv: AbortReq) -> None:
+        """Remove a request wherever it is and free its memory; `rid=""` aborts every request."""
+
+        def hit(req: Req) -> bool:
+            return recv.rid == "" or req.rid == recv.rid
+
+        for req in [r for r in self.waiting if hit(r)]:
+            self.waiting.remove(req)
+            self._finish_outside_step(req)
+        for req in self.grammar.remove(hit):
+            self._finish_outside_step(req)
+        if self.chunked_req is not None and hit(self.chunked_req):
+            self._release(self.chunked_req)
+            self._finish_outside_step(self.chunked_req)
+            self.chunked_req = None
+        for req in [r for r in self.running if hit(r)]:
+            self.running.remove(req)
+            self._release(req)
+            self._finish_outside_step(req)
+
+    def _finish_outside_step(self, req: Req) -> None:
+        req.finished_reason = FinishReason("abort", message="request aborted")
+        self.finished_outside_step.append(req)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; only allowed when no request holds KV."""
+        if not self.is_idle:
+            return False
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return True
+
+    @property
+    def only_compiling_grammars(self) -> bool:
+        return bool(self.grammar.num_queued) and not (
+            self.waiting or self.running or self.chunked_req or self.finished_outside_step
+        )
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req or self.grammar.num_queued)
+
+    @property
+    def num_used_tokens(self) -> int:
+        """KV slots held by requests; evictable cache slots count as free."""
+        return self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    # ---- one step ----
+    def step(self) -> BatchTokenIDOut | None:
+        """One forward step. Without mixed chunks: prefill when waiting work fits, else decode — but never two
+        prefill steps in a row while requests are decoding: a burst of arrivals would otherwise stall every
+        running stream until the whole queue is prefilled (inter-token gaps of tens of seconds on a CPU).
+        With mixed chunks (the CPU default; `--enable-mixed-chunk`/`--disable-mixed-chunk`), while requests
+        decode, a prefill of at most the mixed budget (srt/scheduler/mixed_chunk.py) rides along in the same
+        step as their decode, and a prefill step with nothing decoding is bounded in time too (a request
+        arriving meanwhile waits for it)."""
+        stepped: list[Req] = []
+        ready, failed = self.grammar.pop_ready()
+        self.waiting.extend(ready)
+        self.finished_outside_step.extend(failed)
+        if self.mixed_budget is not None and self.running:
+            self._ensure_decode_memory()  # first, so admission sees what this step's decode leaves
+        if self.mixed_budget is not None and self.running:
+            budget = self.mixed_budget.prefill_tokens(len(self.running))
+            prefill = self._schedule_prefill(token_budget=budget, decode_tokens=len(self.running))
+            decode = self.running if prefill else []
+        else:
+            lone = self.mixed_budget.lone_prefill_tokens() if self.mixed_budget is not None else None
+            prefill = (
+                []
+                if (self.last_step_was_prefill and self.running)
+                else self._schedule_prefill(token_budget=lone)
+            )
+            decode = []
+        if prefill:
+            stepped = self._run_extend(prefill, decode)
+        elif self.running:
+            stepped = self._run_decode()
+        self.last_step_was_prefill = bool(prefill)
+        self.last_step_was_mixed = bool(decode)
+        return self._make_output(stepped)
+
+    def _schedule_prefill(self, token_budget: int | None = None, decode_tokens: int = 0) -> list[Req]:
+        """Admit waiting work. `token_budget` caps this step's prefill tokens (a mixed step's budget) on top of
+        the chunk and prefill limits; `decode_tokens` KV slots are kept for the running batch's decode."""
+        if not self.waiting and self.chunked_req is None:
+            return []
+        slots = min(self.max_running_requests - len(self.running), self.req_to_token_pool.available_size())
+        if slots <= 0 and self.chunked_req is None:
+            return []
+        order_waiting_queue(self.args.schedule_policy, self.waiting, self.tree_cache)
+        max_prefill, chunk = self.args.max_prefill_tokens, self.args.chunked_prefill_size
+        if token_budget is not None:
+            max_prefill = min(max_prefill, token_budget)
+            chunk = min(chunk, token_budget) if chunk > 0 else chunk
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.allocator,
+            self.running,
+            self.new_token_ratio,
+            max_prefill,
+            chunk,
+            max_new_reqs=max(slots, 0),
+            reserved_tokens=decode_tokens,
+        )
+        if self.chunked_req is not None and self.waiting:
+            self._admit_ahead_of_chunk(adder)
+        else:
+            result = AddResult.CONTINUE
+            if self.chunked_req is not None:
+                result = adder.add_chunked_req(self.chunked_req)
+            if result == AddResult.CONTINUE:
+                for req in self.waiting:
+                    if adder.add_one_req(req) != AddResult.CONTINUE:
+                        break
+        admitted = set(map(id, adder.can_run))
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        return adder.can_run
+
+    def _admit_ahead_of_chunk(self, adder: PrefillAdder) -> None:
+        """A long prompt is mid-chunk and others wait: the waiting prompts that fit whole go first, and the
+        chunk shares the step with them, bounded like a mixed step (where the cost model runs) but never
+        below MIN_MIXED_PREFILL_TOKENS. Otherwise one long prompt (a request with 128 tools is 6,000
+        tokens) holds every later request until its whole prefill is done: 36 s for a 4-token completion
+        on a 2-core CPU."""
+        for req in self.waiting:
+            if adder.add_one_req(req, whole_only=True) != AddResult.CONTINUE:
+                break
+        at_most = math.inf
+        if self.mixed_budget is not None and adder.can_run:
+            at_most = self.mixed_budget.prefill_tokens(len(self.running) + len(adder.can_run))
+        adder.add_chunked_req(self.chunked_req, at_most=at_most, at_least=MIN_MIXED_PREFILL_TOKENS)
+
+    def _run_extend(self, reqs: list[Req], decode: list[Req]) -> list[Req]:
+        """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step that also decodes
+        one token for each running request."""
+        now = time.monotonic()
+        new_seqs = queries = hits = 0
+        for req in reqs:
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+                req.cached_tokens = req.kv_len
+                new_seqs += 1
+                queries += len(req.origin_input_ids)
+                hits += req.kv_len
+        total = sum(r.extend_len for r in reqs)
+        plan = plan_prompt_logprobs(reqs)
+        batch = self.builder.extend(reqs, decode, **(plan.batch_fields() if plan else {}))
+        t0 = time.perf_counter()
+        if plan is None:
+            logits = self.runner.forward(batch)
+        else:
+            logits, scores = self.runner.forward_with_prompt_logprobs(batch)
+            plan.deliver(scores)
+        forward_seconds = time.perf_counter() - t0
+        self.tracing.on_prefill_step(reqs, now, time.monotonic())
+        self._observe_step(total, len(decode), forward_seconds)
+        for req in reqs:
+            req.kv_len += req.extend_len
+            req.extend_len = 0
+        for req in decode:
+            req.kv_len += 1
+        done = [i for i, r in enumerate(reqs) if not r.is_chunked and r.sampling_params.max_new_tokens > 0]
+        for req in reqs:
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req)
+            elif req.sampling_params.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
+                req.finished_reason = FinishReason("length")
+                self._release(req)
+                self.reporter.on_finished(req)
+        # decoding requests first: a steady running batch keeps its order, and its sampling batch
+        rows = [len(reqs) + i for i in range(len(decode))] + done
+        sampled = decode + [reqs[i] for i in done]
+        if sampled:
+            in_order = rows == list(range(batch.batch_size))
+            self._sample_and_append(logits if in_order else logits[rows], sampled)
+        if decode:
+            self._after_decode()
+        self.running.extend(r for r in (reqs[i] for i in done) if not r.finished)
+        report = dict(
+            new_seqs=new_seqs,
+            new_tokens=total,
+            cached_tokens=hits,
+            prefix_queries=queries,
+            prefix_hits=hits,
+            forward_seconds=forward_seconds,
+        )
+        if decode:
+            self.reporter.on_mixed(self, decode_tokens=len(decode), **report)
+        else:
+            self.reporter.on_prefill(self, **report)
+        return reqs + decode
+
+    def _run_decode(self) -> list[Req]:
+        self._ensure_decode_memory()
+        reqs = self.running
+        if not reqs:
+            return []
+        batch = self.builder.decode(reqs)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        forward_seconds = time.perf_counter() - t0
+        self._observe_step(0, len(reqs), forward_seconds)
+        for req in reqs:
+            req.kv_len += 1
+        self._sample_and_append(logits, reqs)
+        self._after_decode()
+        self.reporter.on_decode(self, num_tokens=len(reqs), forward_seconds=forward_seconds)
+        return reqs
+
+    def _after_decode(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+        self.new_token_ratio = decayed_new_token_ratio(self.new_token_ratio)
+
+    def _observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        if self.mixed_budget is not None:
+            self.mixed_budget.observe(prefill_tokens, decode_tokens, seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(STEP_DEBUG_LINE, prefill_tokens, decode_tokens, seconds * 1e3)
+
+    def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        mask = self.grammar.mask(reqs)
+        out = self.sampler.sample(logits, reqs, mask)
+        append_tokens(out, reqs, time.monotonic(), self.eos_token_ids, self.context_len)
+        if mask is not None:
+            self.grammar.advance(reqs, out.next_token_ids, mask)
+        for req in reqs:
+            if req.finished:
+                self._release(req)
+                self.reporter.on_finished(req)
+
+    def _release(self, req: Req) -> None:
+        """Return a request's KV to the cache (shared prefixes stay cached, unlocked) and its pool row."""
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+            req.req_pool_idx = None
+        self.sampler.release(req)
+        req.reset_prefix()
+
+    def _ensure_decode_memory(self) -> None:
+        """Retract requests (schedule_policy.retract_until_decode_fits) until the next decode step has a KV
+        slot for every running request; they keep their output and return to the front of the queue."""
+        retracted, too_large = retract_until_decode_fits(
+            self.running,
+            lambda: self.allocator.available_size() + self.tree_cache.evictable_size(),
+            self._release,
+        )
+        if too_large is not None:
+            too_large.finished_reason = FinishReason("length", message=TOO_LARGE_FOR_KV)
+            self.finished_outside_step.append(too_large)
+        if retracted:
+            for req in retracted:
+                req.num_retractions += 1
+                self.tracing.on_retraction(req)
+            self.waiting[:0] = reversed(retracted)
+            self.new_token_ratio = new_token_ratio_after_retraction(self.running)
+            self.reporter.on_retraction(self, len(retracted))
+            logger.info("Retracted %d request(s); new_token_ratio=%.2f", len(retracted), self.new_token_ratio)
+
+    # ---- outputs ----
+    def _make_output(self, stepped: list[Req]) -> BatchTokenIDOut | None:
+        reqs = [r for r in stepped if r.due_for_output(self.args.stream_interval)]
+        if self.finished_outside_step:
+            reqs.extend(self.finished_outside_step)
+            self.finished_outside_step = []
+        if not reqs:
+            return None
+        for req in reqs:
+            if req.finished and self.live.get(req.rid) is req:
+                del self.live[req.rid]
+        out = build_token_output(reqs)
+        self.tracing.on_output(out, reqs)
+        return out

@@ -1,0 +1,179 @@
+"""The scheduler subprocess: loads the model, reports readiness, then turns the loop — drain the input
+socket, run one step, send that step's outputs — until it is killed.
+
+With `--tp-size N` this process is tensor-parallel rank 0: it starts ranks 1..N-1 (`tp_worker.py`), which
+run the same scheduler without sockets, and each iteration broadcasts the messages it drained so that every
+rank applies the same inputs and takes the same step. Only rank 0 talks to the detokenizer and reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+import zmq
+
+from srt.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from srt.kv_events.publisher import start_kv_event_publisher
+from srt.scheduler.scheduler import Scheduler
+from srt.scheduler.scheduler_tracing import SchedulerTracing
+from srt.server_args import PortArgs, ServerArgs
+
+if TYPE_CHECKING:
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.scheduler.tp_peers import TpPeers
+
+logger = logging.getLogger(__name__)
+
+# While idle the loop blocks on the socket, waking at this period so periodic work (the stats summary,
+# process metrics) still happens.
+IDLE_POLL_MS = 1000
+# While the only work is grammars compiling on the worker thread: how often to look whether one is done.
+GRAMMAR_POLL_MS = 2
+
+
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer: Connection, dp_rank: int = 0
+) -> None:
+    from srt.metrics.stat_logger import rank_tag
+    from srt.scheduler.step_reporter import build_reporter, configure_process_logging
+
+    configure_process_logging(
+        server_args.log_level, rank_tag(0, dp_rank if server_args.dp_size > 1 else None)
+    )
+    try:
+        start = time.monotonic()
+        peers = dist_init_method = None
+        if server_args.tp_size > 1:
+            from srt.scheduler.tp_peers import TpPeers, check_tp_size, tp_init_method
+
+            check_tp_size(model_dir, server_args.tp_size)  # before any peer starts: one clear error
+            dist_init_method = tp_init_method(port_args, dp_rank)
+            peers = TpPeers.start(server_args, model_dir, dp_rank, dist_init_method)
+        runner = build_runner(server_args, model_dir, 0, dist_init_method, dp_rank)
+        reporter = build_reporter(server_args, runner, dp_rank, startup_seconds=time.monotonic() - start)
+        kv_events = start_kv_event_publisher(server_args, dp_rank, reporter.collector)
+        tracing = SchedulerTracing.create(server_args, dp_rank)
+        scheduler = Scheduler(server_args, runner, reporter, kv_events=kv_events, tracing=tracing)
+        ctx = zmq.Context()
+        recv_sock = ctx.socket(zmq.PULL)
+        recv_sock.bind(port_args.scheduler_input_for(dp_rank))
+        send_sock = ctx.socket(zmq.PUSH)
+        send_sock.connect(port_args.detokenizer_input)
+    except Exception:
+        ready_writer.send(traceback.format_exc())
+        raise
+    logger.info(
+        "Scheduler ready: KV capacity %d tokens, max running requests %d, attention backend %s",
+        runner.max_total_num_tokens,
+        runner.max_running_requests,
+        runner.attention_backend_name,
+    )
+    ready_writer.send(
+        SchedulerReady(
+            max_total_num_tokens=runner.max_total_num_tokens,
+            max_req_input_len=scheduler.max_req_input_len,
+            context_len=runner.context_len,
+            max_running_requests=runner.max_running_requests,
+            attention_backend=runner.attention_backend_name,
+            quantization=runner.quantization,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=list(runner.eos_token_ids),
+        )
+    )
+    ready_writer.close()
+    event_loop(scheduler, recv_sock, send_sock, peers)
+
+
+def build_runner(
+    server_args: ServerArgs,
+    model_dir: str,
+    tp_rank: int = 0,
+    dist_init_method: str | None = None,
+    dp_rank: int = 0,
+) -> ModelRunner:
+    """This rank's model runner; every TP rank builds it from the same arguments."""
+    from srt.model_executor.model_runner import ModelRunner
+
+    return ModelRunner(
+        model_dir,
+        dtype=server_args.dtype,
+        device=server_args.device,
+        max_total_tokens=server_args.max_total_tokens,
+        mem_fraction_static=server_args.mem_fraction_static,
+        max_running_requests=server_args.max_running_requests,
+        context_length=server_args.context_length,
+        attention_backend=server_args.attention_backend,
+        random_seed=server_args.random_seed,
+        tp_rank=tp_rank,
+        tp_size=server_args.tp_size,
+        dist_init_method=dist_init_method,
+        quantization=server_args.quantization,
+        kv_cache_dtype=server_args.kv_cache_dtype,
+        cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
+        dp_rank=dp_rank,
+    )
+
+
+def event_loop(
+    scheduler: Scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket, peers: TpPeers | None = None
+) -> None:
+    poller = zmq.Poller()
+    poller.register(recv_sock, zmq.POLLIN)
+    was_busy = False
+    while True:
+        if scheduler.is_idle and not scheduler.finished_outside_step:
+            if was_busy:
+                scheduler.reporter.on_idle(scheduler)
+                was_busy = False
+            if not poller.poll(IDLE_POLL_MS):
+                if peers is not None:
+                    peers.heartbeat(scheduler.runner.tp)
+                scheduler.reporter.on_tick(scheduler)
+                continue
+        elif scheduler.only_compiling_grammars:
+            poller.poll(GRAMMAR_POLL_MS)  # nothing to run until a grammar compiles or a message arrives
+        msgs = drain(recv_sock)
+        if peers is not None:
+            peers.share_step(scheduler.runner.tp, msgs)
+        for msg in msgs:
+            reply = dispatch(scheduler, msg)
+            if reply is not None:
+                send_sock.send_pyobj(reply)
+        out = scheduler.step()
+        if out is not None:
+            send_sock.send_pyobj(out)
+        was_busy = True
+        scheduler.reporter.on_tick(scheduler)
+
+
+def drain(sock: zmq.Socket) -> list:
+    """Every message waiting on `sock`, without blocking."""
+    msgs = []
+    while True:
+        try:
+            msgs.append(sock.recv_pyobj(zmq.NOBLOCK))
+        except zmq.Again:
+            return msgs
+
+
+def dispatch(scheduler: Scheduler, msg) -> object | None:
+    if isinstance(msg, TokenizedGenerateReqInput):
+        scheduler.add_request(msg)
+    elif isinstance(msg, AbortReq):
+        scheduler.abort_request(msg)
+    elif isinstance(msg, FlushCacheReq):
+        ok = scheduler.flush_cache()
+        return FlushCacheReqOutput(ok, "" if ok else "requests are still running; cache not flushed")
+    else:
+        logger.warning("Ignoring unknown message %r", type(msg).__name__)
+    return None

@@ -1,0 +1,110 @@
+"""Chosen requests -> the step's `ForwardBatch` (SGLang's ScheduleBatch role): KV slots allocated, each
+request's `req_to_token` row written (the invariant `ForwardBatch` states), index tensors built.
+
+The scheduler decides *what* runs; this module decides *how it is laid out*:
+- extend: the prefill requests' new tokens, concatenated;
+- mixed: an extend batch whose tail is the running batch's decode, one token per request with its whole
+  prefix in the pool (SGLang builds mixed batches the same way), `num_decode` telling the backend where
+  the tail starts;
+- decode: one token per running request.
+
+Every tensor of the batch lives on the device of the pools (the runner's): index lists are uploaded through
+`IndexUploader` (pinned staging and asynchronous copies on CUDA, plain tensors on the CPU), and the
+`req_to_token` writes index the table with device tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.scheduler.index_upload import IndexUploader
+from srt.scheduler.schedule_batch import Req
+
+
+class StepBuilder:
+    def __init__(self, req_to_token_pool, allocator, tree_cache):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.uploader = IndexUploader(allocator.device)
+
+    def alloc_kv(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        loc = self.allocator.alloc(n)
+        if loc is None:  # admission and retraction keep this from happening; a bug if it does
+            raise RuntimeError(f"KV pool exhausted: need {n}, free {self.allocator.available_size()}")
+        return loc
+
+    def extend(self, prefill: list[Req], decode: list[Req], **extra) -> ForwardBatch:
+        """Prefill requests (planned: `kv_len`/`extend_len` set) followed, when `decode` is not empty, by
+        the decoding requests of a mixed step. `extra`: prompt-logprob fields, whose rows index the
+        prefill part (which comes first)."""
+        up = self.uploader
+        up.begin_step()
+        table = self.req_to_token_pool.req_to_token
+        for req in prefill:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
+                table[req.req_pool_idx, : req.kv_len] = req.prefix_indices
+        num_prefill = sum(r.extend_len for r in prefill)
+        loc = self.alloc_kv(num_prefill + len(decode))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        offset = 0
+        for req in prefill:
+            start, end = req.kv_len, req.kv_len + req.extend_len
+            table[req.req_pool_idx, start:end] = loc[offset : offset + req.extend_len]
+            input_ids.extend(req.fill_ids[start:end])
+            positions.extend(range(start, end))
+            offset += req.extend_len
+        if decode:
+            decode_positions = [r.kv_len for r in decode]
+            decode_rows = up.upload("decode_rows", [r.req_pool_idx for r in decode])
+            table[decode_rows, up.upload("decode_positions", decode_positions)] = loc[offset:]
+            input_ids.extend(r.output_ids[-1] for r in decode)
+            positions.extend(decode_positions)
+        reqs = prefill + decode
+        prefix_lens = [r.kv_len for r in reqs]
+        new_lens = [r.extend_len for r in prefill] + [1] * len(decode)
+        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens, strict=True)]
+        batch = ForwardBatch(
+            mode=ForwardMode.MIXED if decode else ForwardMode.EXTEND,
+            batch_size=len(reqs),
+            input_ids=up.upload("input_ids", input_ids),
+            positions=up.upload("positions", positions),
+            out_cache_loc=loc,
+            req_pool_indices=up.upload("req_pool_indices", [r.req_pool_idx for r in reqs]),
+            seq_lens=up.upload("seq_lens", seq_lens),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=new_lens,
+            num_decode=len(decode),
+            **extra,
+        )
+        up.end_step()
+        return batch
+
+    def decode(self, reqs: list[Req]) -> ForwardBatch:
+        up = self.uploader
+        up.begin_step()
+        loc = self.alloc_kv(len(reqs))
+        kv_lens = [r.kv_len for r in reqs]
+        pool_idx = up.upload("req_pool_indices", [r.req_pool_idx for r in reqs])
+        positions = up.upload("positions", kv_lens)
+        self.req_to_token_pool.req_to_token[pool_idx, positions] = loc
+        seq_lens_cpu = [n + 1 for n in kv_lens]
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=len(reqs),
+            input_ids=up.upload("input_ids", [r.output_ids[-1] for r in reqs]),
+            positions=positions,
+            out_cache_loc=loc,
+            req_pool_indices=pool_idx,
+            seq_lens=positions + 1,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        up.end_step()
+        return batch

@@ -1,0 +1,225 @@
+"""The scheduler's reporter: the Prefill/Decode log lines, the periodic summary and the system metrics.
+
+Per step it only adds numbers (the collector accumulates plain ints); it formats a line after each prefill
+batch and every `--decode-log-interval` decode steps, and pushes to prometheus at those moments, at most
+every `FLUSH_PERIOD` seconds otherwise, and when the scheduler goes idle (so idle gauges read 0 at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from srt.metrics import stat_logger
+from srt.scheduler.step_hooks import StepReporter
+from srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.scheduler.schedule_batch import Req
+    from srt.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("srt.scheduler")
+
+# Longest a scrape may see counters lag behind the scheduler while it is busy.
+FLUSH_PERIOD = 1.0
+
+
+def configure_process_logging(level: str, rank_tag: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(stat_logger.make_log_formatter(rank_tag))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class SchedulerReporter(StepReporter):
+    def __init__(self, args: ServerArgs, capacity: int, collector=None, residency_observer=None):
+        self.args = args
+        self.capacity = capacity
+        self.collector = collector
+        self.residency_observer = residency_observer
+        self.summary = stat_logger.StatsSummaryLogger(args.log_stats_interval)
+        self.decode_steps = 0
+        self.throughput_meter = stat_logger.GenThroughputMeter()
+        self.gen_throughput = 0.0
+        self.last_hit_rate = 0.0
+        self.last_flush = time.monotonic()
+
+    # ---- per step ----
+    def on_prefill(
+        self,
+        sched: Scheduler,
+        *,
+        new_seqs,
+        new_tokens,
+        cached_tokens,
+        prefix_queries,
+        prefix_hits,
+        forward_seconds,
+    ) -> None:
+        self.on_mixed(
+            sched,
+            new_seqs=new_seqs,
+            new_tokens=new_tokens,
+            cached_tokens=cached_tokens,
+            prefix_queries=prefix_queries,
+            prefix_hits=prefix_hits,
+            decode_tokens=0,
+            forward_seconds=forward_seconds,
+        )
+
+    def on_mixed(
+        self,
+        sched: Scheduler,
+        *,
+        new_seqs,
+        new_tokens,
+        cached_tokens,
+        prefix_queries,
+        prefix_hits,
+        decode_tokens,
+        forward_seconds,
+    ) -> None:
+        """A prefill step, or a mixed one (`decode_tokens` > 0): its Prefill line, and for the decoded tokens
+        what a decode step counts (throughput, the Decode line's cadence)."""
+        if prefix_queries:
+            self.last_hit_rate = prefix_hits / prefix_queries
+        if self.collector is not None:
+            self.collector.on_prefill_batch(
+                new_seqs,
+                new_tokens,
+                cached_tokens,
+                prefix_queries,
+                prefix_hits,
+                forward_seconds,
+                decode_tokens,
+            )
+        self.summary.on_prefill(new_tokens, prefix_queries, prefix_hits, num_requests=new_seqs)
+        logger.info(
+            stat_logger.format_prefill_line(
+                new_seq=new_seqs,
+                new_token=new_tokens,
+                cached_token=cached_tokens,
+                token_usage=sched.num_used_tokens / self.capacity,
+                running_req=len(sched.running),
+                queue_req=len(sched.waiting),
+            )
+        )
+        if decode_tokens:
+            self._decoded(sched, decode_tokens)
+        self.flush(sched)
+
+    def on_decode(self, sched: Scheduler, *, num_tokens, forward_seconds) -> None:
+        if self.collector is not None:
+            self.collector.on_decode_batch(num_tokens, forward_seconds)
+        if self._decoded(sched, num_tokens):
+            self.flush(sched)
+
+    def _decoded(self, sched: Scheduler, num_tokens: int) -> bool:
+        """Count a step's decoded tokens; True when the step writes the Decode line."""
+        self.summary.on_decode(num_tokens)
+        self.decode_steps += 1
+        self.throughput_meter.add(num_tokens)
+        if self.decode_steps % self.args.decode_log_interval:
+            return False
+        self.gen_throughput = self.throughput_meter.take()
+        used = sched.num_used_tokens
+        logger.info(
+            stat_logger.format_decode_line(
+                running_req=len(sched.running),
+                token=used,
+                token_usage=used / self.capacity,
+                gen_throughput=self.gen_throughput,
+                queue_req=len(sched.waiting),
+            )
+        )
+        return True
+
+    def on_retraction(self, sched: Scheduler, n: int) -> None:
+        if self.collector is not None:
+            self.collector.on_retraction(n)
+
+    def on_finished(self, req: Req) -> None:
+        if self.collector is not None:
+            self.collector.on_finished_request(
+                len(req.origin_input_ids), len(req.output_ids), req.cached_tokens
+            )
+
+    def on_idle(self, sched: Scheduler) -> None:
+        self.gen_throughput = 0.0
+        self.throughput_meter.take()
+        self.flush(sched)
+
+    def on_tick(self, sched: Scheduler) -> None:
+        now = time.monotonic()
+        if now - self.last_flush >= FLUSH_PERIOD and not sched.is_idle:
+            self.flush(sched)
+        line = self.summary.maybe_log(
+            now,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_usage=sched.num_used_tokens / self.capacity,
+        )
+        if line:
+            logger.info(line)
+
+    # ---- prometheus ----
+    def flush(self, sched: Scheduler) -> None:
+        self.last_flush = time.monotonic()
+        if self.collector is None:
+            return
+        from srt.metrics.scheduler_collector import SchedulerStats
+
+        used = sched.num_used_tokens
+        self.collector.flush(
+            SchedulerStats(
+                num_running_reqs=len(sched.running) + (sched.chunked_req is not None),
+                num_queue_reqs=len(sched.waiting),
+                num_used_tokens=used,
+                token_usage=used / self.capacity,
+                gen_throughput=self.gen_throughput,
+                cache_hit_rate=self.last_hit_rate,
+                new_token_ratio=sched.new_token_ratio,
+                kv_headroom_tokens=sched.allocator.available_size() + sched.tree_cache.evictable_size(),
+            )
+        )
+
+
+def build_reporter(
+    args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float
+) -> SchedulerReporter:
+    collector = observer = grammar_metrics = None
+    if args.metrics_enabled:
+        from srt.metrics.collector import SchedulerMetricsCollector, start_process_metrics
+        from srt.metrics.scheduler_collector import make_cache_config
+
+        labels = {"model_name": args.model_name, "tp_rank": "0"}
+        if args.dp_size > 1:
+            labels["dp_rank"] = str(dp_rank)
+        cache_config = make_cache_config(
+            page_size=1,
+            max_total_num_tokens=runner.max_total_num_tokens,
+            max_running_requests=runner.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            prefix_caching=not args.disable_radix_cache,
+            kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
+            attention_backend=runner.attention_backend_name,
+            context_len=runner.context_len,
+        )
+        collector = SchedulerMetricsCollector(
+            labels, cache_config, runner.max_total_num_tokens, context_len=runner.context_len
+        )
+        collector.set_startup_times(startup_seconds, runner.load_weights_seconds)
+        start_process_metrics("scheduler", labels)
+        from srt.metrics.grammar_collector import GrammarMetricsCollector
+
+        grammar_metrics = GrammarMetricsCollector(labels)
+        if args.kv_cache_metrics:
+            from srt.metrics.kv_residency import KVResidencyObserver
+
+            observer = KVResidencyObserver(labels, args.kv_cache_metrics_sample)
+    reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer)
+    reporter.grammar_metrics = grammar_metrics
+    return reporter

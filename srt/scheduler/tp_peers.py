@@ -1,0 +1,166 @@
+"""Tensor-parallel ranks 1..N-1 of one scheduler, and rank 0's handle on them.
+
+Every rank runs its own `Scheduler` over its own shard of the model. The schedulers stay identical because
+they see identical inputs: each iteration rank 0 broadcasts the list of messages it drained from its
+socket (possibly empty) and then every rank applies them and takes one step. Scheduling, the prefix cache,
+the allocators and sampling (same seeds, same draws, same replicated logits) are deterministic functions of
+those inputs, so every rank builds the same batches and the collectives inside the forward pass pair up.
+While idle, rank 0 broadcasts a heartbeat instead, so a waiting peer never hits the collective timeout and a
+dead peer is noticed.
+
+Liveness: rank 0 watches its peers and exits (non-zero) the moment one dies, so the launcher's watchdog
+fires; a peer dies with rank 0 (parent-death signal; rank 0 also ends its peers when it exits) or fails its
+next collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.util
+import os
+import threading
+import time
+
+from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.scheduler.scheduler import Scheduler
+from srt.scheduler.scheduler_process import build_runner, dispatch
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import (
+    CHILD_STOP_SIGNAL,
+    leave_stopping_to_the_launcher,
+    set_parent_death_signal,
+    set_process_name,
+    watch_parent_process,
+)
+
+logger = logging.getLogger(__name__)
+
+# Broadcast by rank 0 while idle in place of a message list: "no step this time".
+HEARTBEAT = None
+# How often rank 0 checks that its peers are alive.
+PEER_WATCH_SECONDS = 0.5
+EXIT_PEER_DIED = 1
+
+
+def tp_init_method(port_args: PortArgs, dp_rank: int) -> str:
+    """The rendezvous file of one replica's TP group, in the server's private IPC directory."""
+    return f"file://{os.path.join(port_args.ipc_dir, f'tp-init-dp{dp_rank}')}"
+
+
+def check_tp_size(model_dir: str, tp_size: int) -> None:
+    """Raise the model runner's divisibility error in rank 0 alone, before peers exist that would fail
+    with it too (and whose death would race rank 0's error report)."""
+    from transformers import AutoConfig
+
+    from srt.model_executor.model_runner import check_tp_divides
+    from srt.model_source import resolve_model_dir
+
+    check_tp_divides(AutoConfig.from_pretrained(resolve_model_dir(model_dir)), tp_size)
+
+
+def peer_process_name(tp_rank: int) -> str:
+    """Short enough for the kernel's 15-character process name."""
+    return f"srt-sched-tp{tp_rank}"
+
+
+class TpPeers:
+    """Rank 0's view of ranks 1..N-1: started as daemons (they die with rank 0), watched by a thread."""
+
+    def __init__(self, processes: list[mp.process.BaseProcess]):
+        self.processes = processes
+        # When this process ends (a multiprocessing child, so not through atexit), multiprocessing SIGTERMs
+        # its daemon children and waits for them. The peers ignore SIGTERM (see
+        # utils.leave_stopping_to_the_launcher): after an uncaught exception this rank would wait forever and
+        # the launcher would never notice. Finalizers of priority >= 0 run before that wait.
+        multiprocessing.util.Finalize(None, self.stop, exitpriority=10)
+
+    def stop(self) -> None:
+        """End every peer (they die of CHILD_STOP_SIGNAL, not SIGTERM)."""
+        for proc in self.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, CHILD_STOP_SIGNAL)
+
+    @classmethod
+    def start(cls, server_args: ServerArgs, model_dir: str, dp_rank: int, init_method: str) -> TpPeers:
+        ctx = mp.get_context("spawn")
+        processes = []
+        for tp_rank in range(1, server_args.tp_size):
+            proc = ctx.Process(
+                target=run_tp_peer,
+                args=(server_args, model_dir, dp_rank, tp_rank, init_method),
+                name=peer_process_name(tp_rank),
+                daemon=True,
+            )
+            proc.start()
+            processes.append(proc)
+        peers = cls(processes)
+        threading.Thread(target=peers._watch, name="tp-peer-watch", daemon=True).start()
+        return peers
+
+    def _watch(self) -> None:
+        """Exit this process as soon as a peer is gone: its collectives would fail or hang, and the launcher
+        watches only this process."""
+        while True:
+            self._exit_if_a_peer_died()
+            time.sleep(PEER_WATCH_SECONDS)
+
+    def _exit_if_a_peer_died(self) -> None:
+        for proc in self.processes:
+            if not proc.is_alive():
+                logger.error(
+                    "TP peer %s (pid %d) died with exit code %s; exiting", proc.name, proc.pid, proc.exitcode
+                )
+                for other in self.processes:
+                    if other.is_alive():
+                        other.kill()
+                os._exit(EXIT_PEER_DIED)
+
+    def _broadcast(self, tp: TensorParallelGroup, obj) -> None:
+        """A collective fails as soon as a peer's socket closes, often before the watch thread looks: give
+        that failure the same clear exit as the watch thread."""
+        try:
+            tp.broadcast_object(obj)
+        except RuntimeError:
+            for proc in self.processes:
+                proc.join(PEER_WATCH_SECONDS)
+            self._exit_if_a_peer_died()
+            raise
+
+    def share_step(self, tp: TensorParallelGroup, msgs: list) -> None:
+        """Send this iteration's inputs; every rank then applies them and steps."""
+        self._broadcast(tp, msgs)
+
+    def heartbeat(self, tp: TensorParallelGroup) -> None:
+        self._broadcast(tp, HEARTBEAT)
+
+
+def run_tp_peer(
+    server_args: ServerArgs, model_dir: str, dp_rank: int, tp_rank: int, init_method: str
+) -> None:
+    """Spawn target of TP rank `tp_rank` >= 1."""
+    from srt.metrics.stat_logger import rank_tag
+    from srt.scheduler.step_reporter import configure_process_logging
+
+    set_process_name(peer_process_name(tp_rank))
+    set_parent_death_signal()  # rank 0 killed with SIGKILL must not leave this rank behind
+    watch_parent_process()
+    leave_stopping_to_the_launcher()  # it stops rank 0's whole process tree
+    configure_process_logging(
+        server_args.log_level, rank_tag(tp_rank, dp_rank if server_args.dp_size > 1 else None)
+    )
+    runner = build_runner(server_args, model_dir, tp_rank, init_method, dp_rank)
+    # NullReporter: rank 0 alone writes the log lines and the metrics
+    peer_loop(Scheduler(server_args, runner))
+
+
+def peer_loop(scheduler: Scheduler) -> None:
+    """Apply rank 0's inputs and step, forever; replies and outputs are rank 0's to send."""
+    tp = scheduler.runner.tp
+    while True:
+        msgs = tp.broadcast_object()
+        if msgs is HEARTBEAT:
+            continue
+        for msg in msgs:
+            dispatch(scheduler, msg)
+        scheduler.step()

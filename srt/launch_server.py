@@ -34,12 +34,12 @@ from srt.child_startup import (
     one_line,
     run_child,
 )
+from srt.process_logging import configure_process_logging
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import (
     CHILD_STOP_SIGNAL,
     ConfigError,
     bind_listener,
-    configure_logging,
     keep_heap_for_children,
     kill_process_tree,
     raise_fd_limit,
@@ -289,7 +289,7 @@ def _exit_on_signal(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     server_args = ServerArgs.parse(argv)  # a bad flag: argparse's one error line, exit 2
-    configure_logging(server_args.log_level, "main")
+    configure_process_logging(server_args.log_level, "main")
     try:
         listener = bind_listener(server_args.host, server_args.port)
         if server_args.export_metrics_to_file:

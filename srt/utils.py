@@ -23,8 +23,6 @@ import zmq
 
 logger = logging.getLogger(__name__)
 
-LOG_FORMAT = "%(asctime)s [%(process_label)s] %(levelname)s %(name)s: %(message)s"
-LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 # prctl option that sets the thread name shown in /proc/<pid>/comm, ps and top (15 bytes at most).
 PR_SET_NAME = 15
 PROCESS_NAME_MAX_BYTES = 15
@@ -47,18 +45,6 @@ STAT_STARTTIME_INDEX = 19
 class ConfigError(Exception):
     """A start-up problem the user fixes by changing a flag or an environment value (the launcher reports it
     in one line and exits with code 2, as argparse does for a bad flag)."""
-
-
-class _ProcessLabelFilter(logging.Filter):
-    """Adds the process label (`main`, `scheduler`, `detokenizer` …) to every record."""
-
-    def __init__(self, label: str):
-        super().__init__()
-        self.label = label
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.process_label = self.label
-        return True
 
 
 ADVISORY_WARNINGS_ENV = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
@@ -90,22 +76,17 @@ def load_tokenizer(path: str):
             del os.environ[ADVISORY_WARNINGS_ENV]
 
 
-def configure_logging(level: str, process_label: str) -> None:
-    """Root logging for one process: every line carries the process label so interleaved logs stay readable."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
-    handler.addFilter(_ProcessLabelFilter(process_label))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
-def get_zmq_socket(context: zmq.Context, socket_type: int, endpoint: str, bind: bool) -> zmq.Socket:
-    """A PUSH/PULL socket with unlimited high-water marks: a full queue must never block or drop a message
-    (the ring carries one message per scheduler step, so memory stays bounded by the work in flight)."""
+def get_zmq_socket(
+    context: zmq.Context, socket_type: int, endpoint: str, bind: bool, hwm: int | None = 0
+) -> zmq.Socket:
+    """Every ZMQ socket of srt, bound or connected, never lingering at close. The ring's PUSH/PULL sockets
+    keep the default unlimited high-water marks (`hwm=0`): a full queue must never block or drop a message
+    (the ring carries one message per scheduler step, so memory stays bounded by the work in flight). A
+    publisher to outside subscribers passes its own bound (None keeps ZMQ's)."""
     sock = context.socket(socket_type)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, 0)
     if bind:
         sock.bind(endpoint)

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, fields
 import zmq
 
 from srt.io_struct import BatchOutMeta, BatchStrOut, BatchTokenIDOut, FinishReason
+from srt.process_logging import configure_process_logging
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logging, get_zmq_socket, load_tokenizer
+from srt.utils import get_zmq_socket, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def run_detokenizer_process(
     server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer
 ) -> None:
     """Entry point of the spawned detokenizer: load the tokenizer, report ready (True or an error string)."""
-    configure_logging(server_args.log_level, "detokenizer")
+    configure_process_logging(server_args.log_level, "detokenizer")
     try:
         tokenizer = load_tokenizer(server_args.tokenizer_path or model_dir)
         context = zmq.Context()

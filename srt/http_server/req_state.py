@@ -5,8 +5,9 @@ the states."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from srt.metrics.request_stats import TokenStamps
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -22,10 +23,10 @@ class ReqState:
     max_new_tokens: int
     n: int
     group: str  # the rid the client knows; freed for reuse when its last sample finishes
-    first_token_recv_ts: float | None = None
-    last_token_ts: float | None = None  # scheduler clock
     abandoned: bool = False  # the handler is gone; outputs are only counted, not delivered
     logprob_ids: list[int] | None = None  # prompt[logprob_start_len:] when prompt logprobs are asked
     labels: tuple[str, ...] = ()  # custom metric label values (srt/metrics/custom_labels.py)
     params: SamplingParams | None = None
     export: bool = True  # written to the request export (health checks are not)
+    # the metrics recorder's stamps (written by it alone; the state itself is written only by its manager)
+    stamps: TokenStamps = field(default_factory=TokenStamps)

@@ -69,16 +69,17 @@ class RequestMetricsRecorder:
 
     def on_tokens(self, st: ReqState, token_ts: list[float], has_tokens: bool, now: float) -> None:
         """TTFT when the first token arrives (streamed or not); one ITL per token after the first."""
-        if has_tokens and st.first_token_recv_ts is None:
-            st.first_token_recv_ts = now
+        stamps = st.stamps
+        if has_tokens and stamps.first_token_recv_ts is None:
+            stamps.first_token_recv_ts = now
             if self.collector is not None:
                 self.collector.observe_time_to_first_token(now - st.arrival_ts, st.labels)
         if token_ts:
             if self.collector is not None:
-                itl = inter_token_latencies(st.last_token_ts, token_ts)
+                itl = inter_token_latencies(stamps.last_token_ts, token_ts)
                 if itl:
                     self.collector.observe_inter_token_latencies(itl, st.labels)
-            st.last_token_ts = token_ts[-1]
+            stamps.last_token_ts = token_ts[-1]
 
     def finished_stats(
         self, st: ReqState, b: BatchStrOut, i: int, reason: FinishReason, now: float
@@ -91,12 +92,12 @@ class RequestMetricsRecorder:
             cached_tokens=b.cached_tokens[i],
             finished_reason=reason.type,
             arrival_ts=st.arrival_ts,
-            first_token_recv_ts=st.first_token_recv_ts,
+            first_token_recv_ts=st.stamps.first_token_recv_ts,
             finish_recv_ts=now,
             queued_ts=b.queued_ts[i] or None,
             scheduled_ts=b.scheduled_ts[i] or None,
             first_token_ts=b.first_token_ts[i] or None,
-            last_token_ts=st.last_token_ts,
+            last_token_ts=st.stamps.last_token_ts,
             num_retractions=b.num_retractions[i],
             max_tokens_param=st.max_new_tokens,
             n_param=st.n,

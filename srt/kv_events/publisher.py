@@ -24,6 +24,7 @@ import zmq
 from srt.kv_events.config import FLAG, KVEventsConfig, binds, parse_kv_events_config
 from srt.kv_events.wire import END_SEQ, SEQ_BYTES, encode_batch, frames, parse_seq
 from srt.mem_cache.kv_events import KVCacheEvent
+from srt.utils import get_zmq_socket
 
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
@@ -88,19 +89,11 @@ class ZmqEventPublisher:
 
     def _socket(self, kind: int, address: str, bind: bool, hwm: int | None = None) -> zmq.Socket:
         """A bound (or connected) socket; a failure is a start-up error naming the flag."""
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if hwm is not None:
-            sock.setsockopt(zmq.SNDHWM, hwm)
         try:
-            if bind:
-                sock.bind(address)
-            else:
-                sock.connect(address)
+            return get_zmq_socket(self._ctx, kind, address, bind, hwm)
         except zmq.ZMQError as e:
             verb = "bind" if bind else "connect"
             raise ValueError(f"{FLAG}: cannot {verb} {address}: {zmq.strerror(e.errno)}") from None
-        return sock
 
     # ---- scheduler thread ----
     def publish(self, event: KVCacheEvent) -> None:

@@ -22,6 +22,16 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 
+@dataclass(slots=True)
+class TokenStamps:
+    """The request metrics recorder's own per-request stamps, kept beside the request's state rather than
+    written into it: when its first output reached the main process (main clock) and the scheduler's stamp
+    of its latest token (the base of the next inter-token latency)."""
+
+    first_token_recv_ts: float | None = None
+    last_token_ts: float | None = None
+
+
 def _diff(end: float | None, start: float | None) -> float | None:
     if end is None or start is None:
         return None

@@ -9,8 +9,6 @@ import logging
 import time
 from collections import deque
 
-from srt.utils import LOG_DATE_FORMAT
-
 # Requests over which the summary's prefix-cache hit rate is computed (vLLM's window).
 HIT_RATE_WINDOW_REQUESTS = 1000
 _PERCENT = 100.0
@@ -53,16 +51,6 @@ def format_summary_line(
         f"KV cache usage: {kv_cache_usage * _PERCENT:.1f}%, "
         f"Prefix cache hit rate: {prefix_cache_hit_rate * _PERCENT:.1f}%"
     )
-
-
-def rank_tag(tp_rank: int = 0, dp_rank: int | None = None) -> str:
-    """`TP0`, or `DP1 TP0` when data parallel."""
-    return f"TP{tp_rank}" if dp_rank is None else f"DP{dp_rank} TP{tp_rank}"
-
-
-def make_log_formatter(prefix: str) -> logging.Formatter:
-    """`[2025-01-01 12:00:00 TP0] message`: the time and the process's rank on every line."""
-    return logging.Formatter(f"[%(asctime)s {prefix}] %(message)s", datefmt=LOG_DATE_FORMAT)
 
 
 class GenThroughputMeter:

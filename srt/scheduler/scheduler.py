@@ -23,7 +23,14 @@ import time
 
 import torch
 
-from srt.io_struct import AbortReq, BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
+from srt.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FinishReason,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    TokenizedGenerateReqInput,
+)
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.kv_events import KVEventSink
 from srt.mem_cache.radix_cache import RadixCache
@@ -53,7 +60,7 @@ from srt.scheduler.schedule_policy import (
 from srt.scheduler.scheduler_grammar import SchedulerGrammar
 from srt.scheduler.scheduler_tracing import SchedulerTracing
 from srt.scheduler.step_builder import StepBuilder
-from srt.scheduler.step_hooks import NullReporter, StepReporter
+from srt.scheduler.step_hooks import NullReporter, SchedulerLoad, StepReporter
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -118,6 +125,19 @@ class Scheduler:
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
 
     # ---- inputs ----
+    def handle(self, msg) -> FlushCacheReqOutput | None:
+        """Apply one message from the HTTP process; the reply to send back, if it asks for one."""
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort_request(msg)
+        elif isinstance(msg, FlushCacheReq):
+            ok = self.flush_cache()
+            return FlushCacheReqOutput(ok, "" if ok else "requests are still running; cache not flushed")
+        else:
+            logger.warning("Ignoring unknown message %r", type(msg).__name__)
+        return None
+
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
         """Queue a request, or finish it at once: refused (`error`), nothing to generate (`length`), or
         failing to admit (its parameters make a check or its generator raise: `error`)."""
@@ -196,6 +216,20 @@ class Scheduler:
     def num_used_tokens(self) -> int:
         """KV slots held by requests; evictable cache slots count as free."""
         return self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    def load(self) -> SchedulerLoad:
+        """A snapshot of the queues and KV memory, for the reporter."""
+        available = self.allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        return SchedulerLoad(
+            running=len(self.running),
+            chunked=self.chunked_req is not None,
+            waiting=len(self.waiting),
+            used_tokens=self.allocator.size - available - evictable,
+            headroom_tokens=available + evictable,
+            new_token_ratio=self.new_token_ratio,
+            idle=self.is_idle,
+        )
 
     # ---- one step ----
     def step(self) -> BatchTokenIDOut | None:
@@ -320,7 +354,7 @@ class Scheduler:
             elif req.sampling_params.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
                 req.finished_reason = FinishReason("length")
                 self._release(req)
-                self.reporter.on_finished(req)
+                self._report_finished(req)
         # decoding requests first: a steady running batch keeps its order, and its sampling batch
         rows = [len(reqs) + i for i in range(len(decode))] + done
         sampled = decode + [reqs[i] for i in done]
@@ -338,10 +372,7 @@ class Scheduler:
             prefix_hits=hits,
             forward_seconds=forward_seconds,
         )
-        if decode:
-            self.reporter.on_mixed(self, decode_tokens=len(decode), **report)
-        else:
-            self.reporter.on_prefill(self, **report)
+        self.reporter.on_prefill(self.load(), decode_tokens=len(decode), **report)
         return reqs + decode
 
     def _run_decode(self) -> list[Req]:
@@ -358,7 +389,7 @@ class Scheduler:
             req.kv_len += 1
         self._sample_and_append(logits, reqs)
         self._after_decode()
-        self.reporter.on_decode(self, num_tokens=len(reqs), forward_seconds=forward_seconds)
+        self.reporter.on_decode(self.load(), num_tokens=len(reqs), forward_seconds=forward_seconds)
         return reqs
 
     def _after_decode(self) -> None:
@@ -380,7 +411,10 @@ class Scheduler:
         for req in reqs:
             if req.finished:
                 self._release(req)
-                self.reporter.on_finished(req)
+                self._report_finished(req)
+
+    def _report_finished(self, req: Req) -> None:
+        self.reporter.on_finished(len(req.origin_input_ids), len(req.output_ids), req.cached_tokens)
 
     def _release(self, req: Req) -> None:
         """Return a request's KV to the cache (shared prefixes stay cached, unlocked) and its pool row."""
@@ -407,7 +441,7 @@ class Scheduler:
                 self.tracing.on_retraction(req)
             self.waiting[:0] = reversed(retracted)
             self.new_token_ratio = new_token_ratio_after_retraction(self.running)
-            self.reporter.on_retraction(self, len(retracted))
+            self.reporter.on_retraction(len(retracted))
             logger.info("Retracted %d request(s); new_token_ratio=%.2f", len(retracted), self.new_token_ratio)
 
     # ---- outputs ----

@@ -1,7 +1,7 @@
 """The scheduler subprocess: loads the model, reports readiness, then turns the loop — drain the input
 socket, run one step, send that step's outputs — until it is killed.
 
-With `--tp-size N` this process is tensor-parallel rank 0: it starts ranks 1..N-1 (`tp_worker.py`), which
+With `--tp-size N` this process is tensor-parallel rank 0: it starts ranks 1..N-1 (`tp_peers.py`), which
 run the same scheduler without sockets, and each iteration broadcasts the messages it drained so that every
 rank applies the same inputs and takes the same step. Only rank 0 talks to the detokenizer and reports.
 """
@@ -16,20 +16,16 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from srt.io_struct import (
-    AbortReq,
-    FlushCacheReq,
-    FlushCacheReqOutput,
-    SchedulerReady,
-    TokenizedGenerateReqInput,
-)
+from srt.io_struct import SchedulerReady
 from srt.kv_events.publisher import start_kv_event_publisher
+from srt.process_logging import configure_process_logging, rank_label
+from srt.scheduler.runner_builder import build_runner
 from srt.scheduler.scheduler import Scheduler
 from srt.scheduler.scheduler_tracing import SchedulerTracing
 from srt.server_args import PortArgs, ServerArgs
+from srt.utils import get_zmq_socket
 
 if TYPE_CHECKING:
-    from srt.model_executor.model_runner import ModelRunner
     from srt.scheduler.tp_peers import TpPeers
 
 logger = logging.getLogger(__name__)
@@ -44,11 +40,10 @@ GRAMMAR_POLL_MS = 2
 def run_scheduler_process(
     server_args: ServerArgs, port_args: PortArgs, model_dir: str, ready_writer: Connection, dp_rank: int = 0
 ) -> None:
-    from srt.metrics.stat_logger import rank_tag
-    from srt.scheduler.step_reporter import build_reporter, configure_process_logging
+    from srt.scheduler.step_reporter import build_reporter
 
     configure_process_logging(
-        server_args.log_level, rank_tag(0, dp_rank if server_args.dp_size > 1 else None)
+        server_args.log_level, rank_label(0, dp_rank if server_args.dp_size > 1 else None)
     )
     try:
         start = time.monotonic()
@@ -65,10 +60,8 @@ def run_scheduler_process(
         tracing = SchedulerTracing.create(server_args, dp_rank)
         scheduler = Scheduler(server_args, runner, reporter, kv_events=kv_events, tracing=tracing)
         ctx = zmq.Context()
-        recv_sock = ctx.socket(zmq.PULL)
-        recv_sock.bind(port_args.scheduler_input_for(dp_rank))
-        send_sock = ctx.socket(zmq.PUSH)
-        send_sock.connect(port_args.detokenizer_input)
+        recv_sock = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_for(dp_rank), bind=True)
+        send_sock = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
     except Exception:
         ready_writer.send(traceback.format_exc())
         raise
@@ -94,36 +87,6 @@ def run_scheduler_process(
     event_loop(scheduler, recv_sock, send_sock, peers)
 
 
-def build_runner(
-    server_args: ServerArgs,
-    model_dir: str,
-    tp_rank: int = 0,
-    dist_init_method: str | None = None,
-    dp_rank: int = 0,
-) -> ModelRunner:
-    """This rank's model runner; every TP rank builds it from the same arguments."""
-    from srt.model_executor.model_runner import ModelRunner
-
-    return ModelRunner(
-        model_dir,
-        dtype=server_args.dtype,
-        device=server_args.device,
-        max_total_tokens=server_args.max_total_tokens,
-        mem_fraction_static=server_args.mem_fraction_static,
-        max_running_requests=server_args.max_running_requests,
-        context_length=server_args.context_length,
-        attention_backend=server_args.attention_backend,
-        random_seed=server_args.random_seed,
-        tp_rank=tp_rank,
-        tp_size=server_args.tp_size,
-        dist_init_method=dist_init_method,
-        quantization=server_args.quantization,
-        kv_cache_dtype=server_args.kv_cache_dtype,
-        cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
-        dp_rank=dp_rank,
-    )
-
-
 def event_loop(
     scheduler: Scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket, peers: TpPeers | None = None
 ) -> None:
@@ -133,12 +96,12 @@ def event_loop(
     while True:
         if scheduler.is_idle and not scheduler.finished_outside_step:
             if was_busy:
-                scheduler.reporter.on_idle(scheduler)
+                scheduler.reporter.on_idle(scheduler.load())
                 was_busy = False
             if not poller.poll(IDLE_POLL_MS):
                 if peers is not None:
                     peers.heartbeat(scheduler.runner.tp)
-                scheduler.reporter.on_tick(scheduler)
+                scheduler.reporter.on_tick(scheduler.load())
                 continue
         elif scheduler.only_compiling_grammars:
             poller.poll(GRAMMAR_POLL_MS)  # nothing to run until a grammar compiles or a message arrives
@@ -146,14 +109,14 @@ def event_loop(
         if peers is not None:
             peers.share_step(scheduler.runner.tp, msgs)
         for msg in msgs:
-            reply = dispatch(scheduler, msg)
+            reply = scheduler.handle(msg)
             if reply is not None:
                 send_sock.send_pyobj(reply)
         out = scheduler.step()
         if out is not None:
             send_sock.send_pyobj(out)
         was_busy = True
-        scheduler.reporter.on_tick(scheduler)
+        scheduler.reporter.on_tick(scheduler.load())
 
 
 def drain(sock: zmq.Socket) -> list:
@@ -164,16 +127,3 @@ def drain(sock: zmq.Socket) -> list:
             msgs.append(sock.recv_pyobj(zmq.NOBLOCK))
         except zmq.Again:
             return msgs
-
-
-def dispatch(scheduler: Scheduler, msg) -> object | None:
-    if isinstance(msg, TokenizedGenerateReqInput):
-        scheduler.add_request(msg)
-    elif isinstance(msg, AbortReq):
-        scheduler.abort_request(msg)
-    elif isinstance(msg, FlushCacheReq):
-        ok = scheduler.flush_cache()
-        return FlushCacheReqOutput(ok, "" if ok else "requests are still running; cache not flushed")
-    else:
-        logger.warning("Ignoring unknown message %r", type(msg).__name__)
-    return None

@@ -1,17 +1,33 @@
 """What the scheduler tells the outside world about its steps: the log lines and the system-level metrics.
 
-The scheduler calls one hook per step with plain numbers; everything costlier than a few integer updates
-(formatting, prometheus writes) happens at the log cadence or when the scheduler goes idle, not per step.
-`NullReporter` lets tests drive the scheduler without either.
+The scheduler calls one hook per step with plain numbers and a `SchedulerLoad`, a frozen snapshot it builds
+of what it holds after the step; a reporter never sees the `Scheduler` itself, so it cannot change what it
+reports on. Everything costlier than a few integer updates (formatting, prometheus writes) happens at the
+log cadence or when the scheduler goes idle, not per step. `NullReporter` lets tests drive the scheduler
+without either.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from srt.scheduler.schedule_batch import Req
-    from srt.scheduler.scheduler import Scheduler
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLoad:
+    """The scheduler's queues and KV memory at one moment."""
+
+    running: int  # requests in the decode batch
+    chunked: bool  # a long prompt is part-way through its chunked prefill
+    waiting: int
+    used_tokens: int  # KV slots held by requests (evictable cache slots count as free)
+    headroom_tokens: int  # free KV slots plus evictable ones
+    new_token_ratio: float
+    idle: bool
+
+    @property
+    def running_with_chunked(self) -> int:
+        """SGLang's `num_running_reqs`: the request being prefilled in chunks counts as running."""
+        return self.running + self.chunked
 
 
 class StepReporter:
@@ -22,21 +38,7 @@ class StepReporter:
 
     def on_prefill(
         self,
-        sched: Scheduler,
-        *,
-        new_seqs: int,
-        new_tokens: int,
-        cached_tokens: int,
-        prefix_queries: int,
-        prefix_hits: int,
-        forward_seconds: float,
-    ) -> None: ...
-
-    def on_decode(self, sched: Scheduler, *, num_tokens: int, forward_seconds: float) -> None: ...
-
-    def on_mixed(
-        self,
-        sched: Scheduler,
+        load: SchedulerLoad,
         *,
         new_seqs: int,
         new_tokens: int,
@@ -46,15 +48,17 @@ class StepReporter:
         decode_tokens: int,
         forward_seconds: float,
     ) -> None:
-        """A mixed step: a prefill of `new_tokens` and `decode_tokens` decoded tokens in one forward."""
+        """A prefill step of `new_tokens`; a mixed one when `decode_tokens` rows decoded in the same forward."""
 
-    def on_retraction(self, sched: Scheduler, n: int) -> None: ...
+    def on_decode(self, load: SchedulerLoad, *, num_tokens: int, forward_seconds: float) -> None: ...
 
-    def on_finished(self, req: Req) -> None: ...
+    def on_retraction(self, n: int) -> None: ...
 
-    def on_idle(self, sched: Scheduler) -> None: ...
+    def on_finished(self, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None: ...
 
-    def on_tick(self, sched: Scheduler) -> None: ...
+    def on_idle(self, load: SchedulerLoad) -> None: ...
+
+    def on_tick(self, load: SchedulerLoad) -> None: ...
 
 
 class NullReporter(StepReporter):

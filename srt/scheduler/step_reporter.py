@@ -12,26 +12,16 @@ import time
 from typing import TYPE_CHECKING
 
 from srt.metrics import stat_logger
-from srt.scheduler.step_hooks import StepReporter
+from srt.scheduler.step_hooks import SchedulerLoad, StepReporter
 from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
-    from srt.scheduler.schedule_batch import Req
-    from srt.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("srt.scheduler")
 
 # Longest a scrape may see counters lag behind the scheduler while it is busy.
 FLUSH_PERIOD = 1.0
-
-
-def configure_process_logging(level: str, rank_tag: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(stat_logger.make_log_formatter(rank_tag))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 class SchedulerReporter(StepReporter):
@@ -50,29 +40,7 @@ class SchedulerReporter(StepReporter):
     # ---- per step ----
     def on_prefill(
         self,
-        sched: Scheduler,
-        *,
-        new_seqs,
-        new_tokens,
-        cached_tokens,
-        prefix_queries,
-        prefix_hits,
-        forward_seconds,
-    ) -> None:
-        self.on_mixed(
-            sched,
-            new_seqs=new_seqs,
-            new_tokens=new_tokens,
-            cached_tokens=cached_tokens,
-            prefix_queries=prefix_queries,
-            prefix_hits=prefix_hits,
-            decode_tokens=0,
-            forward_seconds=forward_seconds,
-        )
-
-    def on_mixed(
-        self,
-        sched: Scheduler,
+        load: SchedulerLoad,
         *,
         new_seqs,
         new_tokens,
@@ -102,22 +70,22 @@ class SchedulerReporter(StepReporter):
                 new_seq=new_seqs,
                 new_token=new_tokens,
                 cached_token=cached_tokens,
-                token_usage=sched.num_used_tokens / self.capacity,
-                running_req=len(sched.running),
-                queue_req=len(sched.waiting),
+                token_usage=load.used_tokens / self.capacity,
+                running_req=load.running,
+                queue_req=load.waiting,
             )
         )
         if decode_tokens:
-            self._decoded(sched, decode_tokens)
-        self.flush(sched)
+            self._decoded(load, decode_tokens)
+        self.flush(load)
 
-    def on_decode(self, sched: Scheduler, *, num_tokens, forward_seconds) -> None:
+    def on_decode(self, load: SchedulerLoad, *, num_tokens, forward_seconds) -> None:
         if self.collector is not None:
             self.collector.on_decode_batch(num_tokens, forward_seconds)
-        if self._decoded(sched, num_tokens):
-            self.flush(sched)
+        if self._decoded(load, num_tokens):
+            self.flush(load)
 
-    def _decoded(self, sched: Scheduler, num_tokens: int) -> bool:
+    def _decoded(self, load: SchedulerLoad, num_tokens: int) -> bool:
         """Count a step's decoded tokens; True when the step writes the Decode line."""
         self.summary.on_decode(num_tokens)
         self.decode_steps += 1
@@ -125,64 +93,60 @@ class SchedulerReporter(StepReporter):
         if self.decode_steps % self.args.decode_log_interval:
             return False
         self.gen_throughput = self.throughput_meter.take()
-        used = sched.num_used_tokens
         logger.info(
             stat_logger.format_decode_line(
-                running_req=len(sched.running),
-                token=used,
-                token_usage=used / self.capacity,
+                running_req=load.running,
+                token=load.used_tokens,
+                token_usage=load.used_tokens / self.capacity,
                 gen_throughput=self.gen_throughput,
-                queue_req=len(sched.waiting),
+                queue_req=load.waiting,
             )
         )
         return True
 
-    def on_retraction(self, sched: Scheduler, n: int) -> None:
+    def on_retraction(self, n: int) -> None:
         if self.collector is not None:
             self.collector.on_retraction(n)
 
-    def on_finished(self, req: Req) -> None:
+    def on_finished(self, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
         if self.collector is not None:
-            self.collector.on_finished_request(
-                len(req.origin_input_ids), len(req.output_ids), req.cached_tokens
-            )
+            self.collector.on_finished_request(prompt_tokens, output_tokens, cached_tokens)
 
-    def on_idle(self, sched: Scheduler) -> None:
+    def on_idle(self, load: SchedulerLoad) -> None:
         self.gen_throughput = 0.0
         self.throughput_meter.take()
-        self.flush(sched)
+        self.flush(load)
 
-    def on_tick(self, sched: Scheduler) -> None:
+    def on_tick(self, load: SchedulerLoad) -> None:
         now = time.monotonic()
-        if now - self.last_flush >= FLUSH_PERIOD and not sched.is_idle:
-            self.flush(sched)
+        if now - self.last_flush >= FLUSH_PERIOD and not load.idle:
+            self.flush(load)
         line = self.summary.maybe_log(
             now,
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            kv_usage=sched.num_used_tokens / self.capacity,
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=load.used_tokens / self.capacity,
         )
         if line:
             logger.info(line)
 
     # ---- prometheus ----
-    def flush(self, sched: Scheduler) -> None:
+    def flush(self, load: SchedulerLoad) -> None:
         self.last_flush = time.monotonic()
         if self.collector is None:
             return
         from srt.metrics.scheduler_collector import SchedulerStats
 
-        used = sched.num_used_tokens
         self.collector.flush(
             SchedulerStats(
-                num_running_reqs=len(sched.running) + (sched.chunked_req is not None),
-                num_queue_reqs=len(sched.waiting),
-                num_used_tokens=used,
-                token_usage=used / self.capacity,
+                num_running_reqs=load.running_with_chunked,
+                num_queue_reqs=load.waiting,
+                num_used_tokens=load.used_tokens,
+                token_usage=load.used_tokens / self.capacity,
                 gen_throughput=self.gen_throughput,
                 cache_hit_rate=self.last_hit_rate,
-                new_token_ratio=sched.new_token_ratio,
-                kv_headroom_tokens=sched.allocator.available_size() + sched.tree_cache.evictable_size(),
+                new_token_ratio=load.new_token_ratio,
+                kv_headroom_tokens=load.headroom_tokens,
             )
         )
 

@@ -23,8 +23,9 @@ import threading
 import time
 
 from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.process_logging import configure_process_logging, rank_label
+from srt.scheduler.runner_builder import build_runner
 from srt.scheduler.scheduler import Scheduler
-from srt.scheduler.scheduler_process import build_runner, dispatch
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import (
     CHILD_STOP_SIGNAL,
@@ -139,15 +140,12 @@ def run_tp_peer(
     server_args: ServerArgs, model_dir: str, dp_rank: int, tp_rank: int, init_method: str
 ) -> None:
     """Spawn target of TP rank `tp_rank` >= 1."""
-    from srt.metrics.stat_logger import rank_tag
-    from srt.scheduler.step_reporter import configure_process_logging
-
     set_process_name(peer_process_name(tp_rank))
     set_parent_death_signal()  # rank 0 killed with SIGKILL must not leave this rank behind
     watch_parent_process()
     leave_stopping_to_the_launcher()  # it stops rank 0's whole process tree
     configure_process_logging(
-        server_args.log_level, rank_tag(tp_rank, dp_rank if server_args.dp_size > 1 else None)
+        server_args.log_level, rank_label(tp_rank, dp_rank if server_args.dp_size > 1 else None)
     )
     runner = build_runner(server_args, model_dir, tp_rank, init_method, dp_rank)
     # NullReporter: rank 0 alone writes the log lines and the metrics
@@ -162,5 +160,5 @@ def peer_loop(scheduler: Scheduler) -> None:
         if msgs is HEARTBEAT:
             continue
         for msg in msgs:
-            dispatch(scheduler, msg)
+            scheduler.handle(msg)
         scheduler.step()

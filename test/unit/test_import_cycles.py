@@ -8,10 +8,6 @@ import grimp
 
 # Cycles not yet broken, each a set of modules importing each other.
 KNOWN_CYCLES = [
-    # the reporter's hooks receive the Scheduler: they should take a frozen snapshot of the step
-    {"srt.scheduler.scheduler", "srt.scheduler.step_hooks"},
-    # a runtime cycle behind a function-local import: build_runner/dispatch belong below both
-    {"srt.scheduler.scheduler_process", "srt.scheduler.tp_peers"},
     # quantization drives the runner's pools: it should be a pure weight transform
     {"srt.model_executor.model_runner", "srt.model_executor.quantization"},
     # the kernels' start-up probe compares with int8_linear's PyTorch reference, which dispatches to them

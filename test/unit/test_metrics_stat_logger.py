@@ -11,9 +11,8 @@ from srt.metrics.stat_logger import (
     StatsSummaryLogger,
     format_decode_line,
     format_prefill_line,
-    make_log_formatter,
-    rank_tag,
 )
+from srt.process_logging import ProcessLogFormatter, rank_label
 
 N = r"\d+"
 F2 = r"\d+\.\d\d"
@@ -97,17 +96,18 @@ def test_gen_throughput_is_over_the_last_interval_only():
 
 
 @pytest.mark.parametrize(("tp", "dp", "tag"), [(0, None, "TP0"), (0, 1, "DP1 TP0")])
-def test_formatter_prefixes_time_and_rank(tp, dp, tag):
-    record = logging.LogRecord(
-        "x",
-        logging.INFO,
-        __file__,
-        1,
-        format_prefill_line(
-            new_seq=1, new_token=2, cached_token=0, token_usage=0, running_req=1, queue_req=0
-        ),
-        None,
-        None,
+def test_a_scheduler_line_starts_with_time_and_rank(tp, dp, tag):
+    line = format_prefill_line(
+        new_seq=1, new_token=2, cached_token=0, token_usage=0, running_req=1, queue_req=0
     )
-    out = make_log_formatter(rank_tag(tp, dp)).format(record)
+    record = logging.LogRecord("srt.scheduler", logging.INFO, __file__, 1, line, None, None)
+    out = ProcessLogFormatter(rank_label(tp, dp)).format(record)
     assert re.match(rf"^\[\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d {tag}\] Prefill batch\. ", out)
+
+
+def test_warnings_also_name_their_level_and_logger():
+    record = logging.LogRecord("srt.launch_server", logging.WARNING, __file__, 1, "disk full", None, None)
+    out = ProcessLogFormatter("main").format(record)
+    assert re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d main\] WARNING srt\.launch_server: disk full$", out)
+    record.levelno, record.levelname = logging.INFO, "INFO"
+    assert ProcessLogFormatter("main").format(record).endswith("main] disk full")

@@ -19,7 +19,6 @@ from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import cache_path
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.scheduler import Scheduler
-from srt.scheduler.scheduler_process import dispatch
 from srt.server_args import ServerArgs
 from test.unit.model_driver import PagedDriver
 from test.unit.scheduler_driver import greedy, request
@@ -110,7 +109,7 @@ def lockstep_generate(runner: ModelRunner, tp_size: int) -> dict[str, list[int]]
     for step in range(MAX_STEPS):
         msgs = runner.tp.broadcast_object(arrivals.get(step, []) if runner.tp.rank == 0 else None)
         for msg in msgs:
-            dispatch(sched, msg)
+            sched.handle(msg)
         out = sched.step()
         for rid, ids in zip(out.rids if out else [], out.output_ids if out else [], strict=True):
             outputs.setdefault(rid, []).extend(ids)

@@ -37,13 +37,7 @@ from srt.mem_cache.radix_cache import RadixCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import Sampler, make_generator
 from srt.sampling.sampling_params import SamplingParams
-from srt.scheduler.fault_isolation import (
-    PROCESS_FATAL_ERRORS,
-    TEST_FAULT_ENV,
-    IsolatingSampler,
-    append_tokens,
-    fail_request,
-)
+from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, TEST_FAULT_ENV, fail_request
 from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS, MixedChunkBudget, mixed_chunk_enabled
 from srt.scheduler.prompt_logprobs import plan_prompt_logprobs
 from srt.scheduler.request_checks import refusal
@@ -61,6 +55,8 @@ from srt.scheduler.scheduler_grammar import SchedulerGrammar
 from srt.scheduler.scheduler_tracing import SchedulerTracing
 from srt.scheduler.step_builder import StepBuilder
 from srt.scheduler.step_hooks import NullReporter, SchedulerLoad, StepReporter
+from srt.scheduler.step_sampler import IsolatingSampler
+from srt.scheduler.token_append import append_tokens
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,6 @@
-"""Per-request fault isolation in the scheduler: one request whose handling raises finishes with `error`,
-never the process.
-
-What is isolated: sampling a batch (a bad seed, penalty token list or top-logprobs count makes the batch call
-raise; the batch is then sampled row by row and only the rows that raise fail) and checking stop conditions.
-What is not: `PROCESS_FATAL_ERRORS` and anything outside these guards (the forward pass, the KV pool's
-invariants), which are the process's failures and still end it.
-
-A failed request gets `FinishReason("error")` and one log line naming its rid; its holder frees its memory.
-"""
+"""The scheduler's sampler for a step's rows: the vectorised batch call, with a row-by-row fallback that
+isolates a request whose parameters make sampling raise (`fault_isolation.py`), and the step's
+`SamplingBatch` kept while the batch's requests stay the same."""
 
 from __future__ import annotations
 
@@ -17,31 +10,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt.io_struct import FinishReason
 from srt.sampling.sampler import SampleOutput, Sampler
 from srt.sampling.sampling_batch import SamplingBatch
+from srt.scheduler.fault_isolation import (
+    NO_TOKEN,
+    PROCESS_FATAL_ERRORS,
+    TEST_FAULT_DECODE_STEP,
+    TEST_FAULT_ENV,
+    fail_request,
+)
 
 if TYPE_CHECKING:
     from srt.constrained.bitmask import GrammarMask
     from srt.scheduler.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
-
-# Failures of the process, not of one request: never isolated.
-PROCESS_FATAL_ERRORS = (MemoryError, torch.cuda.OutOfMemoryError)
-# Test hook, off unless set when the scheduler starts: a request whose rid contains this variable's value
-# raises inside sampling at its TEST_FAULT_DECODE_STEP-th decode step.
-TEST_FAULT_ENV = "SRT_TEST_FAULT_RID"
-TEST_FAULT_DECODE_STEP = 3
-# Token of a row whose sampling failed; its request is finished, so the value is never appended.
-NO_TOKEN = -1
-
-
-def fail_request(req: Req, doing: str, exc: Exception) -> None:
-    """Finish one request with `error` because handling it raised: one error line, the traceback at debug."""
-    logger.error("Request %s failed while %s: %s: %s", req.rid, doing, type(exc).__name__, exc)
-    logger.debug("Traceback of request %s's failure", req.rid, exc_info=exc)
-    req.finished_reason = FinishReason("error", message=f"failed while {doing}: {type(exc).__name__}: {exc}")
 
 
 class IsolatingSampler:
@@ -116,32 +99,3 @@ class IsolatingSampler:
                 if self.test_fault_rid in req.rid and len(req.output_ids) == TEST_FAULT_DECODE_STEP:
                     raise RuntimeError(f"injected test fault ({TEST_FAULT_ENV})")
         return self.sampler.sample(logits, batch, grammar_mask)
-
-
-def append_tokens(
-    out: SampleOutput, reqs: list[Req], step_ts: float, eos_token_ids: frozenset[int], context_len: int
-) -> None:
-    """Give each request its sampled token and check its stop conditions. One try covers the batch: when a
-    request's check raises, that request finishes with `error` and the loop resumes after it."""
-    start = 0
-    while start < len(reqs):
-        i = start
-        try:
-            for i in range(start, len(reqs)):
-                req = reqs[i]
-                if req.finished:  # its sampling failed
-                    continue
-                lp = (
-                    out.token_logprobs[i]
-                    if out.token_logprobs is not None and req.sampling_params.logprobs is not None
-                    else None
-                )
-                top = out.top_logprobs[i] if lp is not None and out.top_logprobs is not None else None
-                req.append_token(out.next_token_ids[i], step_ts, lp, top)
-                req.check_finished(eos_token_ids, context_len)
-            return
-        except PROCESS_FATAL_ERRORS:
-            raise
-        except Exception as e:
-            fail_request(reqs[i], "checking stop conditions", e)
-            start = i + 1

@@ -15,8 +15,8 @@ from srt.mem_cache.memory_pool import PADDING_SLOT, TokenToKVPoolAllocator
 from srt.sampling.penalties import BatchPenalties, PenaltyPool, apply_penalties
 from srt.sampling.sampler import Sampler
 from srt.sampling.sampling_params import SamplingParams
-from srt.scheduler.fault_isolation import IsolatingSampler
 from srt.scheduler.schedule_batch import Req
+from srt.scheduler.step_sampler import IsolatingSampler
 from test.unit.scheduler_driver import drive, greedy, request
 from test.unit.test_scheduler import assert_pool_whole, make_scheduler, prompts
 

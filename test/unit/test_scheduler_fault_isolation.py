@@ -13,6 +13,7 @@ import pytest
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler import fault_isolation
 from srt.scheduler.scheduler import Scheduler
+from srt.scheduler.step_sampler import IsolatingSampler
 from test.unit.scheduler_driver import drive, greedy, request
 from test.unit.test_scheduler import assert_pool_whole, make_scheduler, prompts
 
@@ -172,7 +173,7 @@ def test_rows_that_survive_a_failed_batch_keep_their_random_draws():
         params = SamplingParams(temperature=1.0, **fields)
         return Req(rid, [1, 2], params, generator=make_generator(params.seed, default))
 
-    sampler = fault_isolation.IsolatingSampler(Sampler(vocab, eos_token_ids=[0]))
+    sampler = IsolatingSampler(Sampler(vocab, eos_token_ids=[0]))
     alone = [sampler.sample(logits[i : i + 1], [req(f"s{i}", seed=10 + i)]).next_token_ids[0] for i in (0, 2)]
     bad = req("bad", seed=5)
     bad.sampling_params.logprobs = True  # a bool as the top-logprobs count: topk() raises

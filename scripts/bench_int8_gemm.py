@@ -28,12 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from srt.model_executor.layers import cpu_kernels
-from srt.model_executor.layers.int8_linear import (
-    packed_kernel_available,
-    quantize_per_channel,
-    torch_w8a8_linear,
-    w8a8_linear,
-)
+from srt.model_executor.layers.int8_linear import pack_weight, packed_kernel_available, w8a8_linear
+from srt.model_executor.layers.int8_math import quantize_per_channel, torch_w8a8_linear
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query / 3 kv heads of 64, vocabulary 49152.
 SHAPES = {
@@ -62,7 +58,7 @@ def quantized(w: torch.Tensor, packed: bool):
     srt's fused kernel where that one reads it)."""
     qw = quantize_per_channel(w)
     if packed:
-        qw.pack()
+        pack_weight(qw)
     return qw
 
 

@@ -44,12 +44,11 @@ def score(windows) -> tuple[float, torch.Tensor, int]:
 
 def srt_windows(model_dir: str, ids: list[int], window: int, quantization: str, kv_cache_dtype: str = "auto"):
     from srt.model_executor.model_runner import ModelRunner
-    from srt.model_executor.quantization import forward_windows
 
     runner = ModelRunner(
         model_dir, max_total_tokens=window + 16, quantization=quantization, kv_cache_dtype=kv_cache_dtype
     )
-    return list(forward_windows(runner, ids, window))
+    return list(runner.forward_windows(ids, window))
 
 
 def llama_cpp_windows(gguf: str, ids: list[int], window: int, threads: int):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 from transformers import AutoConfig, GenerationConfig
@@ -23,13 +24,14 @@ from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
-from srt.model_executor.forward_batch_info import ForwardBatch, PromptLogprobs, last_token_rows
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_loader import load_model, map_checkpoint_tensor
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import (
     apply_w8a8_int8,
     cached_int8_weights,
+    calibrated_int8_weights,
     replaced_weights,
     resolve_quantization,
 )
@@ -263,7 +265,13 @@ class ModelRunner:
         if self.quantization == "w8a8_int8":
             if self.dtype != torch.float32:
                 raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
-            apply_w8a8_int8(self, int8_weights)  # needs the pools: calibration runs the fp32 model once
+            source, started = "cache", time.monotonic()
+            if int8_weights is None:  # calibration runs the fp32 model once, through the pools
+                source = "calibration"
+                int8_weights = calibrated_int8_weights(
+                    self.model, self.model_dir, self.tp, self.forward_windows, self.max_total_num_tokens
+                )
+            apply_w8a8_int8(self.model, int8_weights, source, started)
             if mapped_embedding is None:
                 self._map_lookup_only_embedding()
             release_free_heap()  # the dropped fp32 weights
@@ -363,6 +371,41 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def forward_windows(self, ids: list[int], window: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Teacher-forced forward over a long token list (int8 calibration, scripts/eval_quality.py): (fp32
+        logits at every position, the window's token ids) for consecutive windows of `ids`, each run as a
+        fresh sequence (one extend step, nothing cached) through the runner's own pools."""
+        model = self.model
+        for start in range(0, len(ids), window):
+            chunk = ids[start : start + window]
+            n = len(chunk)
+            slots = self.token_to_kv_pool_allocator.alloc(n)
+            rows = self.req_to_token_pool.alloc(1)
+            if slots is None or rows is None:
+                raise RuntimeError(f"the KV pool cannot hold a {n}-token window")
+            row = rows[0]
+            try:
+                self.req_to_token_pool.req_to_token[row, :n] = slots
+                batch = ForwardBatch(
+                    mode=ForwardMode.EXTEND,
+                    batch_size=1,
+                    input_ids=torch.tensor(chunk, dtype=torch.int64, device=self.device),
+                    positions=torch.arange(n, dtype=torch.int64, device=self.device),
+                    out_cache_loc=slots,
+                    req_pool_indices=torch.tensor([row], dtype=torch.int64, device=self.device),
+                    seq_lens=torch.tensor([n], dtype=torch.int64, device=self.device),
+                    seq_lens_cpu=[n],
+                    extend_prefix_lens_cpu=[0],
+                    extend_seq_lens_cpu=[n],
+                )
+                model.attn_backend.init_forward_metadata(batch)
+                hidden = model.hidden_states(batch.input_ids, batch.positions, batch)
+                yield model.compute_logits(hidden), torch.tensor(chunk, dtype=torch.int64)
+            finally:
+                self.token_to_kv_pool_allocator.free(slots)
+                self.req_to_token_pool.free(row)
+
     def forward_with_prompt_logprobs(self, batch: ForwardBatch) -> tuple[torch.Tensor, PromptLogprobs]:
         """`forward`'s logits plus the log-probabilities at `batch.logprob_rows` (an extend batch whose
         sequences ask for prompt logprobs; the model's raw distribution, before any sampling parameter).

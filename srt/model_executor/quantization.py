@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,16 +29,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from srt.engine_options import QUANTIZATIONS
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
-from srt.model_executor.layers.int8_linear import Int8Weight
+from srt.model_executor.layers.int8_linear import pack_weight
+from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_source import cache_root
 
 if TYPE_CHECKING:
-    from srt.model_executor.model_runner import ModelRunner
     from srt.model_executor.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -72,44 +71,6 @@ def linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     ]
 
 
-# ---- teacher-forced forward over a long token list (calibration here, evaluation in scripts/) ----
-@torch.inference_mode()
-def forward_windows(
-    runner: ModelRunner, ids: list[int], window: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(fp32 logits at every position, the window's token ids) for consecutive windows of `ids`, each run
-    as a fresh sequence (one extend step, nothing cached) through the runner's own pools."""
-    model = runner.model
-    for start in range(0, len(ids), window):
-        chunk = ids[start : start + window]
-        n = len(chunk)
-        slots = runner.token_to_kv_pool_allocator.alloc(n)
-        rows = runner.req_to_token_pool.alloc(1)
-        if slots is None or rows is None:
-            raise RuntimeError(f"the KV pool cannot hold a {n}-token window")
-        row = rows[0]
-        try:
-            runner.req_to_token_pool.req_to_token[row, :n] = slots
-            batch = ForwardBatch(
-                mode=ForwardMode.EXTEND,
-                batch_size=1,
-                input_ids=torch.tensor(chunk, dtype=torch.int64, device=runner.device),
-                positions=torch.arange(n, dtype=torch.int64, device=runner.device),
-                out_cache_loc=slots,
-                req_pool_indices=torch.tensor([row], dtype=torch.int64, device=runner.device),
-                seq_lens=torch.tensor([n], dtype=torch.int64, device=runner.device),
-                seq_lens_cpu=[n],
-                extend_prefix_lens_cpu=[0],
-                extend_seq_lens_cpu=[n],
-            )
-            model.attn_backend.init_forward_metadata(batch)
-            hidden = model.hidden_states(batch.input_ids, batch.positions, batch)
-            yield model.compute_logits(hidden), torch.tensor(chunk, dtype=torch.int64)
-        finally:
-            runner.token_to_kv_pool_allocator.free(slots)
-            runner.req_to_token_pool.free(row)
-
-
 def calibration_ids(model_dir: str) -> list[int]:
     from transformers import AutoTokenizer
 
@@ -118,9 +79,10 @@ def calibration_ids(model_dir: str) -> list[int]:
     return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
 
 
-def input_second_moments(runner: ModelRunner, ids: list[int]) -> dict[str, torch.Tensor]:
+def input_second_moments(model: torch.nn.Module, windows: Iterable) -> dict[str, torch.Tensor]:
     """Sum of x x^T [K, K] over every input row x of every linear layer, and of the head's input under
-    `HEAD`: the Hessian of each layer's squared output error, which GPTQ's rounding minimizes."""
+    `HEAD`, while `windows` runs the model over the calibration text: the Hessian of each layer's squared
+    output error, which GPTQ's rounding minimizes."""
     moments: dict[str, torch.Tensor] = {}
 
     def record(name: str, x: torch.Tensor) -> None:
@@ -129,12 +91,11 @@ def input_second_moments(runner: ModelRunner, ids: list[int]) -> dict[str, torch
         moments[name] = xtx if name not in moments else moments[name].add_(xtx)
 
     hooks = [
-        m.register_forward_pre_hook(lambda _m, inp, n=n: record(n, inp[0]))
-        for n, m in linear_layers(runner.model)
+        m.register_forward_pre_hook(lambda _m, inp, n=n: record(n, inp[0])) for n, m in linear_layers(model)
     ]
-    hooks.append(runner.model.model.norm.register_forward_hook(lambda _m, _inp, out: record(HEAD, out)))
+    hooks.append(model.model.norm.register_forward_hook(lambda _m, _inp, out: record(HEAD, out)))
     try:
-        for _ in forward_windows(runner, ids, min(CALIBRATION_WINDOW, runner.max_total_num_tokens)):
+        for _ in windows:
             pass
     finally:
         for h in hooks:
@@ -220,18 +181,29 @@ def replaced_weights(model: torch.nn.Module) -> set[str]:
     return names | ({"lm_head.weight"} if model.lm_head is not None else set())
 
 
-def apply_w8a8_int8(runner: ModelRunner, weights: dict[str, Int8Weight] | None = None) -> None:
-    """Quantize `runner.model` in place: with `weights` from `cached_int8_weights`, else by calibrating
-    the loaded fp32 model (and caching the result)."""
-    start = time.monotonic()
-    model = runner.model
+def calibrated_int8_weights(
+    model: torch.nn.Module,
+    model_dir: str,
+    tp: TensorParallelGroup,
+    run_windows: Callable[[list[int], int], Iterable],
+    max_window: int,
+) -> dict[str, Int8Weight]:
+    """Quantize the loaded fp32 model's weights under the moments of a run over the calibration text
+    (`run_windows(ids, window)`: the runner's teacher-forced forward, which needs its pools), and cache
+    them for the next start."""
+    windows = run_windows(calibration_ids(model_dir), min(CALIBRATION_WINDOW, max_window))
+    weights = quantize_model(model, input_second_moments(model, windows))
+    save_cache(cache_path(model_dir, tp.rank, tp.size), weights)
+    return weights
+
+
+def apply_w8a8_int8(
+    model: torch.nn.Module, weights: dict[str, Int8Weight], source: str, start: float
+) -> None:
+    """Put the int8 `weights` (`source`: from the cache or from calibration, begun at monotonic `start`) in
+    `model` in place of its fp32 linear weights."""
     layers = linear_layers(model)
-    source = "cache"
-    if weights is None:
-        source = "calibration"
-        weights = quantize_model(model, input_second_moments(runner, calibration_ids(runner.model_dir)))
-        save_cache(cache_path(runner.model_dir, runner.tp.rank, runner.tp.size), weights)
-    packed = all([qw.pack() for qw in weights.values()])
+    packed = all([pack_weight(qw) for qw in weights.values()])
     for name, m in layers:
         m.quant = weights[name]
         m.register_parameter("weight", None)  # the fp32 copy is never read again

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from srt.model_executor.layers import cpu_kernels
-from srt.model_executor.layers.int8_linear import (
+from srt.model_executor.layers.int8_linear import pack_weight, w8a8_linear
+from srt.model_executor.layers.int8_math import (
     int8_products,
     quantize_per_channel,
     quantize_two_level,
     torch_w8a8_linear,
-    w8a8_linear,
 )
 
 HAS_COMPILER = shutil.which("cc") is not None
@@ -156,7 +156,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_any_batch():
         pytest.skip("the kernels did not load")
     gen = torch.Generator().manual_seed(3)
     qw = quantize_per_channel(torch.randn(192, 128, generator=gen))
-    qw.pack()
+    pack_weight(qw)
     x = strided_rows(70, 128, gen)
     alone = w8a8_linear(x[:1], qw, None)
     for batch in (2, 8, 9, 40, 70):

@@ -1,18 +1,10 @@
 """srt's import graph, built from the source with every import counted (module-level, function-local and
-`TYPE_CHECKING` alike), has no cycles but the ones still listed below, each to be broken; the list only
-shrinks: a new cycle fails, and so does a listed one that is gone (delete its line)."""
+`TYPE_CHECKING` alike), has no cycles: a module that needs another's names while that one needs its own
+is two jobs in one file, or a seam missing."""
 
 from __future__ import annotations
 
 import grimp
-
-# Cycles not yet broken, each a set of modules importing each other.
-KNOWN_CYCLES = [
-    # quantization drives the runner's pools: it should be a pure weight transform
-    {"srt.model_executor.model_runner", "srt.model_executor.quantization"},
-    # the kernels' start-up probe compares with int8_linear's PyTorch reference, which dispatches to them
-    {"srt.model_executor.layers.cpu_kernels", "srt.model_executor.layers.int8_linear"},
-]
 
 
 def import_cycles(package: str) -> list[set[str]]:
@@ -71,9 +63,5 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
     assert import_cycles("cyc") == [{"cyc.a", "cyc.b", "cyc.c"}]
 
 
-def test_srt_has_no_import_cycles_but_the_known_ones():
-    found = import_cycles("srt")
-    new = [c for c in found if c not in KNOWN_CYCLES]
-    gone = [c for c in KNOWN_CYCLES if c not in found]
-    assert not new, f"new import cycles: {new}"
-    assert not gone, f"cycles broken (delete them from KNOWN_CYCLES): {gone}"
+def test_srt_has_no_import_cycles():
+    assert import_cycles("srt") == []

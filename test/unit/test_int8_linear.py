@@ -12,13 +12,8 @@ import torch.nn.functional as F
 
 from srt.model_executor.layers import cpu_kernels, int8_linear
 from srt.model_executor.layers.gptq import quantize_per_channel_gptq
-from srt.model_executor.layers.int8_linear import (
-    packed_kernel_available,
-    quantize_per_channel,
-    quantize_two_level,
-    torch_w8a8_linear,
-    w8a8_linear,
-)
+from srt.model_executor.layers.int8_linear import pack_weight, packed_kernel_available, w8a8_linear
+from srt.model_executor.layers.int8_math import quantize_per_channel, quantize_two_level, torch_w8a8_linear
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.parallel_state import TensorParallelGroup
@@ -119,7 +114,7 @@ def test_the_packed_kernel_gives_the_bits_of_int_mm(rows):
     gen = torch.Generator().manual_seed(8)
     w, x, b = torch.randn(72, 48, generator=gen), torch.randn(rows, 48, generator=gen), torch.randn(72)
     plain, packed = quantize_per_channel(w), quantize_per_channel(w)
-    assert packed.pack() and packed.packed is not None and plain.packed is None
+    assert pack_weight(packed) and packed.packed is not None and plain.packed is None
     # the packed form replaces the plain one, unless the fused linear reads it (a few tokens, with VNNI)
     kernels = cpu_kernels.load()
     assert (packed.weight is None) == (kernels is None or not kernels.use_small_linear)
@@ -230,7 +225,7 @@ def test_without_an_exact_onednn_kernel_the_fused_linear_takes_every_batch(monke
     gen = torch.Generator().manual_seed(9)
     w, b = torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
     qw = quantize_per_channel(w)
-    assert not qw.pack() and qw.packed is None and qw.weight is not None
+    assert not pack_weight(qw) and qw.packed is None and qw.weight is not None
     assert (qw.wsum is not None) == (cpu_kernels.load() is not None)
     for rows in (1, 50):
         x = torch.randn(rows, 64, generator=gen)
@@ -309,8 +304,8 @@ def test_a_packed_kernel_that_is_a_slow_fallback_is_not_used(monkeypatch):
     int8_linear.packed_kernel_available.cache_clear()
     try:
         assert not int8_linear.packed_kernel_available()
-        qw = int8_linear.quantize_per_channel(torch.randn(16, 64))
-        assert not qw.pack() and qw.packed is None and qw.weight is not None
+        qw = quantize_per_channel(torch.randn(16, 64))
+        assert not pack_weight(qw) and qw.packed is None and qw.weight is not None
     finally:
         int8_linear.packed_kernel_available.cache_clear()
     monkeypatch.setattr(int8_linear, "packed_kernel_speed_ratio", lambda: 1.0)

@@ -12,7 +12,8 @@ call, never a misread register. `CpuKernels`' methods check their tensors; `CpuK
 typed C function to a caller that checked its operands once (`cpu_decode.py`).
 
 Nothing depends on it: without a compiler, on a CPU without AVX2, or if the built library ever disagrees
-with the PyTorch path on the probe, `load()` returns None and `int8_linear.py` keeps its PyTorch ops.
+with the PyTorch path on the probe, `load()` returns None and `int8_linear.py` keeps its PyTorch ops
+(`int8_math.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import tempfile
 
 import torch
 
+from srt.model_executor.layers import int8_math as ref
 from srt.model_executor.layers.c_abi import Prototype, bind, parse_prototypes
 from srt.model_source import cache_root
 
@@ -110,7 +112,7 @@ class CpuKernels:
         return True
 
     def quantize_two_level(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `int8_linear.quantize_two_level` (x: fp32 [M, K] with unit column stride)."""
+        """As `int8_math.quantize_two_level` (x: fp32 [M, K] with unit column stride)."""
         m, k = x.shape
         q = torch.empty((2 * m, k), dtype=torch.int8)
         scale = torch.empty((2 * m, 1), dtype=torch.float32)
@@ -120,7 +122,7 @@ class CpuKernels:
     def combine_two_level(
         self, acc: torch.Tensor, scale: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """As `int8_linear.dequantize`: fp32 [M, N] from the int32 products acc [2M, N] of the two levels."""
+        """As `int8_math.dequantize`: fp32 [M, N] from the int32 products acc [2M, N] of the two levels."""
         rows, n = acc.shape
         m = rows // 2
         out = torch.empty((m, n), dtype=torch.float32)
@@ -321,10 +323,8 @@ def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> str:
 
 
 def agrees_with_torch(kernels: CpuKernels) -> bool:
-    """The probe: every kernel reproduces the PyTorch path of `int8_linear.py` to the bit on random data
+    """The probe: every kernel reproduces the PyTorch path of `int8_math.py` to the bit on random data
     with an outlier channel, a bias, and rows of several sizes."""
-    from srt.model_executor.layers import int8_linear as ref  # import here: int8_linear imports this module
-
     gen = torch.Generator().manual_seed(0)
     k, n = 2 * kernels.k_multiple * 3, 40
     w = torch.randn(n, k, generator=gen)

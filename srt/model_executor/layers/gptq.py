@@ -1,7 +1,7 @@
 """Error-compensating rounding of a weight to per-channel int8 (GPTQ), run once when a model is quantized.
 
 Why: rounding each weight to its nearest int8 level independently (round-to-nearest) leaves an error in
-every output that the next layers amplify; with exact activations (two-level, `int8_linear.py`) that
+every output that the next layers amplify; with exact activations (two-level, `int8_math.py`) that
 rounding is all that separates int8 from fp32 (+0.3 % perplexity on the embedded model). GPTQ rounds the
 input channels one after another and spreads each one's rounding error over the channels not yet rounded,
 weighted by the inverse of the layer's input second moments H = X^T X (from calibration text), so that the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from srt.model_executor.layers.int8_linear import INT8_MAX, Int8Weight, channel_scales
+from srt.model_executor.layers.int8_math import INT8_MAX, Int8Weight, channel_scales
 
 # Dampening added to H's diagonal, as a fraction of its mean: keeps the inverse stable where calibration
 # saw too few tokens to fill H's rank (GPTQ's usual 1 %).

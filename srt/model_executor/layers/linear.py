@@ -10,7 +10,7 @@ the loader keeps the shape check and the copy in one place, the layer alone know
 At one rank every slice is the whole tensor and the layers compute exactly `nn.Linear`.
 
 With `--quantization w8a8_int8` each layer's loaded (already sharded) fp32 weight is replaced by `quant`, an
-`Int8Weight` (`int8_linear.py`); the bias stays fp32.
+`Int8Weight` (`int8_math.py`); the bias stays fp32.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.model_executor.layers.int8_linear import Int8Weight, w8a8_linear
+from srt.model_executor.layers.int8_linear import w8a8_linear
+from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 # Rank that adds a row-parallel bias: added once before the all-reduce, it is in the sum exactly once.

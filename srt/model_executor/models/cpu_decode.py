@@ -19,7 +19,7 @@ import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.cpu_kernels import CpuKernels
-from srt.model_executor.layers.int8_linear import Int8Weight
+from srt.model_executor.layers.int8_math import Int8Weight
 
 
 @dataclass(frozen=True)

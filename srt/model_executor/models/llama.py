@@ -25,7 +25,8 @@ from torch import nn
 from srt.model_executor.attention.base import AttentionBackend
 from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
 from srt.model_executor.layers.cpu_kernels import CpuKernels
-from srt.model_executor.layers.int8_linear import Int8Weight, w8a8_linear
+from srt.model_executor.layers.int8_linear import w8a8_linear
+from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
 from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.parallel_state import TensorParallelGroup

@@ -1,6 +1,6 @@
 """Request-level metrics in the TokenizerManager: turns what arrives for each request (main-process receive
 times, the scheduler's step stamps) into TTFT, inter-token latencies and the finished-request record
-(METRICS.md "Events").
+(docs/metrics.md, "Per-request intervals").
 
 The finished-request record (FinishedRequestStats) is built once per request, at finish, whether metrics are
 on or not; the histograms observe it, the response's timings read it (it travels on the final ReqOutput), and

@@ -2,7 +2,7 @@
 
 It tokenizes requests (through its InputProcessor), sends them to the scheduler, and routes the detokenizer's batched outputs back to
 the waiting HTTP handlers (one asyncio queue per HTTP request, shared by its `n` samples). It also writes
-every request-level metric, on the main process's clock (METRICS.md "Events").
+every request-level metric, on the main process's clock (docs/metrics.md, "Per-request intervals").
 
 A request with `n > 1` (or several prompts) becomes one internal request per sample, each with its own rid;
 they share the prompt, so the scheduler's prefix cache computes it once.

@@ -1,4 +1,4 @@
-"""Histogram bucket lists, named once (METRICS.md appendix). Reference lists are SGLang 0.5.9's and
+"""Histogram bucket lists, named once (docs/metrics.md, "Buckets"). Reference lists are SGLang 0.5.9's and
 vLLM 0.33's, so dashboards built for either read srt's histograms at the same resolution."""
 
 from __future__ import annotations

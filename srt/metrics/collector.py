@@ -1,5 +1,6 @@
 """The public names of srt's metric writers, one import for every caller. Importing this module imports
-prometheus_client: call `srt.metrics.multiprocess.setup_multiprocess_dir()` first (METRICS.md rule 2)."""
+prometheus_client: call `srt.metrics.multiprocess.setup_multiprocess_dir()` first (docs/metrics.md,
+"The metrics directory's lifecycle")."""
 
 from srt.metrics.http import (
     METRICS_CONTENT_TYPE,

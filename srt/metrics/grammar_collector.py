@@ -2,7 +2,8 @@
 
 Updates come once per constrained request (arrival, cache hit, queue change) and once per compilation (from
 the scheduler's grammar worker thread; prometheus_client's values are lock-protected), never per token.
-The queue gauge uses `livemostrecent` and starts at 0, as the scheduler's other gauges (METRICS.md rule 3).
+The queue gauge uses `livemostrecent` and starts at 0, as the scheduler's other gauges (docs/metrics.md,
+"Gauges in multiprocess mode").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The lifecycle of `PROMETHEUS_MULTIPROC_DIR` (METRICS.md ground rule 2).
+"""The lifecycle of `PROMETHEUS_MULTIPROC_DIR` (docs/metrics.md, "The metrics directory's lifecycle").
 
 prometheus_client picks its value storage when it is first imported: with the variable set, every metric
 writes to mmap'ed files in that directory; without it, values stay in process memory where `/metrics`

@@ -1,4 +1,5 @@
-"""Per-request interval arithmetic (METRICS.md "Events"), free of prometheus and of any process.
+"""Per-request interval arithmetic (docs/metrics.md, "Per-request intervals"), free of prometheus and of any
+process.
 
 Two clocks meet here and are never mixed: `arrival_ts`, `first_token_recv_ts` and `finish_recv_ts` are the
 main process's `time.monotonic()`; `queued_ts` .. `last_token_ts` are the scheduler's. Each interval is a
@@ -9,11 +10,12 @@ Preemption needs no special case: `scheduled_ts` is the *first* scheduling, so t
 during prefill lands in prefill (and TTFT); one during decode widens the gap between two token stamps and
 so lands in decode, inference and that token's inter-token latency.
 
-This record is the one per-request timing record of DESIGN.md: the histograms observe its properties, and the
-timings in responses (`timings()`) and the request export read the very same properties, so the three views
-agree by construction. Wall-clock stamps (`request_received_ts`, `response_sent_to_client_ts`) are the only
-epoch values: the first is the main process's monotonic arrival moved onto the wall clock by `wall_offset`
-(taken once, at finish), the second is stamped when the final output is handed to the HTTP response.
+This record is the only per-request timing record: the histograms observe its properties, and the timings in
+responses (`timings()`) and the request export read the very same properties, so the three views agree by
+construction (docs/observability.md, "Per-request timings"). Wall-clock stamps (`request_received_ts`,
+`response_sent_to_client_ts`) are the only epoch values: the first is the main process's monotonic arrival
+moved onto the wall clock by `wall_offset` (taken once, at finish), the second is stamped when the final
+output is handed to the HTTP response.
 """
 
 from __future__ import annotations

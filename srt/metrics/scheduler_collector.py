@@ -1,4 +1,5 @@
-"""System-level metrics, written by each Scheduler process (METRICS.md "System level" and "Saturation").
+"""System-level metrics, written by each Scheduler process (docs/metrics.md, "Scheduler metrics" and
+"Saturation").
 
 The scheduler calls the `on_*` methods every step; they only add to plain ints and floats. `flush()`, called
 at the scheduler's log steps and when it goes idle, is the only place that touches prometheus: at most one

@@ -1,4 +1,4 @@
-"""The scheduler's log lines (METRICS.md "Log lines"), in the exact shapes operators grep for.
+"""The scheduler's log lines (docs/metrics.md, "Log lines"), in the exact shapes operators grep for.
 
 No prometheus here: the lines are written with `--disable-metrics` too.
 """

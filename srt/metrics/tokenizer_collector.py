@@ -1,4 +1,5 @@
-"""Request-level metrics, written by the TokenizerManager in the main process (METRICS.md "Request level").
+"""Request-level metrics, written by the TokenizerManager in the main process (docs/metrics.md,
+"Request-level metrics").
 
 Histograms of request data are observed here, outside the scheduler's forward loop. Label children are
 resolved once per label set and kept: a `.labels()` lookup per observation would cost more than the observation.

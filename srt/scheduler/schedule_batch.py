@@ -47,7 +47,7 @@ class Req:
         self.extend_len = 0
         self.cached_tokens = 0  # prompt tokens served by the prefix cache at first scheduling
 
-        # Events on this process's monotonic clock (METRICS.md "Events").
+        # Events on this process's monotonic clock (docs/metrics.md, "Per-request intervals").
         self.queued_ts = time.monotonic()
         self.scheduled_ts: float | None = None
         self.first_token_ts: float | None = None

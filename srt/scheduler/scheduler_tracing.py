@@ -3,7 +3,8 @@
 Off the hot path by construction: a request carries a `ReqTrace` only when the main process sent it a
 context (tracing on, level >= 2, the caller's trace sampled); the scheduler's hooks then append a few floats
 (a prefill chunk at level 3, a retraction), and the queue / prefill / prefill_chunk / decode spans are built
-from the request's own event stamps (`queued_ts` .. `last_token_ts`, METRICS.md "Events") when it finishes.
+from the request's own event stamps (`queued_ts` .. `last_token_ts`, docs/metrics.md, "Per-request
+intervals") when it finishes.
 Nothing is done per decode step or per token. Without --enable-trace the SDK is never imported and every
 hook returns at once.
 

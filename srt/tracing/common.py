@@ -77,8 +77,8 @@ class SpanAttributes:
 class WallClock:
     """Turns this process's `time.monotonic()` stamps into the epoch nanoseconds OTLP wants, with one
     wall-minus-monotonic offset taken once (when a request's spans start): every span converted with the same
-    instance keeps the exact monotonic duration (METRICS.md: intervals come from one process's monotonic
-    clock), and a wall-clock step between two requests moves neither's durations."""
+    instance keeps the exact monotonic duration (every interval comes from one process's monotonic clock:
+    docs/metrics.md, "Clocks"), and a wall-clock step between two requests moves neither's durations."""
 
     offset_ns: int
 

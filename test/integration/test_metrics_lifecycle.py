@@ -1,6 +1,7 @@
-"""The metrics directory's lifecycle with a real server (METRICS.md rule 2): stale files in a user-provided
-directory never leak into /metrics, a restart on the same directory starts at 0, clean shutdown removes
-the run's directory, and a killed scheduler's live gauges go with it."""
+"""The metrics directory's lifecycle with a real server (docs/metrics.md, "The metrics directory's
+lifecycle"): stale files in a user-provided directory never leak into /metrics, a restart on the same
+directory starts at 0, clean shutdown removes the run's directory, and a killed scheduler's live gauges go
+with it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bucket lists are the documented ones (METRICS.md appendix)."""
+"""Bucket lists are the documented ones (docs/metrics.md, "Buckets")."""
 
 from srt.metrics.buckets import (
     KV_RESIDENCY_BUCKETS,

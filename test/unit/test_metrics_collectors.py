@@ -205,9 +205,9 @@ def test_dead_scheduler_live_gauges_disappear_but_counters_stay(metrics_dir):
     assert total(after, "sglang:realtime_tokens_total", dp_rank="1", mode="decode") == 7
 
 
-# promtool's lint rejects names METRICS.md requires for SGLang/vLLM compatibility: the `sglang:` prefix (colons
-# are meant for recording rules), SGLang's `*_tokens_histogram` and vLLM's histogram `iteration_tokens_total`.
-# Only those exact findings are accepted; anything else fails.
+# promtool's lint rejects names srt keeps for SGLang/vLLM compatibility (docs/metrics.md, "Names"): the
+# `sglang:` prefix (colons are meant for recording rules), SGLang's `*_tokens_histogram` and vLLM's
+# histogram `iteration_tokens_total`. Only those exact findings are accepted; anything else fails.
 COLON_LINT = "metric names should not contain ':'"
 PROMTOOL_ACCEPTED_LINES = {
     "sglang:prompt_tokens_histogram metric name should not include type 'histogram'",

@@ -1,5 +1,5 @@
 """The shipped Prometheus config, alert rule and Grafana dashboard are valid (PromQL itself is checked
-against a real Prometheus in test/integration/test_metrics_format.py)."""
+against a real Prometheus in test/integration/test_metrics_workload.py)."""
 
 import json
 import shutil
@@ -20,7 +20,7 @@ def dashboard_exprs() -> list[str]:
     return [t["expr"] for p in dash["panels"] for t in p["targets"]]
 
 
-def test_dashboard_covers_the_issue_panels():
+def test_dashboard_covers_the_key_panels():
     text = "\n".join(dashboard_exprs())
     for needle in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                    "e2e_request_latency_seconds_bucket", "generation_tokens_total", "num_running_reqs",

@@ -1,5 +1,5 @@
-"""PROMETHEUS_MULTIPROC_DIR lifecycle (METRICS.md rule 2). Each case runs in a fresh interpreter: whether
-prometheus_client is imported, and the environment, are per-process facts."""
+"""PROMETHEUS_MULTIPROC_DIR lifecycle (docs/metrics.md, "The metrics directory's lifecycle"). Each case runs
+in a fresh interpreter: whether prometheus_client is imported, and the environment, are per-process facts."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The interval arithmetic of METRICS.md "Events", on synthetic event sequences."""
+"""The interval arithmetic of docs/metrics.md, "Per-request intervals", on synthetic event sequences."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""The scheduler's log lines match the shapes METRICS.md documents (operators grep for them)."""
+"""The scheduler's log lines match the shapes docs/metrics.md documents in "Log lines" (operators grep for
+them)."""
 
 import logging
 import re

@@ -7,8 +7,8 @@ penalties, sampled for `--steps` steps over a SmolLM2-sized vocabulary, each ste
 request (the scheduler's steady decode batch). KV free list: a pool of batch x context slots, every step
 freeing one finished request's worth of slots and allocating one slot per request.
 
-Also runs against the implementation before issue 9 (per-step penalty rebuild, concatenating free list) when
-pointed at such a checkout (PYTHONPATH=<old tree>): it detects which sampler API it finds.
+Also runs against an older implementation (penalties rebuilt every step, a free list grown by concatenation)
+when pointed at such a checkout (PYTHONPATH=<old tree>): it detects which sampler API it finds.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def make_sampling_step(sampler: Sampler, rows: list[Row]):
     """A function running one sampling step of the steady batch, whatever sampler API this tree has."""
     try:
         from srt.sampling.sampling_batch import SamplingBatch
-    except ImportError:  # before issue 9: parameters passed (and penalties rebuilt) every step
+    except ImportError:  # an older tree: parameters passed (and penalties rebuilt) every step
         params = [r.sampling_params for r in rows]
         return lambda logits: sampler.sample(
             logits,

@@ -1,5 +1,5 @@
-"""Engine throughput, in-process, on the embedded model (issue 2's benchmark): srt's scheduler against
-Hugging Face transformers on the same weights, same run, same machine.
+"""Engine throughput, in-process, on the embedded model: srt's scheduler against Hugging Face transformers
+on the same weights, same run, same machine. Recorded results are listed in docs/benchmarks/README.md.
 
 Prints batch-1 decode tok/s, aggregate decode tok/s at 16 and 64 concurrent sequences, and prefill tok/s for
 a 512-token prompt, for both, with the ratios.

@@ -1,4 +1,5 @@
-"""Which int8 GEMM is fastest here, for the embedded model's linear shapes (issue 9's measurement script).
+"""Which int8 GEMM is fastest here, for the embedded model's linear shapes (the measurement behind the kernel
+choice described in docs/cpu_execution.md).
 
 Two tables, each the best of `--repeat` after a warm-up, all inside the timing: the activation's two-level
 per-token quantization, the int8 product and the dequantization (what `--quantization w8a8_int8` runs).

@@ -6,8 +6,8 @@ The text is split into windows of `--window` tokens, each evaluated as a fresh s
 same token ids (the model's own tokenizer). Perplexity is exp(mean negative log-likelihood of each next
 token); top-1 agreement is the share of positions where the model's most likely next token equals fp32's.
 
-The gate (issue 9): int8 may be the CPU default only if its perplexity is within 2 % of fp32, no worse than
-llama.cpp's, and its top-1 agreement is at least 90 %.
+The gate: int8 may be the CPU default only if its perplexity is within 2 % of fp32, no worse than
+llama.cpp's, and its top-1 agreement is at least 90 % (docs/cpu_execution.md, "The quality gate").
 
     .venv/bin/python scripts/eval_quality.py [--model-path DIR|GGUF] [--window 1024] [--json out.json]
 """

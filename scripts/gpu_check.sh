@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks (issue 10) on a CUDA machine: every `cuda`-marked test (model = transformers in fp32 and
-# bf16, scheduler equivalences, CUDA graph = eager, Triton attention = reference, a real server), then
-# bench_engine's GPU table (srt Triton with and without CUDA graphs, torch_native, transformers' generate).
+# The GPU checks on a CUDA machine (docs/gpu_execution.md): every `cuda`-marked test (model = transformers in
+# fp32 and bf16, scheduler equivalences, CUDA graph = eager, Triton attention = reference, a real server),
+# then bench_engine's GPU table (srt Triton with and without CUDA graphs, torch_native, transformers' generate).
 #
 #   bash scripts/gpu_check.sh [extra pytest arguments]
 #

@@ -10,7 +10,7 @@ from __future__ import annotations
 # --dtype, besides "auto" (float32 on a CPU, bfloat16 on CUDA): torch dtype names
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 AUTO = "auto"
-# --kv-cache-dtype: "auto" is the model's dtype
+# --kv-cache-dtype: "auto" is float16 for the int8 model on srt's CPU kernels, else the model's dtype
 KV_CACHE_DTYPES = (AUTO, "float32", "float16")
 # --quantization: "none" serves the checkpoint's weights; w8a8_int8 is the CPU default (quantization.py)
 QUANTIZATIONS = ("none", "w8a8_int8")

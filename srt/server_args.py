@@ -126,12 +126,13 @@ class ServerArgs:
         "hermes blocks), hermes / qwen25 / qwen (Hermes, Qwen 2.5 and Qwen 3)",
         choices=tuple(TOOL_CALL_PARSERS),
     )
-    # CPU execution (issue 9)
+    # CPU execution (docs/cpu_execution.md)
     quantization: str | None = _f(
         None,
         "w8a8_int8 runs every linear layer in int8 (per-channel GPTQ weights, two-level per-token "
-        "activations; the CPU default: it passed the quality gate of scripts/eval_quality.py, see README); "
-        "none keeps fp32 (the GPU default, and the reference srt is tested against transformers with)",
+        "activations; the CPU default: it passed the quality gate of scripts/eval_quality.py, see "
+        "docs/cpu_execution.md); none keeps fp32 (the GPU default, and the reference srt is tested against "
+        "transformers with)",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = _f(
@@ -146,14 +147,14 @@ class ServerArgs:
         "(the default on CPU, where scripts/bench_mixed_chunk.py measured it better; off elsewhere)",
     )
     disable_mixed_chunk: bool = _f(False, "never mix prefill and decode in one step (the CPU default mixes)")
-    # GPU execution (issue 10)
+    # GPU execution (docs/gpu_execution.md)
     # 160 is SGLang's default on most GPUs: larger decode batches are long enough that launch overhead, what
     # a graph saves, is a small share of the step.
     cuda_graph_max_bs: int = _f(
         160, "largest decode batch replayed from a captured CUDA graph (larger ones run eagerly)"
     )
     disable_cuda_graph: bool = _f(False, "run every decode step eagerly (no CUDA graph capture at start)")
-    # Observability beyond metrics (issue 11)
+    # Observability beyond metrics: request traces, KV cache events, per-request export, custom labels
     enable_trace: bool = _f(False, "export OpenTelemetry request traces (OTLP) at trace level 1")
     otlp_traces_endpoint: str = _f(
         "localhost:4317",

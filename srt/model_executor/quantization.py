@@ -11,7 +11,8 @@ shard's):
 3. save the int8 tensors in a safetensors file under the srt cache, keyed by the checkpoint, the rank and
    the calibration settings; a later start loads it instead of calibrating (about 20 s saved here).
 
-Attention, norms, the embedding and the KV cache stay fp32.
+Attention, norms and the embedding stay fp32; the KV cache is fp16 by default where srt's CPU kernels attend
+(`--kv-cache-dtype`, model_runner.resolve_kv_cache_dtype).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = QUANTIZATIONS
 # What `--quantization` means when unset on the CPU: the one that passed the quality gate of
-# scripts/eval_quality.py (README "CPU int8"), and fp32 until one does.
+# scripts/eval_quality.py (docs/cpu_execution.md, "The quality gate"), and fp32 until one does.
 DEFAULT_CPU_QUANTIZATION = "w8a8_int8"
 CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "calibration_text.txt")
 # Calibration runs the text as independent sequences of this many tokens (bounded logits memory).

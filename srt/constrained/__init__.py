@@ -19,10 +19,10 @@ _REGISTRY = {
 NO_GRAMMAR_BACKEND = "none"
 GRAMMAR_BACKENDS = (*_REGISTRY, NO_GRAMMAR_BACKEND)
 # llguidance: on this CPU it compiles a JSON schema ~50x faster than xgrammar with a similar batch-64 mask cost,
-# and validates without importing torch in the HTTP process (scripts/bench_grammar.py; README).
+# and validates without importing torch in the HTTP process (scripts/bench_grammar.py; docs/api.md, "What a request may contain").
 DEFAULT_GRAMMAR_BACKEND = "llguidance"
 # Seconds a constraint may take to compile with its first mask (`--grammar-compile-timeout`): llguidance
-# compiles the README's nested schema in ~15 ms and xgrammar in ~0.9 s on a 2-core CPU; 5 s leaves room for
+# compiles the benchmark's nested schema in ~15 ms and xgrammar in ~0.9 s on a 2-core CPU; 5 s leaves room for
 # a slower machine and refuses what only a hostile constraint needs.
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 5.0
 

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from srt.sampling.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 
-# ---- limits (README "Request limits" lists them for users) ----
+# ---- limits (docs/api.md, "What a request may contain", lists them for users) ----
 # Samples per prompt (`n`): bounds the work one HTTP request can queue.
 MAX_N = 64
 # Prompts in one request (a list of prompts, or of token-id lists).

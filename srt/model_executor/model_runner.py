@@ -371,7 +371,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    @torch.inference_mode()
     def forward_windows(self, ids: list[int], window: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Teacher-forced forward over a long token list (int8 calibration, scripts/eval_quality.py): (fp32
         logits at every position, the window's token ids) for consecutive windows of `ids`, each run as a

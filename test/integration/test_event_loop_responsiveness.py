@@ -1,4 +1,4 @@
-"""Issue 8, point 3: huge requests cannot stall the HTTP process. While normal chat traffic runs, a 50 MB
+"""Huge requests cannot stall the HTTP process. While normal chat traffic runs, a 50 MB
 body (over --max-request-bytes: 413) and a 5 MB prompt (over the character bound: 400) arrive together;
 /health and a small normal request keep answering, p99 within `P99_LIMIT_SECONDS`.
 

@@ -1,4 +1,4 @@
-"""KV cache events from a real server (issue 11, part 3): a subscriber that joins after start-up replays
+"""KV cache events from a real server: a subscriber that joins after start-up replays
 what it missed, sees the blocks of the prompts it sent, and sees them all go on /flush_cache."""
 
 from __future__ import annotations

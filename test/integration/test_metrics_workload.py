@@ -1,4 +1,4 @@
-"""A real srt server under a known workload: `/metrics` must agree with what the client saw (issue 4:
+"""A real srt server under a known workload: `/metrics` must agree with what the client saw:
 exact counts, client vs server, idle, format with promtool and a real Prometheus, log lines)."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ LONG_PREFIX = " ".join(
 )
 
 
-# Structured-output requests in the mix (issue 12): one schema, compiled once; n=2 makes 4 sequences.
+# Structured-output requests in the mix: one schema, compiled once; n=2 makes 4 sequences.
 SCHEMA = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}},

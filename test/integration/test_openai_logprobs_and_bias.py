@@ -1,4 +1,4 @@
-"""Issue 12, parts 3, 4 and 6 on a real server through the real `openai` client: `logit_bias` changes greedy
+"""Log-probabilities and logit bias on a real server through the real `openai` client: `logit_bias` changes greedy
 output, completions `echo` + `logprobs` (also with `max_tokens=0`, as lm-evaluation-harness scores) returns
 the prompt's log-probabilities equal to a teacher-forced transformers forward, after a prefix-cache hit and
 over chunked prefill too, and `usage` never counts more cached than prompt tokens."""

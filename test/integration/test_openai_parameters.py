@@ -1,6 +1,6 @@
-"""Every parameter of README's "Parameters" table, checked against a real server (issue 12, part 5).
+"""Every parameter of the "Parameters" table in docs/api.md, checked against a real server.
 
-The table is parsed from README.md: each cell (chat, completions, `/generate`'s sampling_params) is a claim —
+The table is parsed from docs/api.md: each cell (chat, completions, `/generate`'s sampling_params) is a claim —
 honoured (the output shows it), refused (a 400 naming it), ignored (accepted, output unchanged) or — (not a
 parameter there: a 400 naming it) — and each claim is tested here, streaming and not. The table must list
 exactly the request models' fields and every parameter of the installed `openai` client, so the table,
@@ -62,10 +62,10 @@ SAMPLE = {
 }  # fmt: skip
 
 
-# ---------------------------------------------------------------- the README table
-def readme_table() -> dict[str, dict[str, str]]:
-    """{parameter: {route: status}} from README's parameter table; status honoured/refused/ignored/tools/—."""
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+# ---------------------------------------------------------------- the documented table
+def documented_table() -> dict[str, dict[str, str]]:
+    """{parameter: {route: status}} from docs/api.md's parameter table; status honoured/refused/ignored/tools/—."""
+    lines = (REPO_ROOT / "docs" / "api.md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| parameter | chat | completions |"))
     table: dict[str, dict[str, str]] = {}
     for line in lines[start + 2 :]:
@@ -80,7 +80,7 @@ def readme_table() -> dict[str, dict[str, str]]:
     return table
 
 
-TABLE = readme_table()
+TABLE = documented_table()
 
 
 def cases() -> list:

@@ -1,4 +1,4 @@
-"""Issue 8, property-based: whatever JSON a client sends to a generation route (or to the tokenizer routes),
+"""Property-based: whatever JSON a client sends to a generation route (or to the tokenizer routes),
 the answer is a 2xx or a 4xx with OpenAI's error object, never a 5xx, and the server's processes survive.
 
 Arbitrary JSON values (huge integers, NaN, lone surrogates, nested containers) replace random fields of an

@@ -1,4 +1,4 @@
-"""Issue 11, points 2, 4, 5 and 6 against one real server: per-request timings in responses equal what
+"""The per-request views against one real server: per-request timings in responses equal what
 `/metrics` observed and what the request export wrote, custom labels stay bounded, and load reports answer
 in vLLM's header format."""
 
@@ -28,7 +28,7 @@ OBSERVED = {
     "inference_time": "sglang:request_inference_time_seconds",
     "time_per_output_token": "sglang:time_per_output_token_seconds",
 }
-# Every field of a response's timings (README "Per-request timings").
+# Every field of a response's timings (docs/observability.md, "Per-request timings").
 TIMING_FIELDS = (
     *OBSERVED,
     "decode_throughput",

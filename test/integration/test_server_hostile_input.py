@@ -1,4 +1,4 @@
-"""Issue 8, the HTTP boundary: whatever a hostile client sends to any route, it gets a 4xx with OpenAI's
+"""The HTTP boundary: whatever a hostile client sends to any route, it gets a 4xx with OpenAI's
 error object naming the field at fault, and the very same server processes keep serving afterwards.
 
 One server serves the whole module. Its baseline (child pids, the start-time lines of /metrics) is recorded

@@ -1,4 +1,4 @@
-"""Process-level robustness of a real server (issue 8, points 5-8): the API key, the body size limit, idle
+"""Process-level robustness of a real server: the API key, the body size limit, idle
 and slowloris connections under a low open-files limit, stale temp directories, impossible KV sizes, and a
 graceful SIGTERM under load."""
 

@@ -1,4 +1,4 @@
-"""Structured output end to end (issue 12): JSON-schema output parses and validates over many seeds,
+"""Structured output end to end: JSON-schema output parses and validates over many seeds,
 json_object output is JSON, regex and EBNF constraints hold (streaming too), invalid constraints are a 400
 naming the field, and the grammar metrics count what was sent."""
 

@@ -1,4 +1,4 @@
-"""Tools end to end (issue 12, part 2) with the real `openai` client: forced choices (`required`, named)
+"""Tools end to end with the real `openai` client: forced choices (`required`, named)
 return calls whose arguments validate against the tool's schema, with finish_reason `tool_calls`; streamed
 deltas reassemble into the same call; `auto` answers well-formed and streams the same; the next turn, with
 the assistant's calls and the tool's result in the history, renders that result and answers well-formed;

@@ -1,4 +1,4 @@
-"""KV cache events (issue 11, part 3): the wire format vLLM's and SGLang's subscribers decode, the
+"""KV cache events: the wire format vLLM's and SGLang's subscribers decode, the
 `--kv-events-config` checks, the radix cache's hooks, the non-blocking publisher with its replay socket,
 and a subscriber that rebuilds exactly the blocks the scheduler's radix cache holds."""
 

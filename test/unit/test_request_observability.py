@@ -1,4 +1,4 @@
-"""Issue 11's per-request views without a server: custom-label policy, the request export's files and
+"""The per-request views without a server: custom-label policy, the request export's files and
 drops, the load report's formats and its reader over gauge files, and the timings of a finished record."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None
 
 
-# ---- every parameter honoured, refused or (metadata only) ignored: README "Parameters" lists them all ----
+# ---- every parameter honoured, refused or (metadata only) ignored: docs/api.md, "Parameters: honoured, refused or ignored", lists them all ----
 # OpenAI's metadata limits: at most 16 pairs, keys up to 64 characters, values up to 512.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # Identifiers OpenAI only logs or routes by (user, safety_identifier, prompt_cache_key, service_tier).
@@ -137,7 +137,7 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
     skip_special_tokens: bool = True
     stop_token_ids: StopTokenIds | None = None
     rid: Rid | None = None
-    # srt's: per-request timings in each choice (`timing`), README "Per-request timings".
+    # srt's: per-request timings in each choice (`timing`), docs/observability.md, "Per-request timings".
     return_timing: bool | None = None
 
     @property

@@ -111,7 +111,7 @@ def wants_timing(tm: TokenizerManager, asked: bool | None) -> bool:
 
 
 def timing(stats: FinishedRequestStats | None) -> dict | None:
-    """A choice's `timing` object: the same values its request's histograms observed (README "Per-request
+    """A choice's `timing` object: the same values its request's histograms observed (docs/observability.md, "Per-request
     timings")."""
     return None if stats is None else stats.timings()
 

@@ -22,13 +22,13 @@ import time
 import torch
 from transformers import AutoConfig
 
+from srt.heap import CHILD_MALLOC_ENV
 from srt.io_struct import TokenizedGenerateReqInput
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_source import resolve_model_dir
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
-from srt.utils import CHILD_MALLOC_ENV
 
 PREFILL_LEN = 512
 DECODE_PROMPT_LEN = 32

@@ -11,8 +11,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from srt.utils import (
-    ConfigError,
+from srt.process_control import (
     leave_stopping_to_the_launcher,
     set_parent_death_signal,
     set_process_name,
@@ -25,6 +24,11 @@ EXIT_CONFIG_ERROR = 2  # as argparse exits for a bad flag
 OUT_OF_MEMORY_MARKERS = ("out of memory", "can't allocate memory", "not enough memory")
 # The size in torch's allocation errors ("... tried to allocate 8000000000000 bytes", "... 20.00 GiB").
 ALLOCATION_SIZE = re.compile(r"tried to allocate [\d.]+ ?\w+", re.IGNORECASE)
+
+
+class ConfigError(Exception):
+    """A start-up problem the user fixes by changing a flag or an environment value (the launcher reports it
+    in one line and exits with code 2, as argparse does for a bad flag)."""
 
 
 @dataclass

@@ -29,21 +29,17 @@ from typing import TYPE_CHECKING
 from srt.child_startup import (
     EXIT_CHILD_FAILED,
     EXIT_CONFIG_ERROR,
+    ConfigError,
     StartupError,
     StartupFailure,
     one_line,
     run_child,
 )
+from srt.heap import keep_heap_for_children
+from srt.process_control import CHILD_STOP_SIGNAL, kill_process_tree, raise_fd_limit
 from srt.process_logging import configure_process_logging
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import (
-    CHILD_STOP_SIGNAL,
-    ConfigError,
-    bind_listener,
-    keep_heap_for_children,
-    kill_process_tree,
-    raise_fd_limit,
-)
+from srt.sockets import bind_listener
 
 if TYPE_CHECKING:
     from srt.http_server.middleware import AdmissionGate

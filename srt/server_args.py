@@ -20,7 +20,7 @@ from srt.engine_options import (
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from srt.kv_events.config import parse_kv_events_config
 from srt.metrics.custom_labels import parse_allowed_custom_labels
-from srt.utils import make_owned_temp_dir, remove_stale_dirs
+from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")

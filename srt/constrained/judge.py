@@ -75,8 +75,9 @@ def judge_in_process(backend, key: GrammarKey) -> str | None:
 
 def _child_main(conn, backend_name: str, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int]):
     """The judge child: load the tokenizer and the backend, say ready, then answer one key at a time."""
+    from srt.process_control import set_parent_death_signal, set_process_name, watch_parent_process
     from srt.process_logging import configure_process_logging
-    from srt.utils import load_tokenizer, set_parent_death_signal, set_process_name, watch_parent_process
+    from srt.tokenizer_loading import load_tokenizer
 
     configure_process_logging("WARNING", "grammar")  # it has nothing to say but problems
     set_process_name(JUDGE_PROCESS_NAME)

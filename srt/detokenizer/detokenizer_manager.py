@@ -24,7 +24,8 @@ import zmq
 from srt.io_struct import BatchOutMeta, BatchStrOut, BatchTokenIDOut, FinishReason
 from srt.process_logging import configure_process_logging
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import get_zmq_socket, load_tokenizer
+from srt.sockets import get_zmq_socket
+from srt.tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,8 @@ from srt.io_struct import (
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import get_zmq_socket, load_tokenizer
+from srt.sockets import get_zmq_socket
+from srt.tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import zmq
 from srt.kv_events.config import FLAG, KVEventsConfig, binds, parse_kv_events_config
 from srt.kv_events.wire import END_SEQ, SEQ_BYTES, encode_batch, frames, parse_seq
 from srt.mem_cache.kv_events import KVCacheEvent
-from srt.utils import get_zmq_socket
+from srt.sockets import get_zmq_socket
 
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs

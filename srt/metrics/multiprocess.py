@@ -19,7 +19,8 @@ import os
 import shutil
 import sys
 
-from srt.utils import ConfigError, make_owned_temp_dir, remove_stale_dirs
+from srt.child_startup import ConfigError
+from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import threading
 import time
 from datetime import UTC, datetime
 
-from srt.utils import ConfigError
+from srt.child_startup import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
+from srt.heap import release_free_heap
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -36,7 +37,6 @@ from srt.model_executor.quantization import (
     resolve_quantization,
 )
 from srt.model_source import resolve_model_dir
-from srt.utils import release_free_heap
 
 logger = logging.getLogger(__name__)
 

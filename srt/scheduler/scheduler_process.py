@@ -23,7 +23,7 @@ from srt.scheduler.runner_builder import build_runner
 from srt.scheduler.scheduler import Scheduler
 from srt.scheduler.scheduler_tracing import SchedulerTracing
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import get_zmq_socket
+from srt.sockets import get_zmq_socket
 
 if TYPE_CHECKING:
     from srt.scheduler.tp_peers import TpPeers

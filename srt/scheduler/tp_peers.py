@@ -23,17 +23,17 @@ import threading
 import time
 
 from srt.model_executor.parallel_state import TensorParallelGroup
-from srt.process_logging import configure_process_logging, rank_label
-from srt.scheduler.runner_builder import build_runner
-from srt.scheduler.scheduler import Scheduler
-from srt.server_args import PortArgs, ServerArgs
-from srt.utils import (
+from srt.process_control import (
     CHILD_STOP_SIGNAL,
     leave_stopping_to_the_launcher,
     set_parent_death_signal,
     set_process_name,
     watch_parent_process,
 )
+from srt.process_logging import configure_process_logging, rank_label
+from srt.scheduler.runner_builder import build_runner
+from srt.scheduler.scheduler import Scheduler
+from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TpPeers:
         self.processes = processes
         # When this process ends (a multiprocessing child, so not through atexit), multiprocessing SIGTERMs
         # its daemon children and waits for them. The peers ignore SIGTERM (see
-        # utils.leave_stopping_to_the_launcher): after an uncaught exception this rank would wait forever and
+        # process_control.leave_stopping_to_the_launcher): after an uncaught exception this rank would wait forever and
         # the launcher would never notice. Finalizers of priority >= 0 run before that wait.
         multiprocessing.util.Finalize(None, self.stop, exitpriority=10)
 

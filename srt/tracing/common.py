@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from srt.utils import ConfigError
+from srt.child_startup import ConfigError
 
 # ---- levels (SGLang's /set_trace_level range; cumulative) ----
 TRACE_LEVEL_OFF = 0  # nothing is recorded or exported

@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from srt.constrained.judge import JUDGE_PROCESS_NAME
-from srt.utils import descendant_pids, find_free_port, pid_alive, process_name
+from srt.process_control import descendant_pids, pid_alive, process_name
+from srt.sockets import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Loading the model on a busy 2-core machine can take a minute; the first run also converts the GGUF.

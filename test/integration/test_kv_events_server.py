@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from srt.mem_cache.kv_events import block_id, chain_digests
-from srt.utils import find_free_port
+from srt.sockets import find_free_port
 from test.integration.conftest import running_server
 from test.unit.kv_event_subscriber import BlockSetSubscriber
 

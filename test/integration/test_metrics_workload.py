@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from srt.metrics.text_format import Sample, parse_metrics_text, select, total
-from srt.utils import find_free_port
+from srt.sockets import find_free_port
 from test.integration.conftest import ServerHandle, launch_server
 from test.unit.test_metrics_collectors import promtool_problems
 

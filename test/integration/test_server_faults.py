@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from srt.utils import pid_alive
+from srt.process_control import pid_alive
 from test.integration.conftest import launch_server, session_pids
 
 pytestmark = pytest.mark.slow

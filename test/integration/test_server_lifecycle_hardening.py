@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from srt.http_server.uvicorn_server import HEADER_READ_TIMEOUT_SECONDS
-from srt.utils import process_start_time
+from srt.process_control import process_start_time
 from test.integration.conftest import API_KEY, launch_server
 from test.unit.test_startup_errors import dead_pid
 

@@ -11,13 +11,13 @@ from datetime import UTC, datetime
 
 import pytest
 
+from srt.child_startup import ConfigError
 from srt.http_server.load_report import format_load_report
 from srt.metrics.custom_labels import OTHER_VALUE, parse_allowed_custom_labels
 from srt.metrics.load_snapshot import LoadSnapshot
 from srt.metrics.request_export import RequestExporter, check_export_dir, hourly_file_name
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.server_args import ServerArgs
-from srt.utils import ConfigError
 
 
 # ---------------------------------------------------------------- custom labels

@@ -17,18 +17,14 @@ import pytest
 from srt.child_startup import (
     EXIT_CHILD_FAILED,
     EXIT_CONFIG_ERROR,
+    ConfigError,
     StartupFailure,
     run_child,
     startup_failure,
 )
-from srt.utils import (
-    ConfigError,
-    bind_listener,
-    make_owned_temp_dir,
-    process_start_time,
-    raise_fd_limit,
-    remove_stale_dirs,
-)
+from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
+from srt.process_control import process_start_time, raise_fd_limit
+from srt.sockets import bind_listener
 
 # None of these loads a model: each must fail in about the time the interpreter takes to start.
 FAST_FAIL_SECONDS = 30.0
@@ -186,7 +182,7 @@ def test_fd_soft_limit_is_raised_to_the_hard_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard <= 1024:
         pytest.skip(f"hard open-files limit is only {hard}")
-    code = "from srt.utils import raise_fd_limit; import resource; print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
+    code = "from srt.process_control import raise_fd_limit; import resource; print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
     r = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import signal
 import time
 
-from srt.utils import pid_alive
+from srt.process_control import pid_alive
 
 EXIT_SECONDS = 30.0
 

@@ -16,6 +16,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from srt.child_startup import ConfigError
 from srt.http_server.req_state import ReqState
 from srt.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput, TraceContext
 from srt.metrics.request_stats import FinishedRequestStats
@@ -34,7 +35,6 @@ from srt.tracing.common import (
 from srt.tracing.http import RECEIVED_TS_KEY
 from srt.tracing.otel import Tracer
 from srt.tracing.request_tracer import RequestTracer
-from srt.utils import ConfigError
 
 A = SpanAttributes
 CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -1,4 +1,5 @@
-"""Small process and socket helpers shared by the launcher and the subprocesses.
+"""The server's processes among themselves: their names, how a child notices its parent died, how the
+launcher stops them (and why not with SIGTERM), finding and killing a process tree, the open-files limit.
 
 Nothing here imports torch or prometheus_client: the launcher imports this module before it sets up the
 metrics directory, and the HTTP process must never load torch.
@@ -7,19 +8,12 @@ metrics directory, and the HTTP process must never load torch.
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import resource
-import shutil
 import signal
-import socket
-import sys
-import tempfile
 import threading
 import time
-
-import zmq
 
 logger = logging.getLogger(__name__)
 
@@ -40,59 +34,6 @@ TERMINATE_GRACE_SECONDS = 3.0
 CHILD_STOP_SIGNAL = signal.SIGUSR1
 # Index of `starttime` (field 22 of /proc/<pid>/stat) among the fields after the command name (field 2).
 STAT_STARTTIME_INDEX = 19
-
-
-class ConfigError(Exception):
-    """A start-up problem the user fixes by changing a flag or an environment value (the launcher reports it
-    in one line and exits with code 2, as argparse does for a bad flag)."""
-
-
-ADVISORY_WARNINGS_ENV = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
-
-
-def load_tokenizer(path: str):
-    """`AutoTokenizer.from_pretrained(path)`, keeping torch out of a process that has not loaded it yet.
-
-    Why: transformers imports torch whenever it is installed, and torch's libraries then stay resident
-    (about 240 MB) in processes that only tokenize and detokenize (the HTTP process, the detokenizer).
-    Without torch, transformers still loads tokenizers ("only tokenizers, configuration and file/data
-    utilities"). The block is lifted afterwards, so a later `import torch` (an optional grammar backend's)
-    still works."""
-    hide = "torch" not in sys.modules
-    # transformers' first import would warn that PyTorch was not found: true here, and meant
-    quiet = hide and "transformers" not in sys.modules and ADVISORY_WARNINGS_ENV not in os.environ
-    if hide:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's "not importable"
-    if quiet:
-        os.environ[ADVISORY_WARNINGS_ENV] = "1"
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    finally:
-        if hide and "torch" in sys.modules and sys.modules["torch"] is None:
-            del sys.modules["torch"]
-        if quiet:
-            del os.environ[ADVISORY_WARNINGS_ENV]
-
-
-def get_zmq_socket(
-    context: zmq.Context, socket_type: int, endpoint: str, bind: bool, hwm: int | None = 0
-) -> zmq.Socket:
-    """Every ZMQ socket of srt, bound or connected, never lingering at close. The ring's PUSH/PULL sockets
-    keep the default unlimited high-water marks (`hwm=0`): a full queue must never block or drop a message
-    (the ring carries one message per scheduler step, so memory stays bounded by the work in flight). A
-    publisher to outside subscribers passes its own bound (None keeps ZMQ's)."""
-    sock = context.socket(socket_type)
-    if hwm is not None:
-        sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.LINGER, 0)
-    if bind:
-        sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
-    return sock
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -230,93 +171,3 @@ def raise_fd_limit() -> tuple[int, int]:
         logger.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, e)
         return soft, soft
     return soft, hard
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """Bind (without listening yet) the HTTP server's socket, so a taken port or a bad host fails at once,
-    before any child process starts; connections are refused until the server listens on it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is reusable
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(
-                f"port {port} on {host} is already in use: stop the process that holds it or choose another "
-                "--port"
-            ) from None
-        reason = e.strerror or str(e)
-        raise ConfigError(f"cannot listen on {host}:{port} ({reason}): check --host and --port") from None
-    return sock
-
-
-# Temporary directories of a server (ZMQ sockets, metrics files) are named `<prefix><pid>-<start>-<random>`
-# after the launcher that owns them, so a later start can remove those a SIGKILLed launcher left behind.
-def make_owned_temp_dir(prefix: str, parent: str | None = None) -> str:
-    """A fresh temporary directory whose name records this process (pid and start time) as its owner."""
-    pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"{prefix}{pid}-{process_start_time(pid) or 0}-", dir=parent)
-
-
-def owner_alive(name: str, prefix: str) -> bool | None:
-    """Whether the process named in an owned directory's name still runs (the same process: a reused pid
-    has another start time); None for a name that records no owner (left alone)."""
-    parts = name[len(prefix) :].split("-")
-    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
-        return None
-    pid, start = int(parts[0]), int(parts[1])
-    return pid_alive(pid) and process_start_time(pid) in (start, None)
-
-
-def remove_stale_dirs(prefix: str, parent: str | None = None) -> list[str]:
-    """Remove the `prefix` directories in `parent` (default: the temp dir) whose owner process is gone; a
-    live server's directories, and directories that record no owner, are kept. Returns the removed paths."""
-    parent = parent or tempfile.gettempdir()
-    removed = []
-    try:
-        entries = [
-            e for e in os.scandir(parent) if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
-        ]
-    except OSError:
-        return removed
-    for entry in entries:
-        if owner_alive(entry.name, prefix) is False:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            logger.info("removed %s: its owner process is gone", entry.path)
-            removed.append(entry.path)
-    return removed
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-# glibc returns every freed block above the mmap threshold to the kernel, so each forward step's multi-MB
-# activations come back as fresh pages and pay a page fault per 4 KiB on first touch (measured on the
-# embedded model: batch-1 decode 71 -> 59 ms/step with the heap kept). Children read these at exec.
-CHILD_MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
-    "MALLOC_TRIM_THRESHOLD_": str(8 << 30),
-}
-
-
-def release_free_heap() -> None:
-    """Hand the heap's free memory back to the kernel once (glibc's malloc_trim), after a one-time phase that
-    freed a lot — the fp32 weights that int8 replaced — which CHILD_MALLOC_ENV would otherwise keep
-    resident for the process's life. A no-op where glibc is not the allocator."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def keep_heap_for_children() -> None:
-    """Make spawned children (scheduler, detokenizer) keep freed memory in their heap; a value the user set
-    wins."""
-    for key, value in CHILD_MALLOC_ENV.items():
-        os.environ.setdefault(key, value)

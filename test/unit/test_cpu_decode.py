@@ -65,3 +65,21 @@ def test_the_lean_decode_step_gives_the_module_paths_bits(runner):
     assert all(torch.equal(a, b) for a, b in zip(lean_logits, module_logits, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(lean_kv, module_kv, strict=True))
     assert not torch.equal(lean_logits[0], lean_logits[1])  # the steps decoded something
+
+
+@pytest.mark.parametrize("batch", [1, 8, 9, 64])
+def test_the_lean_step_takes_a_batch_only_where_the_fused_kernel_takes_every_linear_layer(runner, batch):
+    """The lean step runs every linear layer through the fused kernel, so it must not take a batch size for
+    which the module path would have chosen a faster library kernel (packed oneDNN, or `_int_mm` with
+    VNNI): same bits either way, but the wrong kernel is up to 2x slower."""
+    from srt.model_executor.quantization import linear_layers
+
+    kernels = cpu_kernels.load()
+    weights = [m.quant for _, m in linear_layers(runner.model)]
+    fused_everywhere = all(
+        w.weight is not None
+        and w.wsum is not None
+        and kernels.takes_linear(batch, w.weight.shape[1], w.packed is not None)
+        for w in weights
+    )
+    assert runner.model.cpu_decode.takes(batch) == fused_everywhere

@@ -96,9 +96,11 @@ class CpuDecodeStep:
         self.max_k = max(
             lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
-        # packed weights (VNNI) leave the fused kernel only a few tokens; plain ones (AVX2) every batch size
+        # every linear layer of the step goes through the fused kernel, so the step takes the batch sizes that
+        # kernel takes (CpuKernels.takes_linear): a few tokens where a library kernel is faster beyond them
+        # (packed weights, or VNNI with `_int_mm`), every batch size with AVX2 alone
         packed = any(w.packed is not None for w in _weights(model))
-        self.max_batch = kernels.max_small_rows if packed else None
+        self.max_batch = kernels.max_small_rows if packed or kernels.use_small_linear else None
 
     @staticmethod
     def build(model, kernels: CpuKernels | None) -> CpuDecodeStep | None:

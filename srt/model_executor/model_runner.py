@@ -23,6 +23,7 @@ from transformers import AutoConfig, GenerationConfig
 from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
 from srt.heap import release_free_heap
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
@@ -227,12 +228,12 @@ class ModelRunner:
             self.model.model.embed_tokens.weight = torch.nn.Parameter(mapped_embedding, requires_grad=False)
         self.load_weights_seconds = time.monotonic() - start
 
-        attn = self.model.model.layers[0].self_attn
+        layout = self.model.kv_layout
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             kv_cache_dtype, self.quantization, self.device, self.dtype
         )
         self.max_total_num_tokens = self.tp.min_across_ranks(
-            self._kv_capacity(attn, max_total_tokens, mem_fraction_static)
+            self._kv_capacity(layout, max_total_tokens, mem_fraction_static)
         )
         self.max_running_requests = max_running_requests or min(
             DEFAULT_MAX_RUNNING_REQUESTS, max(1, self.max_total_num_tokens // MIN_KV_SLOTS_PER_REQUEST)
@@ -246,21 +247,27 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
             self.kv_cache_dtype,
-            attn.num_kv_heads,
-            attn.head_dim,
-            self.hf_config.num_hidden_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.num_layers,
             device=self.device,
         )
         self.attention_backend_name = resolve_backend_name(attention_backend, self.device)
         self.model.attn_backend = backend_class(self.attention_backend_name)(
             self.req_to_token_pool,
             self.token_to_kv_pool,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            attn.head_dim**-0.5,
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_dim,
             self.device,
         )
+        for layer in self.model.attention_layers():
+            reason = self.model.attn_backend.unsupported(layer)
+            if reason is not None:
+                raise ValueError(
+                    f"attention backend {self.attention_backend_name!r} cannot run layer {layer.layer_id} of this "
+                    f"model ({reason}); choose another --attention-backend"
+                )
         self.cuda_graph = self._capture_cuda_graphs(cuda_graph_max_bs)
         if self.quantization == "w8a8_int8":
             if self.dtype != torch.float32:
@@ -326,11 +333,11 @@ class ModelRunner:
         if mapped is not None:
             self.model.model.embed_tokens.weight = torch.nn.Parameter(mapped, requires_grad=False)
 
-    def _kv_capacity(self, attn, max_total_tokens: int | None, mem_fraction_static: float) -> int:
+    def _kv_capacity(self, layout: KVLayout, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         if max_total_tokens is not None:
             return max_total_tokens
         per_token = MHATokenToKVPool.bytes_per_token(
-            self.kv_cache_dtype, attn.num_kv_heads, attn.head_dim, self.hf_config.num_hidden_layers
+            self.kv_cache_dtype, layout.num_kv_heads, layout.head_dim, layout.num_layers
         )
         if mem_fraction_static is None:
             device_type = torch.device(self.device).type

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from srt.model_executor.attention import registry  # noqa: E402
 from srt.model_executor.attention import triton_kernels as kernels  # noqa: E402
+from srt.model_executor.attention.base import AttentionLayer  # noqa: E402
 from srt.model_executor.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 
@@ -91,9 +92,7 @@ class Step:
 
     def backend(self) -> TritonAttnBackend:
         heads, kv_heads, head_dim = self.q.shape[1], self.k.shape[1], self.q.shape[2]
-        return TritonAttnBackend(
-            self.req_pool, self.kv_pool, heads, kv_heads, head_dim, self.scaling, self.device
-        )
+        return TritonAttnBackend(self.req_pool, self.kv_pool, heads, kv_heads, head_dim, self.device)
 
     def batch(self, mode: ForwardMode, num_decode: int = 0, seq_lens_cpu=None) -> ForwardBatch:
         totals = [p + n for p, n in zip(self.prefix_lens, self.new_lens, strict=True)]
@@ -115,7 +114,7 @@ class Step:
     def run(self, mode: ForwardMode, **batch_kwargs) -> torch.Tensor:
         backend, batch = self.backend(), self.batch(mode, **batch_kwargs)
         backend.init_forward_metadata(batch)
-        return backend.forward(self.q, self.k, self.v, 0, batch)
+        return backend.forward(self.q, self.k, self.v, AttentionLayer(0, self.scaling), batch)
 
     def reference(self, new_from_pool: bool = False) -> torch.Tensor:
         """float64 causal softmax attention over each sequence's prefix (from the pool, in its dtype) and
@@ -172,13 +171,21 @@ def test_decode_reads_no_host_data_and_follows_changed_tensors():
     batch = first.batch(ForwardMode.DECODE, seq_lens_cpu=Untouchable())
     backend = first.backend()
     backend.init_forward_metadata(batch)
-    assert_matches(backend.forward(first.q, first.k, first.v, 0, batch), first.reference(), torch.float32)
+    assert_matches(
+        backend.forward(first.q, first.k, first.v, AttentionLayer(0, first.scaling), batch),
+        first.reference(),
+        torch.float32,
+    )
     assert TritonAttnBackend.cuda_graph_safe_decode
     # same pools and batch tensors, new contents: other lengths, rows and slots
     second = Step([70, 0, 9], [1, 1, 1], 4, 2, 16, torch.float32, torch.float32, seed=2, **sizes)
     move_layout(second, into=first, batch=batch)
     backend.init_forward_metadata(batch)
-    assert_matches(backend.forward(second.q, second.k, second.v, 0, batch), second.reference(), torch.float32)
+    assert_matches(
+        backend.forward(second.q, second.k, second.v, AttentionLayer(0, second.scaling), batch),
+        second.reference(),
+        torch.float32,
+    )
 
 
 def move_layout(src: Step, into: Step, batch: ForwardBatch) -> None:
@@ -257,7 +264,7 @@ def test_reduced_precision_pools_and_queries(q_dtype, kv_dtype):
 def test_unsupported_head_dims_are_refused_at_construction():
     step = Step([0], [1], 1, 1, 16, torch.float32, torch.float32, seed=9, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim"):
-        TritonAttnBackend(step.req_pool, step.kv_pool, 1, 1, 2 * kernels.MAX_HEAD_DIM, 1.0, DEVICE)
+        TritonAttnBackend(step.req_pool, step.kv_pool, 1, 1, 2 * kernels.MAX_HEAD_DIM, DEVICE)
 
 
 def test_cuda_prefers_flashinfer_then_triton_and_cpu_refuses_triton_without_the_interpreter(monkeypatch):
@@ -322,10 +329,12 @@ def test_realistic_shapes_on_cuda(heads, kv_heads, head_dim, dtype):
     check(step.run(ForwardMode.DECODE), step.reference())
     backend, batch = step.backend(), step.batch(ForwardMode.DECODE, seq_lens_cpu=Untouchable())
     backend.init_forward_metadata(batch)
-    backend.forward(step.q, step.k, step.v, 0, batch)  # warm-up compiles outside the capture
+    backend.forward(
+        step.q, step.k, step.v, AttentionLayer(0, step.scaling), batch
+    )  # warm-up compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = backend.forward(step.q, step.k, step.v, 0, batch)
+        graph_out = backend.forward(step.q, step.k, step.v, AttentionLayer(0, step.scaling), batch)
     shorter = [max(1, n // 3) for n in lens]
     moved = Step([n - 1 for n in shorter], [1] * len(lens), heads, kv_heads, head_dim, dtype, dtype,
                  seed=11, **sizes)  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from srt.model_executor.attention.base import AttentionBackend
+from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 PAGE_SIZE = 1  # one token per page: the pool's slots are pages
@@ -22,6 +22,8 @@ class FlashInferAttnBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         import flashinfer  # deferred: see module docstring
 
+        # a step's plan fixes the score scale for every layer: 1/sqrt(head_dim), the one it runs
+        self.plan_scaling = self.head_dim**-0.5
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, KV_LAYOUT)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, KV_LAYOUT)
@@ -38,7 +40,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if batch.is_decode:
             self._decode.plan(
                 kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                PAGE_SIZE, sm_scale=self.scaling, **common,
+                PAGE_SIZE, sm_scale=self.plan_scaling, **common,
             )  # fmt: skip
             return
         qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=self.device)
@@ -46,18 +48,23 @@ class FlashInferAttnBackend(AttentionBackend):
         qo_indptr[1:] = torch.cumsum(new_counts, 0)
         self._prefill.plan(
             qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-            PAGE_SIZE, causal=True, sm_scale=self.scaling, **common,
+            PAGE_SIZE, causal=True, sm_scale=self.plan_scaling, **common,
         )  # fmt: skip
 
     @property
     def token_to_kv_pool_dtype(self) -> torch.dtype:
         return self.token_to_kv_pool.get_kv_buffer(0)[0].dtype
 
+    def unsupported(self, layer: AttentionLayer) -> str | None:
+        if layer.scaling != self.plan_scaling:
+            return f"a score scale other than 1/sqrt(head_dim) ({layer.scaling})"
+        return super().unsupported(layer)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.token_to_kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
+        self.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [pages, page_size=1, kv_heads, head_dim]
         wrapper = self._decode if batch.is_decode else self._prefill
         out = wrapper.run(q.contiguous(), paged)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from srt.mem_cache.memory_pool import PADDING_SLOT  # padded index positions point at the reserved slot
-from srt.model_executor.attention.base import AttentionBackend
+from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 # The decode gather buffers grow by at least this factor, so a slowly growing batch reallocates rarely.
@@ -123,28 +123,28 @@ class TorchNativeAttnBackend(AttentionBackend):
         return seqs
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.token_to_kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        self.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.is_decode:
-            return self._forward_decode(q, layer_id, batch.batch_size)
+            return self._forward_decode(q, layer, batch.batch_size)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if not batch.is_mixed:
-            self._forward_extend(q, k, v, layer_id, out)
+            self._forward_extend(q, k, v, layer, out)
             return out.view(q.shape[0], self.num_heads * self.head_dim)
         split = self._num_extend_tokens
-        self._forward_extend(q[:split], k[:split], v[:split], layer_id, out[:split])
-        decoded = self._forward_decode(q[split:], layer_id, batch.num_decode)
+        self._forward_extend(q[:split], k[:split], v[:split], layer, out[:split])
+        decoded = self._forward_decode(q[split:], layer, batch.num_decode)
         out[split:] = decoded.view(batch.num_decode, self.num_heads, self.head_dim)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-    def _forward_decode(self, q: torch.Tensor, layer_id: int, bs: int) -> torch.Tensor:
+    def _forward_decode(self, q: torch.Tensor, layer: AttentionLayer, bs: int) -> torch.Tensor:
         meta = self._decode
-        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
+        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         if self.cpu_kernels is not None:
             queries = q.view(bs, self.num_heads, self.head_dim)
             return self.cpu_kernels.decode_attention(
-                queries, k_buf, v_buf, meta.kv_indices, meta.seq_lens, self.scaling
+                queries, k_buf, v_buf, meta.kv_indices, meta.seq_lens, layer.scaling
             )
         shape = (bs, meta.max_len, self.num_kv_heads, self.head_dim)
         k_ws, v_ws = self._workspaces(meta.kv_indices.shape[0])
@@ -156,19 +156,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         # [bs, kv_heads, group, head_dim]: the group's query heads act as query rows of one KV head
         queries = q.view(bs, self.num_kv_heads, group, self.head_dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scaling)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=layer.scaling)
         return out.reshape(bs, self.num_heads * self.head_dim)
 
     def _forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, out: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, out: torch.Tensor
     ) -> None:
         """Attention of the extend sequences' tokens, written into `out` [tokens, heads, head_dim]."""
-        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
+        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         for seq in self._extend:
             rows = slice(seq.start, seq.start + seq.num_new)
             if self.cpu_kernels is not None:
                 self.cpu_kernels.extend_attention(
-                    q[rows], k_buf, v_buf, seq.kv_indices, seq.prefix_len, self.scaling, out[rows]
+                    q[rows], k_buf, v_buf, seq.kv_indices, seq.prefix_len, layer.scaling, out[rows]
                 )
                 continue
             if seq.kv_indices is None:
@@ -183,6 +183,6 @@ class TorchNativeAttnBackend(AttentionBackend):
                 values.transpose(0, 1).unsqueeze(0),
                 attn_mask=seq.mask,
                 is_causal=seq.mask is None,
-                scale=self.scaling,
+                scale=layer.scaling,
                 enable_gqa=True,
             )[0].transpose(0, 1)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.model_executor.attention.base import AttentionBackend
+from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
 from srt.model_executor.attention.triton_kernels import block_d, decode_attention, extend_attention
 from srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -54,10 +54,10 @@ class TritonAttnBackend(AttentionBackend):
         self._extend = _ExtendMeta(table[0], table[1], table[2], max(counts))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.token_to_kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer_id)
+        self.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         if q.stride(-1) != 1:
             q = q.contiguous()
         num_tokens = q.shape[0]
@@ -65,12 +65,12 @@ class TritonAttnBackend(AttentionBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         if batch.is_decode:
             decode_attention(
-                q, k_buf, v_buf, out, req_to_token, batch.req_pool_indices, batch.seq_lens, self.scaling
+                q, k_buf, v_buf, out, req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling
             )
         else:
             meta = self._extend
             extend_attention(
                 q, k_buf, v_buf, k, v, out, req_to_token, batch.req_pool_indices, meta.q_starts, meta.new_lens,
-                meta.prefix_lens, meta.max_new_tokens, self.scaling,
+                meta.prefix_lens, meta.max_new_tokens, layer.scaling,
             )  # fmt: skip
         return out.view(num_tokens, self.num_heads * self.head_dim)

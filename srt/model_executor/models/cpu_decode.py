@@ -78,7 +78,7 @@ class CpuDecodeStep:
         self.inter = model.model.layers[0].mlp.inter
         self.eps = model.model.layers[0].input_layernorm.eps
         backend = model.attn_backend
-        self.scale = backend.scaling
+        self.scale = model.attention_layers()[0].scaling
         pool = backend.token_to_kv_pool
         self.half = int(pool.get_kv_buffer(0)[0].dtype == torch.float16)
         self.layers = []
@@ -112,6 +112,11 @@ class CpuDecodeStep:
         if model.attn_backend.cpu_kernels is None or model.model.layers[0].self_attn.o_proj.tp.size != 1:
             return None
         if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
+            return None
+        scales = {layer.scaling for layer in model.attention_layers()}
+        if len(scales) > 1 or any(
+            layer.sliding_window or layer.logit_cap for layer in model.attention_layers()
+        ):
             return None
         weights = _weights(model)
         if any(w.weight is None or w.wsum is None or w.weight.shape[1] % kernels.k_multiple for w in weights):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.model_executor.attention.base import AttentionBackend
+from srt.model_executor.attention.base import AttentionBackend, AttentionLayer, KVLayout
 from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_linear import w8a8_linear
@@ -89,6 +89,19 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return torch.where(is_medium, smoothed, scaled), 1.0
 
 
+def layer_sliding_window(config, layer_id: int) -> int | None:
+    """The layer's attention window: the config's `sliding_window` where `layer_types` names the layer
+    `sliding_attention`, or on every layer where the config has no `layer_types` (Mistral); None otherwise
+    (Qwen2 leaves `sliding_window` None unless `use_sliding_window`)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return window
+    return window if layer_types[layer_id] == "sliding_attention" else None
+
+
 class RotaryEmbedding:
     """cos/sin tables for every position, built once at model construction (not per step)."""
 
@@ -128,6 +141,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, qkv_bias, tp)
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(q_total, config.hidden_size, o_bias, tp)
+        self.attn = AttentionLayer(layer_id, self.head_dim**-0.5, layer_sliding_window(config, layer_id))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.cpu_kernels: CpuKernels | None = None  # as RMSNorm's (the rotary embedding in one call)
@@ -153,7 +167,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not fused_rope:
             q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
-        out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.layer_id, batch)
+        out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.attn, batch)
         return self.o_proj(out)
 
 
@@ -235,8 +249,14 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_decode: CpuDecodeStep | None = None
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rope = RotaryEmbedding(config, head_dim, max_positions, dtype, device)
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            logger.warning("sliding_window=%s is ignored: attention is full-context", config.sliding_window)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        a = self.model.layers[0].self_attn
+        return KVLayout(len(self.model.layers), a.num_heads, a.num_kv_heads, a.head_dim)
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.attn for layer in self.model.layers]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The model is constructed on the `meta` device (no random initialisation of ~100M parameters that are
 overwritten at once), materialised empty on the target device, then every parameter is copied from the
-checkpoint through the model's declarative `STACKED_PARAMS` mapping. A tensor-parallel layer picks this
+checkpoint through the model's declarative `STACKED_PARAMS` mapping (a class attribute of each model). A tensor-parallel layer picks this
 rank's slice of each tensor (`checkpoint_slice`); other parameters are replicated whole. A parameter (or
 fused shard) that no checkpoint tensor filled is an error, never silently random.
 """
@@ -22,7 +22,6 @@ from safetensors import safe_open
 from torch import nn
 
 from srt.model_executor.layers.linear import ColumnParallelLinear
-from srt.model_executor.models.llama import STACKED_PARAMS
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
 
@@ -68,7 +67,7 @@ def load_weights(
     for ckpt_name, tensor in weights:
         if model.skip_weight(ckpt_name):
             continue
-        name, shard = _map_name(ckpt_name)
+        name, shard = _map_name(model, ckpt_name)
         if name in skip:
             continue
         if name not in params:
@@ -89,8 +88,9 @@ def load_weights(
         )
 
 
-def _map_name(ckpt_name: str) -> tuple[str, str | None]:
-    for fused, part, shard in STACKED_PARAMS:
+def _map_name(model: nn.Module, ckpt_name: str) -> tuple[str, str | None]:
+    """Our parameter (and fused shard) for a checkpoint tensor, through the model's `STACKED_PARAMS`."""
+    for fused, part, shard in model.STACKED_PARAMS:
         if f".{part}." in ckpt_name:
             return ckpt_name.replace(f".{part}.", f".{fused}."), shard
     return ckpt_name, None
@@ -151,7 +151,7 @@ def load_model(
         model = model_class(hf_config, arch, max_positions, dtype, device, tp)
     skipped = skip(model) if skip is not None else ()
     model = model.to_empty(device=device)
-    checkpoint = iter_checkpoint(model_dir, lambda name: _map_name(name)[0] not in skipped)
+    checkpoint = iter_checkpoint(model_dir, lambda name: _map_name(model, name)[0] not in skipped)
     load_weights(model, checkpoint, skipped)
     model.eval().requires_grad_(False)
     logger.info("loaded %s (%s) from %s", arch, dtype, model_dir)

@@ -12,6 +12,12 @@ own contiguous K/V. Skipping the slot lookup for those took a cold 8,000-token p
 to 0.25 ms a layer at SmolLM2's shape and from 2.19 to 1.62 ms at Llama-3-8B's, on an H100
 (scripts/bench_triton_attention.py).
 
+Sliding windows and logit soft-caps (Mistral's, Gemma 2's) are per-layer kernel arguments behind
+`tl.constexpr` flags, so a plain layer compiles to the same code as before. With a window W the token at
+position p sees positions p - W + 1 .. p: a decode split covers only its share of the window, and an extend
+tile starts at its first row's lower bound, so keys before every row's window are never read (a long
+sequence costs O(W)). A soft-cap c turns each scaled score s into c * tanh(s / c) before the softmax.
+
 Softmax statistics and accumulators are fp32; fp32 inputs are multiplied at full precision ("ieee", not
 tf32) so an fp32 model attends as precisely as the PyTorch reference.
 """
@@ -45,170 +51,7 @@ EXTEND_NUM_STAGES = 3
 MAX_HEAD_DIM = 256  # widest head the register tiles are sized for
 
 
-@triton.jit
-def _attend_block(q, k, v, acc, m_i, l_i, visible, sm_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """The online-softmax update of a block of queries by a block of keys and values: scores, the running
-    max and sum, the rescaled accumulator. `visible` (used when MASKED) says which scores count; every row
-    must already have, or get in this block, at least one visible key, so its max stays finite."""
-    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * sm_scale
-    if MASKED:
-        scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(scores - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-    return acc, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _attend_pool_range(
-    q, acc, m_i, l_i, start, end, Slots, K, V, stride_k_slot, stride_v_slot, k_head_offset, v_head_offset,
-    d, d_mask, sm_scale, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Attend to positions start..end-1 of one sequence, read in place from the pool: `Slots` points at the
-    sequence's req_to_token row, whose entries are the pool slots of its positions."""
-    for block_start in range(start, end, BLOCK_N):
-        pos = block_start + tl.arange(0, BLOCK_N)
-        p_mask = pos < end
-        slots = tl.load(Slots + pos, mask=p_mask, other=0)
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        # masked rows load zeros, not garbage: p = 0 times NaN would be NaN
-        k = tl.load(K + slots[:, None] * stride_k_slot + k_head_offset + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + slots[:, None] * stride_v_slot + v_head_offset + d[None, :], mask=kv_mask, other=0.0)
-        acc, m_i, l_i = _attend_block(q, k, v, acc, m_i, l_i, p_mask[None, :], sm_scale, True, PRECISION)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _decode_split_kernel(
-    Q, K, V, ReqToToken, ReqPoolIndices, SeqLens, PartialOut, PartialLse, sm_scale,
-    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_row,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One (sequence, KV head, split): the GROUP query heads of the KV head against its share of KV."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + seq)
-    share = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * share
-    end = tl.minimum(start + share, seq_len)  # start >= end: an empty split (a short sequence)
-    row = tl.load(ReqPoolIndices + seq)
-
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    h_mask = h < GROUP
-    d_mask = d < HEAD_DIM
-    heads = kv_head * GROUP + h
-    q_ptrs = Q + seq * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
-    q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # the block's first position is always valid, so every row max stays finite
-    acc, m_i, l_i = _attend_pool_range(
-        q, acc, m_i, l_i, start, end, ReqToToken + row * stride_row, K, V, stride_k_slot, stride_v_slot,
-        kv_head * stride_k_head, kv_head * stride_v_head, d, d_mask, sm_scale, BLOCK_N, PRECISION,
-    )  # fmt: skip
-
-    # an empty split (l_i = 0) weighs exp(-inf) = 0 in the merge and contributes zeros, not 0/0
-    nonempty = end > start
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    lse = tl.where(nonempty, m_i + tl.log(l_safe), float("-inf"))
-    out = acc / l_safe[:, None]
-    partial = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
-    tl.store(PartialLse + partial, lse, mask=h_mask)
-    tl.store(
-        PartialOut + partial[:, None] * HEAD_DIM + d[None, :], out, mask=h_mask[:, None] & d_mask[None, :]
-    )
-
-
-@triton.jit
-def _decode_merge_kernel(
-    PartialOut, PartialLse, Out, stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """One (sequence, query head): the splits' outputs weighted by their share of the softmax mass."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    lse = tl.load(PartialLse + splits)
-    weights = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty (seq_len >= 1): the max is finite
-    parts = tl.load(PartialOut + splits[:, None] * HEAD_DIM + d[None, :], mask=d_mask[None, :], other=0.0)
-    out = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)
-    tl.store(Out + seq * stride_o_tok + head * stride_o_head + d, out.to(Out.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def _extend_kernel(
-    Q, K, V, KNew, VNew, Out, ReqToToken, ReqPoolIndices, QStarts, NewLens, PrefixLens, sm_scale,
-    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head, stride_o_tok, stride_o_head, stride_row,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One (sequence, query head, block of BLOCK_M new tokens): new token j sees positions 0..prefix+j.
-    The cached prefix comes from the pool through req_to_token; this step's own tokens come from the step's
-    contiguous k/v rows (the same values the pool just received), which load without the slot indirection.
-    Only the key blocks on the diagonal need the causal mask."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    first = tl.program_id(2) * BLOCK_M
-    num_new = tl.load(NewLens + seq)
-    if first >= num_new:  # the grid is sized for the step's longest sequence
-        return
-    prefix = tl.load(PrefixLens + seq)
-    q_start = tl.load(QStarts + seq)
-    row = tl.load(ReqPoolIndices + seq)
-    kv_head = head // GROUP
-
-    m = first + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    m_mask = m < num_new
-    d_mask = d < HEAD_DIM
-    tokens = q_start + m
-    q_ptrs = Q + tokens[:, None] * stride_q_tok + head * stride_q_head + d[None, :]
-    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # the cached prefix: every query row sees all of it
-    acc, m_i, l_i = _attend_pool_range(
-        q, acc, m_i, l_i, 0, prefix, ReqToToken + row * stride_row, K, V, stride_k_slot, stride_v_slot,
-        kv_head * stride_k_head, kv_head * stride_v_head, d, d_mask, sm_scale, BLOCK_N, PRECISION,
-    )  # fmt: skip
-    # this step's tokens: rows at or after the block's first query see every new token up to `first`
-    unmasked_end = ((first + 1) // BLOCK_N) * BLOCK_N
-    new_end = tl.minimum(first + BLOCK_M, num_new)
-    for block_start in range(0, unmasked_end, BLOCK_N):
-        rows = q_start + block_start + tl.arange(0, BLOCK_N)
-        k = tl.load(KNew + rows[:, None] * stride_kn_tok + kv_head * stride_kn_head + d[None, :],
-                    mask=d_mask[None, :], other=0.0)  # fmt: skip
-        v = tl.load(VNew + rows[:, None] * stride_vn_tok + kv_head * stride_vn_head + d[None, :],
-                    mask=d_mask[None, :], other=0.0)  # fmt: skip
-        acc, m_i, l_i = _attend_block(q, k, v, acc, m_i, l_i, d_mask[None, :], sm_scale, False, PRECISION)
-    for block_start in range(unmasked_end, new_end, BLOCK_N):
-        j = block_start + tl.arange(0, BLOCK_N)
-        j_mask = j < new_end
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(KNew + (q_start + j)[:, None] * stride_kn_tok + kv_head * stride_kn_head + d[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
-        v = tl.load(VNew + (q_start + j)[:, None] * stride_vn_tok + kv_head * stride_vn_head + d[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
-        visible = (j[None, :] <= m[:, None]) & j_mask[None, :]
-        acc, m_i, l_i = _attend_block(q, k, v, acc, m_i, l_i, visible, sm_scale, True, PRECISION)
-
-    out = acc / l_i[:, None]
-    o_ptrs = Out + tokens[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-
-
-@dataclass(frozen=True)
+@@KERNELS@@@dataclass(frozen=True)
 class ExtendTiles:
     """The extend kernel's launch shape (scripts/bench_triton_attention.py compares choices on a GPU)."""
 

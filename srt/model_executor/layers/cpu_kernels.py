@@ -192,18 +192,23 @@ class CpuKernels:
         slots: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
+        logit_cap: float | None = None,
     ) -> torch.Tensor:
         """One query token per sequence against its cached K/V, read from the pool in place.
         q [bs, heads, head_dim]; k_pool, v_pool [pool slots, kv_heads, head_dim] (fp32 or fp16); slots
-        int64 [bs, max_len] (row b's first seq_lens[b] entries are its tokens' slots).
-        Returns [bs, heads * head_dim]."""
+        int64 [bs, max_len] (row b's first seq_lens[b] entries are its tokens' slots). With `sliding_window`
+        W, a sequence attends over (and the kernel reads) only its last W tokens; with `logit_cap` c, scaled
+        scores become c * tanh(score / c). Returns [bs, heads * head_dim]."""
         bs, heads, head_dim = q.shape
         q = _heads_rows(q)
         _check_attention_operands(q, k_pool, v_pool, slots, seq_lens)
+        window, cap = _window_and_cap(sliding_window, logit_cap)
         out = torch.empty((bs, heads * head_dim), dtype=torch.float32)
-        if self._c.srt_decode_attention(
+        if self._c.srt_decode_attention_windowed(
             q.data_ptr(), bs, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
-            _is_half(k_pool), slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, out.data_ptr(),
+            _is_half(k_pool), slots.data_ptr(), slots.shape[1], seq_lens.data_ptr(), scale, window, cap,
+            out.data_ptr(),
         ):  # fmt: skip
             raise MemoryError("decode_attention: no memory for the scores scratch")
         return out
@@ -217,10 +222,13 @@ class CpuKernels:
         prefix_len: int,
         scale: float,
         out: torch.Tensor,
+        sliding_window: int | None = None,
+        logit_cap: float | None = None,
     ) -> None:
         """Causal attention of one sequence's n new tokens, written into out [n, heads, head_dim] (contiguous).
         q [n, heads, head_dim]; slots int64 [prefix_len + n]: the sequence's slots, this step's K/V already
-        in the pool. Token i gets to the bit what `decode_attention` would give it at its position."""
+        in the pool. `sliding_window` and `logit_cap` as in `decode_attention` (token i is at position
+        prefix_len + i). Token i gets to the bit what `decode_attention` would give it at its position."""
         n, heads, head_dim = q.shape
         q = _heads_rows(q)
         _check_attention_operands(q, k_pool, v_pool, slots)
@@ -228,9 +236,10 @@ class CpuKernels:
             raise ValueError(
                 "extend_attention: slots must cover prefix and new tokens; out [n, heads, head_dim]"
             )
+        window, cap = _window_and_cap(sliding_window, logit_cap)
         if self._c.srt_extend_attention(
             q.data_ptr(), n, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
-            _is_half(k_pool), slots.data_ptr(), prefix_len, scale, out.data_ptr(),
+            _is_half(k_pool), slots.data_ptr(), prefix_len, scale, window, cap, out.data_ptr(),
         ):  # fmt: skip
             raise MemoryError("extend_attention: no memory for the scores scratch")
 
@@ -241,6 +250,15 @@ def _heads_rows(q: torch.Tensor) -> torch.Tensor:
 
 
 KV_POOL_DTYPES = (torch.float32, torch.float16)  # what the attention kernels read (fp16 converted exactly)
+
+
+def _window_and_cap(sliding_window: int | None, logit_cap: float | None) -> tuple[int, float]:
+    """The attention kernels' window and cap arguments: 0 for none."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"attention kernels: a sliding window of {sliding_window} keys")
+    if logit_cap is not None and not logit_cap > 0:
+        raise ValueError(f"attention kernels: a logit cap of {logit_cap}")
+    return sliding_window or 0, logit_cap or 0.0
 
 
 def _is_half(pool: torch.Tensor) -> int:

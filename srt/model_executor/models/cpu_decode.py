@@ -13,6 +13,7 @@ the modules.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ import torch
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_math import Int8Weight
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,26 +107,40 @@ class CpuDecodeStep:
 
     @staticmethod
     def build(model, kernels: CpuKernels | None) -> CpuDecodeStep | None:
-        """The step for this model, or None where some operation would not run through the kernels."""
+        """The step for this model, or None where some operation would not run through the kernels (said
+        once in the log: decode then runs through the modules, with the same kernels where they apply)."""
         from srt.model_executor.attention.torch_native import TorchNativeAttnBackend
 
         if kernels is None or not isinstance(model.attn_backend, TorchNativeAttnBackend):
             return None
-        if model.attn_backend.cpu_kernels is None or model.model.layers[0].self_attn.o_proj.tp.size != 1:
-            return None
-        if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
-            return None
-        scales = {layer.scaling for layer in model.attention_layers()}
-        if len(scales) > 1 or any(
-            layer.sliding_window or layer.logit_cap for layer in model.attention_layers()
-        ):
-            return None
-        weights = _weights(model)
-        if any(w.weight is None or w.wsum is None or w.weight.shape[1] % kernels.k_multiple for w in weights):
-            return None
-        if any(w.weight.shape[1] > kernels.max_k for w in weights if w.packed is not None):
+        reason = CpuDecodeStep.refusal(model, kernels)
+        if reason is not None:
+            logger.info("fused CPU decode step off (%s): decode runs through the model's modules", reason)
             return None
         return CpuDecodeStep(model, kernels)
+
+    @staticmethod
+    def refusal(model, kernels: CpuKernels) -> str | None:
+        """Why this step cannot run `model`'s decode; None when it can."""
+        if not model.CPU_DECODE:
+            return f"{type(model).__name__} is not a Llama-layer model"
+        if model.attn_backend.cpu_kernels is None:
+            return "attention does not run through the CPU kernels"
+        if model.model.layers[0].self_attn.o_proj.tp.size != 1:
+            return "tensor parallelism"
+        if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
+            return "per-head q/k norms"
+        layers = model.attention_layers()
+        if len({layer.scaling for layer in layers}) > 1:
+            return "layers with different score scales"
+        if any(layer.sliding_window or layer.logit_cap for layer in layers):
+            return "sliding-window or soft-capped attention"
+        weights = _weights(model)
+        if any(w.weight is None or w.wsum is None or w.weight.shape[1] % kernels.k_multiple for w in weights):
+            return "a linear layer the fused kernel does not take"
+        if any(w.weight.shape[1] > kernels.max_k for w in weights if w.packed is not None):
+            return "a linear layer wider than the fused kernel takes"
+        return None
 
     def takes(self, bs: int) -> bool:
         return self.max_batch is None or bs <= self.max_batch

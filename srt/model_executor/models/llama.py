@@ -63,10 +63,16 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies for rotary embeddings from the config (`rope_parameters` in transformers 5,
-    `rope_theta` + `rope_scaling` before), supporting the plain and the Llama-3.1 ("llama3") schemes."""
+    `rope_theta` + `rope_scaling` before; per layer type where the config gives one set per type, as Gemma
+    3 does), supporting the plain, linear and Llama-3.1 ("llama3") schemes."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = dict(getattr(config, "rope_scaling", None) or {})
     params = {**scaling, **params}
     theta = params.get("rope_theta", getattr(config, "rope_theta", DEFAULT_ROPE_THETA))
@@ -76,8 +82,12 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     inv_freq = 1.0 / (theta**exponents)
     if rope_type == "default":
         return inv_freq, 1.0
+    if rope_type == "linear":  # positions divided by the factor
+        return inv_freq / params["factor"], 1.0
     if rope_type != "llama3":
-        raise NotImplementedError(f"rope type {rope_type!r} is not supported")
+        raise NotImplementedError(
+            f"rope type {rope_type!r} is not supported (srt runs {', '.join(ROPE_TYPES)})"
+        )
     factor = params["factor"]
     low, high = params["low_freq_factor"], params["high_freq_factor"]
     old_context = params["original_max_position_embeddings"]
@@ -105,8 +115,16 @@ def layer_sliding_window(config, layer_id: int) -> int | None:
 class RotaryEmbedding:
     """cos/sin tables for every position, built once at model construction (not per step)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, device: str):
-        inv_freq, attention_scaling = rope_inv_freq(config, head_dim)
+    def __init__(
+        self,
+        config,
+        head_dim: int,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: str,
+        layer_type: str | None = None,
+    ):
+        inv_freq, attention_scaling = rope_inv_freq(config, head_dim, layer_type)
         t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(t, inv_freq)
         self.cos = (freqs.cos() * attention_scaling).to(dtype=dtype, device=device)
@@ -215,6 +233,9 @@ class LlamaForCausalLM(nn.Module):
     """Model code takes (input_ids, positions, forward_batch) and returns the logits of each sequence's
     last new token; the head runs only on those rows (most of an extend step's rows are never sampled)."""
 
+    STACKED_PARAMS = STACKED_PARAMS
+    # the fused CPU decode step (cpu_decode.py) is written for these layers
+    CPU_DECODE = True
     # architecture name -> (qkv_bias, qk_norm)
     ARCH_SWITCHES = {
         "LlamaForCausalLM": (False, False),

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from srt.model_executor.models.gemma import GemmaForCausalLM
 from srt.model_executor.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type] = {arch: LlamaForCausalLM for arch in LlamaForCausalLM.ARCH_SWITCHES}
+MODEL_REGISTRY: dict[str, type] = {
+    **{arch: LlamaForCausalLM for arch in LlamaForCausalLM.ARCH_SWITCHES},
+    **{arch: GemmaForCausalLM for arch in GemmaForCausalLM.ARCH_SWITCHES},
+}
 # GGUF-converted configs may lack `architectures`; they are Llama-family (see gguf_convert).
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
 

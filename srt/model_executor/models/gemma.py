@@ -1,0 +1,208 @@
+"""Gemma 2 and Gemma 3 (text) over the paged KV pool: one family with switches, like `llama.py`.
+
+What sets the family apart from Llama, each as in Hugging Face's implementation: embeddings scaled by
+sqrt(hidden_size) (in the model's dtype); RMSNorm that multiplies by (1 + w) in fp32; four norms per layer
+(around attention and around the MLP, both outputs normed before the residual add); a GeGLU MLP
+(gelu-tanh); scores scaled by `query_pre_attn_scalar`^-0.5; layers that alternate between sliding-window
+and full attention (`layer_types`); tied embeddings. Gemma 2 soft-caps attention scores and the final
+logits with tanh; Gemma 3 instead RMS-normalizes q and k per head and gives its sliding-window layers their
+own RoPE base (`rope_parameters` per layer type).
+
+The q/k/v and gate/up checkpoint tensors load into fused matmuls through the same `STACKED_PARAMS` as
+Llama's; tensor parallelism splits heads and MLP features the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.model_executor.attention.base import AttentionBackend, AttentionLayer, KVLayout
+from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
+from srt.model_executor.layers.int8_linear import w8a8_linear
+from srt.model_executor.layers.int8_math import Int8Weight
+from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.models.llama import (
+    IGNORED_WEIGHT_SUFFIXES,
+    STACKED_PARAMS,
+    RotaryEmbedding,
+    layer_sliding_window,
+)
+from srt.model_executor.parallel_state import TensorParallelGroup
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), computed in fp32 and cast back (Gemma's order: scale before the cast)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def layer_type(config, layer_id: int) -> str:
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types[layer_id] if layer_types else FULL
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, qk_norm: bool, tp: TensorParallelGroup):
+        super().__init__()
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.num_heads = split_size(total_heads, tp, "num_attention_heads")
+        self.num_kv_heads = split_size(total_kv_heads, tp, "num_key_value_heads")
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        q_total, kv_total = total_heads * self.head_dim, total_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, {"q": q_total, "k": kv_total, "v": kv_total}, bias, tp
+        )
+        self.o_proj = RowParallelLinear(q_total, config.hidden_size, bias, tp)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rope_key = layer_type(config, layer_id)
+        self.attn = AttentionLayer(
+            layer_id,
+            config.query_pre_attn_scalar**-0.5,
+            layer_sliding_window(config, layer_id),
+            getattr(config, "attn_logit_softcapping", None) or None,
+        )
+
+    def forward(self, hidden, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, attn: AttentionBackend):
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.attn, batch)
+        return self.o_proj(out)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config, tp: TensorParallelGroup):
+        super().__init__()
+        if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise NotImplementedError(f"hidden_activation {config.hidden_activation!r} is not supported")
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, False, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
+        self.inter = split_size(inter, tp, "intermediate_size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, qk_norm: bool, tp: TensorParallelGroup):
+        super().__init__()
+        self.self_attn = GemmaAttention(config, layer_id, qk_norm, tp)
+        self.mlp = GemmaMLP(config, tp)
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, hidden, rope, cos_sin, batch, attn) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), rope, cos_sin, batch, attn)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config, qk_norm: bool, tp: TensorParallelGroup):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, i, qk_norm, tp) for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class GemmaForCausalLM(nn.Module):
+    """The interface of `LlamaForCausalLM` (what the runner, the loader and the quantizer read)."""
+
+    # architecture name -> qk_norm
+    ARCH_SWITCHES = {"Gemma2ForCausalLM": False, "Gemma3ForCausalLM": True}
+    STACKED_PARAMS = STACKED_PARAMS
+    # the fused CPU decode step is written for Llama's layers: it never runs Gemma's
+    CPU_DECODE = False
+
+    def __init__(self, config, arch: str, max_positions: int, dtype: torch.dtype, device: str, tp=None):
+        super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise NotImplementedError("use_bidirectional_attention (an embedding model) is not supported")
+        self.config = config
+        self.model = GemmaModel(config, self.ARCH_SWITCHES[arch], tp or TensorParallelGroup())
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.final_logit_cap = getattr(config, "final_logit_softcapping", None) or None
+        self.attn_backend: AttentionBackend | None = None
+        self.lm_head_quant: Int8Weight | None = None
+        self.cpu_decode = None
+        # one RoPE table per layer type whose parameters differ (Gemma 3: a local and a global base)
+        keys = sorted({layer.self_attn.rope_key for layer in self.model.layers})
+        self.ropes = {
+            key: RotaryEmbedding(config, config.head_dim, max_positions, dtype, device, layer_type=key)
+            for key in keys
+        }
+        # HF multiplies by sqrt(hidden) cast to the model's dtype (55.4256 becomes 55.5 in bf16)
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu").item()
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        a = self.model.layers[0].self_attn
+        return KVLayout(len(self.model.layers), a.num_heads, a.num_kv_heads, a.head_dim)
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, positions, batch)
+        if not batch.is_decode:
+            hidden = hidden[last_token_rows(batch.new_token_counts(), hidden.device)]
+        return self.compute_logits(hidden)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids) * self.embed_scale
+        tables = {key: rope.tables(positions) for key, rope in self.ropes.items()}
+        for layer in self.model.layers:
+            key = layer.self_attn.rope_key
+            hidden = layer(hidden, self.ropes[key], tables[key], batch, self.attn_backend)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.model.norm(hidden)
+        if self.lm_head_quant is not None:
+            logits = w8a8_linear(normed, self.lm_head_quant, None)
+        else:
+            logits = F.linear(normed, self.lm_head_weight).float()
+        if self.final_logit_cap is not None:
+            logits = torch.tanh(logits / self.final_logit_cap) * self.final_logit_cap
+        return logits
+
+    def skip_weight(self, name: str) -> bool:
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            return True
+        return self.tie_word_embeddings and name.startswith("lm_head.")

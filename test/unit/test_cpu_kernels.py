@@ -321,3 +321,47 @@ def test_a_half_precision_pool_attends_exactly_as_its_values_in_fp32(kernels, he
     assert torch.equal(decoded[0], decoded[1])
     with pytest.raises(TypeError):
         kernels.decode_attention(q[:3], k16, v32, table, lens, 1.0)  # mixed pool dtypes
+
+
+@pytest.mark.parametrize("head_dim", [32, 20])
+def test_windowed_and_capped_attention_keeps_each_tokens_decode_bits(kernels, head_dim):
+    """With a sliding window of W keys (the token at position p sees p - W < j <= p) and a logit soft-cap
+    (scores s -> cap * tanh(s / cap)), extend equals a float64 reference, and the whole prompt, its chunks
+    after a prefix, and decoding each token alone at its position give every token the same bits (windows
+    start inside the kernel's 16-token blocks and its 8-key tiles). A window no sequence outgrows is full
+    attention to the bit."""
+    heads, kv_heads, pool_slots, n = 6, 2, 100, 41
+    gen = torch.Generator().manual_seed(15)
+    k_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(pool_slots, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(pool_slots - 1, generator=gen)[:n] + 1
+    q = torch.randn(n, heads, head_dim, generator=gen) * 3.0
+    scale, group = head_dim**-0.5, heads // kv_heads
+    keys = k_pool[slots].double().repeat_interleave(group, 1)
+    values = v_pool[slots].double().repeat_interleave(group, 1)
+    for window, cap in ((1, None), (5, None), (11, 4.0), (None, 4.0), (n, None)):
+        whole = torch.empty(n, heads, head_dim)
+        kernels.extend_attention(q, k_pool, v_pool, slots, 0, scale, whole, window, cap)
+        scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
+        position, key = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        visible = (key <= position) & (key > position - (window or n))
+        ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+        assert torch.allclose(whole.double(), ref, rtol=1e-4, atol=3e-5), (window, cap)
+        for prefix in (3, 17, n - 1):
+            tail = torch.empty(n - prefix, heads, head_dim)
+            kernels.extend_attention(q[prefix:], k_pool, v_pool, slots, prefix, scale, tail, window, cap)
+            assert torch.equal(tail, whole[prefix:]), (window, cap, prefix)
+        table = slots[None, :].expand(n, n).contiguous()  # decode every position at once, one per row
+        decoded = kernels.decode_attention(
+            q, k_pool, v_pool, table, torch.arange(1, n + 1), scale, window, cap
+        )
+        assert torch.equal(decoded.view(n, heads, head_dim), whole), (window, cap)
+    full = torch.empty(n, heads, head_dim)
+    kernels.extend_attention(q, k_pool, v_pool, slots, 0, scale, full)
+    assert torch.equal(whole, full)  # the last window above (n keys) hides nothing
+    with pytest.raises(ValueError, match="window"):
+        kernels.extend_attention(q, k_pool, v_pool, slots, 0, scale, whole, 0)
+    with pytest.raises(ValueError, match="cap"):
+        kernels.decode_attention(q, k_pool, v_pool, table, torch.arange(1, n + 1), scale, None, -1.0)

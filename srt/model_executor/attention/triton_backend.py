@@ -7,6 +7,10 @@ kernel instead. The decode path needs no host data (no `seq_lens_cpu`, no `.item
 the batch size alone), so a CUDA graph captured once replays correctly as sequences grow. Extend and mixed
 steps build three small index tensors per step from the batch's host lists, once, not per layer.
 
+Sliding-window and soft-capped layers (Mistral, Gemma 2) run too: the window and cap go to the kernels as
+the layer's constants, so a decode step stays graph-safe, and a window is skipped over, not masked, so a
+long sequence's windowed layer reads only its last W positions.
+
 Runs on the CPU only under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is imported),
 which is how the unit tests check it.
 """
@@ -19,7 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
-from srt.model_executor.attention.triton_kernels import block_d, decode_attention, extend_attention
+from srt.model_executor.attention.triton_kernels import (
+    block_d,
+    decode_attention,
+    extend_attention,
+    window_and_cap_unsupported,
+)
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -44,6 +53,10 @@ class TritonAttnBackend(AttentionBackend):
         block_d(self.head_dim)  # refuses an unsupported head_dim now rather than at the first step
         self._extend: _ExtendMeta | None = None
 
+    def unsupported(self, layer: AttentionLayer) -> str | None:
+        """The kernels take any score scale, a sliding window of at least one position and a positive cap."""
+        return window_and_cap_unsupported(layer.sliding_window, layer.logit_cap)
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             return  # decode reads the batch's device tensors directly in forward
@@ -63,14 +76,16 @@ class TritonAttnBackend(AttentionBackend):
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         req_to_token = self.req_to_token_pool.req_to_token
+        window_and_cap = dict(sliding_window=layer.sliding_window, logit_cap=layer.logit_cap)
         if batch.is_decode:
             decode_attention(
-                q, k_buf, v_buf, out, req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling
-            )
+                q, k_buf, v_buf, out, req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,
+                **window_and_cap,
+            )  # fmt: skip
         else:
             meta = self._extend
             extend_attention(
                 q, k_buf, v_buf, k, v, out, req_to_token, batch.req_pool_indices, meta.q_starts, meta.new_lens,
-                meta.prefix_lens, meta.max_new_tokens, layer.scaling,
+                meta.prefix_lens, meta.max_new_tokens, layer.scaling, **window_and_cap,
             )  # fmt: skip
         return out.view(num_tokens, self.num_heads * self.head_dim)

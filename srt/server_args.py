@@ -20,6 +20,7 @@ from srt.engine_options import (
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from srt.kv_events.config import parse_kv_events_config
 from srt.metrics.custom_labels import parse_allowed_custom_labels
+from srt.model_source import EMBEDDED_MODELS, embedded_model_name
 from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -51,7 +52,9 @@ CLI_TYPES: dict[str, type] = {
 class ServerArgs:
     # Model
     model_path: str | None = _f(
-        None, "HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct"
+        None,
+        "HF model directory, .gguf file or embedded model name (smollm2-135m-instruct, gemma3-270m); "
+        "default: the embedded SmolLM2-135M-Instruct",
     )
     tokenizer_path: str | None = _f(None, "tokenizer directory; default: the model's")
     served_model_name: str | None = _f(None, "name reported in /v1/models and the model_name metric label")
@@ -102,7 +105,7 @@ class ServerArgs:
     )
     attention_backend: str | None = _f(
         None,
-        "default: flashinfer on CUDA when installed, else triton on CUDA, else torch_native",
+        "default: triton on CUDA, else torch_native (flashinfer: opt-in, bf16/fp16, no decode graphs)",
         choices=ATTENTION_BACKENDS,
     )
     tp_size: int = _f(1, "tensor parallel ranks")
@@ -260,10 +263,11 @@ class ServerArgs:
                 parse_kv_events_config(self.kv_events_config, self.dp_size)
             except ValueError as e:
                 problems.append(str(e))
-        if self.model_path is not None and not os.path.exists(self.model_path):
+        if embedded_model_name(self.model_path) is None and not os.path.exists(self.model_path):
             problems.append(
-                f"--model-path {self.model_path!r} does not exist: pass a Hugging Face model directory or a "
-                ".gguf file, or leave it out to serve the embedded model"
+                f"--model-path {self.model_path!r} does not exist: pass a Hugging Face model directory, a "
+                f".gguf file or an embedded model's name ({', '.join(EMBEDDED_MODELS)}), or leave it out "
+                "to serve the default embedded model"
             )
         if problems:
             raise ValueError("; ".join(problems))
@@ -274,11 +278,12 @@ class ServerArgs:
 
     @property
     def model_name(self) -> str:
-        """The served name: the flag, else the model file or directory name."""
+        """The served name: the flag, else the embedded model's name, else the model file or directory name."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model_path is None:
-            return "SmolLM2-135M-Instruct"
+        embedded = embedded_model_name(self.model_path)
+        if embedded is not None:
+            return EMBEDDED_MODELS[embedded].served_name
         base = os.path.basename(os.path.normpath(self.model_path))
         return base[: -len(".gguf")] if base.endswith(".gguf") else base
 

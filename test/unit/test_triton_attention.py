@@ -434,12 +434,15 @@ def test_unsupported_head_dims_are_refused_at_construction():
         TritonAttnBackend(step.req_pool, step.kv_pool, 1, 1, 2 * kernels.MAX_HEAD_DIM, DEVICE)
 
 
-def test_cuda_prefers_flashinfer_then_triton_and_cpu_refuses_triton_without_the_interpreter(monkeypatch):
+def test_cuda_defaults_to_triton_even_with_flashinfer_and_cpu_refuses_triton_without_the_interpreter(
+    monkeypatch,
+):
     monkeypatch.setattr(registry, "flashinfer_usable", lambda device: False)
     assert registry.default_backend_name("cuda") == "triton"
     assert registry.default_backend_name("cuda:1") == "triton"
     monkeypatch.setattr(registry, "flashinfer_usable", lambda device: device.startswith("cuda"))
-    assert registry.default_backend_name("cuda") == "flashinfer"
+    assert registry.default_backend_name("cuda") == "triton"  # flashinfer is opt-in: no graphs, no fp32
+    assert registry.resolve_backend_name("flashinfer", "cuda") == "flashinfer"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert registry.default_backend_name("cpu") == "torch_native"  # the interpreter is opt-in
     assert registry.resolve_backend_name("triton", "cpu") == "triton"

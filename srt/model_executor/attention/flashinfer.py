@@ -15,6 +15,9 @@ from srt.model_executor.forward_batch_info import ForwardBatch
 PAGE_SIZE = 1  # one token per page: the pool's slots are pages
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's scratch buffer; its documented default size
 KV_LAYOUT = "NHD"  # pool buffers are [slots, kv_heads, head_dim]
+# head sizes flashinfer's prefill and decode kernels are built for; it refuses others at run time (head_dim
+# 16: "Invalid configuration", seen on an H200)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -24,6 +27,16 @@ class FlashInferAttnBackend(AttentionBackend):
 
         # a step's plan fixes the score scale for every layer: 1/sqrt(head_dim), the one it runs
         self.plan_scaling = self.head_dim**-0.5
+        dtype = self.token_to_kv_pool_dtype
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"attention backend 'flashinfer' has no {dtype} kernels: use --dtype bfloat16 or float16"
+            )
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"attention backend 'flashinfer' has no kernels for head_dim {self.head_dim} "
+                f"(it has {', '.join(map(str, SUPPORTED_HEAD_DIMS))}): use --attention-backend triton"
+            )
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, KV_LAYOUT)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, KV_LAYOUT)

@@ -14,8 +14,11 @@ _BACKENDS: dict[str, str] = {
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(_BACKENDS)
 CPU_DEFAULT = "torch_native"
-CUDA_PREFERRED = "flashinfer"
-CUDA_FALLBACK = "triton"  # reads K/V in place and keeps decode graph-capturable; see triton_backend.py
+# Triton on CUDA: it reads K/V in place, runs every layer kind (windows, soft-caps, any scale, any head
+# size it was built for) and keeps decode graph-capturable (triton_backend.py). flashinfer, opt-in, plans
+# per step on the host, so its decode is not captured in graphs, and it has no fp32 or small-head kernels.
+CUDA_DEFAULT = "triton"
+FLASHINFER = "flashinfer"
 
 
 def flashinfer_usable(device: str) -> bool:
@@ -30,10 +33,8 @@ def triton_usable(device: str) -> bool:
 
 
 def default_backend_name(device: str) -> str:
-    if flashinfer_usable(device):
-        return CUDA_PREFERRED
     if device.startswith("cuda") and triton_usable(device):
-        return CUDA_FALLBACK
+        return CUDA_DEFAULT
     return CPU_DEFAULT
 
 
@@ -47,9 +48,9 @@ def backend_class(name: str) -> type:
 
 def resolve_backend_name(requested: str | None, device: str) -> str:
     name = requested or default_backend_name(device)
-    if name == CUDA_PREFERRED and not flashinfer_usable(device):
+    if name == FLASHINFER and not flashinfer_usable(device):
         raise ValueError("attention backend 'flashinfer' needs a CUDA device and the flashinfer package")
-    if name == CUDA_FALLBACK and not triton_usable(device):
+    if name == CUDA_DEFAULT and not triton_usable(device):
         raise ValueError(
             "attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1) and the triton package"
         )

@@ -14,6 +14,7 @@ import glob
 import json
 import logging
 import os
+import re
 import struct
 from collections.abc import Callable, Collection, Iterator
 
@@ -88,16 +89,27 @@ def load_weights(
         )
 
 
-def _map_name(model: nn.Module, ckpt_name: str) -> tuple[str, str | None]:
-    """Our parameter (and fused shard) for a checkpoint tensor, through the model's `STACKED_PARAMS`."""
+def _map_name(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
+    """Our parameter (and shard) for a checkpoint tensor: experts' tensors through the model's `EXPERT_PARAMS`
+    into stacked parameters (shard: (projection, expert)), then `RENAMES`, then fused q/k/v and gate/up
+    through `STACKED_PARAMS` (shard: the part)."""
+    for pattern, param, shard in getattr(model, "EXPERT_PARAMS", ()):
+        m = re.search(pattern, ckpt_name)
+        if m is not None:
+            return ckpt_name[: m.start()] + param, (shard, int(m.group(1)))
+    for old, new in getattr(model, "RENAMES", ()):
+        ckpt_name = ckpt_name.replace(old, new)
     for fused, part, shard in model.STACKED_PARAMS:
         if f".{part}." in ckpt_name:
             return ckpt_name.replace(f".{part}.", f".{fused}."), shard
     return ckpt_name, None
 
 
-def _shards_of(model: nn.Module, param_name: str) -> set[str | None]:
-    module = model.get_submodule(param_name.rsplit(".", 1)[0])
+def _shards_of(model: nn.Module, param_name: str) -> set:
+    module_name, param = param_name.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    if hasattr(module, "checkpoint_shards"):
+        return module.checkpoint_shards(param)
     return set(module.shard_offsets) if isinstance(module, ColumnParallelLinear) else {None}
 
 

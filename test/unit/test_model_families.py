@@ -1,6 +1,7 @@
-"""Every model family srt serves gives transformers' greedy tokens on the same weights: tiny random configs
-built from transformers' own config classes, fp32, through the model runner over the paged pool, with a
-prompt longer than the sliding window so windowed layers must forget what full ones still see."""
+"""Every model family srt serves gives transformers' logits and greedy tokens on the same weights: tiny random
+configs built from transformers' own config classes, fp32, through the model runner over the paged pool,
+with a prompt longer than the sliding window so windowed layers must forget what full ones still see, and
+mixture-of-experts layers whose tokens spread over several experts."""
 
 from __future__ import annotations
 
@@ -59,7 +60,29 @@ def mistral():
     return MistralConfig(**COMMON, num_hidden_layers=3, sliding_window=WINDOW), MistralForCausalLM
 
 
-FAMILIES = {"gemma2": gemma2, "gemma3": gemma3, "mistral": mistral}
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+    return config, MixtralForCausalLM
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **COMMON,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],  # a dense layer between two sparse ones
+    )
+    return config, Qwen3MoeForCausalLM
+
+
+FAMILIES = {"gemma2": gemma2, "gemma3": gemma3, "mistral": mistral, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

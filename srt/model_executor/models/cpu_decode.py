@@ -130,6 +130,8 @@ class CpuDecodeStep:
             return "tensor parallelism"
         if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
             return "per-head q/k norms"
+        if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers):
+            return "mixture-of-experts layers"
         layers = model.attention_layers()
         if len({layer.scaling for layer in layers}) > 1:
             return "layers with different score scales"

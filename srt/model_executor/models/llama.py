@@ -28,6 +28,7 @@ from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.layers.moe import FusedMoE
 from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.parallel_state import TensorParallelGroup
 
@@ -206,11 +207,35 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def sparse_layer(config, layer_id: int) -> bool:
+    """Whether the layer's MLP is a mixture of experts: every layer of Mixtral; Qwen3-MoE's layers every
+    `decoder_sparse_step`, except `mlp_only_layers`."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    if experts == 0 or layer_id in (getattr(config, "mlp_only_layers", None) or ()):
+        return False
+    return (layer_id + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+
+
+def moe_mlp(config, tp: TensorParallelGroup) -> FusedMoE:
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"experts with hidden_act {config.hidden_act!r} are not supported")
+    qwen3 = hasattr(config, "moe_intermediate_size")
+    return FusedMoE(
+        num_experts=getattr(config, "num_local_experts", None) or config.num_experts,
+        top_k=config.num_experts_per_tok,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.moe_intermediate_size if qwen3 else config.intermediate_size,
+        renormalize=bool(config.norm_topk_prob) if qwen3 else True,
+        weights_in_model_dtype=qwen3,
+        tp=tp,
+    )
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = moe_mlp(config, tp) if sparse_layer(config, layer_id) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -240,9 +265,19 @@ class LlamaForCausalLM(nn.Module):
     ARCH_SWITCHES = {
         "LlamaForCausalLM": (False, False),
         "MistralForCausalLM": (False, False),
+        "MixtralForCausalLM": (False, False),
         "Qwen2ForCausalLM": (True, False),
         "Qwen3ForCausalLM": (False, True),
+        "Qwen3MoeForCausalLM": (False, True),
     }
+    # checkpoint names of the experts' tensors -> (our parameter, shard): Mixtral's w1/w3/w2 and router under
+    # `block_sparse_moe`, Qwen3-MoE's gate/up/down under `mlp`; expert tensors load into stacked parameters
+    EXPERT_PARAMS: tuple[tuple[str, str, str], ...] = (
+        (r"\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(?:w1|gate_proj)\.weight$", ".mlp.w13", "gate"),
+        (r"\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(?:w3|up_proj)\.weight$", ".mlp.w13", "up"),
+        (r"\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(?:w2|down_proj)\.weight$", ".mlp.w2", "down"),
+    )
+    RENAMES: tuple[tuple[str, str], ...] = ((".block_sparse_moe.gate.", ".mlp.gate."),)
 
     def __init__(
         self,

@@ -1,0 +1,95 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, and each expert
+is a SwiGLU MLP whose weights are stacked with the others' (`w13`: gate rows then up rows, `w2`: down).
+
+The step's tokens are grouped by expert (one sort of the (token, choice) pairs), and each expert that got any
+tokens runs one matmul pair over all of them: a Python loop over the experts, never over tokens. Experts are
+visited in ascending order and their weighted outputs summed into the tokens' rows in that order, as Hugging
+Face's implementation does, so fp32 results match it.
+
+Routing follows the checkpoint's family: softmax in fp32, top-k, then renormalized over the k chosen
+(Mixtral always, Qwen3-MoE when `norm_topk_prob`); Qwen3-MoE casts the weights back to the model's dtype.
+Tensor parallelism splits every expert's inner dimension, like a dense MLP: each rank computes a partial
+output for every token and one all-reduce sums them. The router is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.model_executor.layers.linear import split_size
+from srt.model_executor.parallel_state import TensorParallelGroup
+
+GATE, UP, DOWN = "gate", "up", "down"
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        weights_in_model_dtype: bool,
+        tp: TensorParallelGroup,
+    ):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts={num_experts}]")
+        self.tp = tp
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_model_dtype = weights_in_model_dtype
+        self.inter = split_size(intermediate_size, tp, "the experts' intermediate size")
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
+
+    # ---- loading: one checkpoint tensor per (expert, projection) ----
+    def checkpoint_shards(self, param: str) -> set:
+        if param == "w13":
+            return {(GATE, e) for e in range(self.num_experts)} | {(UP, e) for e in range(self.num_experts)}
+        if param == "w2":
+            return {(DOWN, e) for e in range(self.num_experts)}
+        return {None}
+
+    def checkpoint_slice(self, param: str, shard, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(our region, the checkpoint part that belongs in it) for one expert's projection."""
+        if shard is None:  # the router
+            return getattr(self, param).data, tensor
+        kind, expert = shard
+        mine = tensor.narrow(0 if kind != DOWN else 1, self.tp.rank * self.inter, self.inter)
+        if kind == DOWN:
+            return self.w2.data[expert], mine
+        offset = 0 if kind == GATE else self.inter
+        return self.w13.data[expert].narrow(0, offset, self.inter), mine
+
+    # ---- forward ----
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(x)
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [tokens, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_model_dtype:
+            weights = weights.to(router_logits.dtype)
+        flat_experts = experts.flatten()
+        order = torch.argsort(flat_experts, stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        rows_by_pair = order // self.top_k
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            rows = rows_by_pair[start : start + n]
+            start += n
+            gate, up = F.linear(x[rows], self.w13[expert]).split(self.inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert]) * flat_weights[pairs, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return self.tp.all_reduce(out)

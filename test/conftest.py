@@ -73,20 +73,28 @@ def model_assets_dir(request) -> str:
     return os.environ.get(ASSETS_ENV) or request.getfixturevalue("embedded_model_dir")
 
 
-def save_random_llama(out: Path, assets_dir: str, seed: int, config_fields: dict) -> str:
-    """A randomly initialised Llama of `config_fields` with SmolLM2's tokenizer, saved as fp32 safetensors."""
+def save_random_model(out: Path, assets_dir: str, seed: int, config) -> str:
+    """A randomly initialised transformers model of `config` (its `architectures[0]` names the class) with
+    SmolLM2's tokenizer, saved as fp32 safetensors."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**config_fields, "architectures": ["LlamaForCausalLM"]})
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         src = Path(assets_dir) / name
         if src.exists():
             shutil.copy(src, out / name)
     return str(out)
+
+
+def save_random_llama(out: Path, assets_dir: str, seed: int, config_fields: dict) -> str:
+    """A randomly initialised Llama of `config_fields` with SmolLM2's tokenizer, saved as fp32 safetensors."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{**config_fields, "architectures": ["LlamaForCausalLM"]})
+    return save_random_model(out, assets_dir, seed, config)
 
 
 def assets_config(assets_dir: str) -> dict:

@@ -4,12 +4,9 @@ ranks each hold half of every expert's inner dimension and sum their partial out
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
-from test.conftest import TINY_LLAMA, TOKENIZER_FILES, assets_config
+from test.conftest import TINY_LLAMA, assets_config, save_random_model
 
 # the two-rank tests and their fixtures, collected again in this module with its `tiny_model_dir`
 from test.unit.test_tensor_parallel import (  # noqa: F401
@@ -24,8 +21,7 @@ from test.unit.test_tensor_parallel import (  # noqa: F401
 @pytest.fixture(scope="module")
 def tiny_model_dir(model_assets_dir: str, tmp_path_factory) -> str:
     """A random 3-layer Qwen3-MoE (8 experts, top 2; the middle layer dense) with SmolLM2's tokenizer."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig
 
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "num_hidden_layers"}
     config = Qwen3MoeConfig(
@@ -39,11 +35,4 @@ def tiny_model_dir(model_assets_dir: str, tmp_path_factory) -> str:
         mlp_only_layers=[1],
         architectures=["Qwen3MoeForCausalLM"],
     )
-    torch.manual_seed(11)
-    out = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        src = Path(model_assets_dir) / name
-        if src.exists():
-            shutil.copy(src, out / name)
-    return str(out)
+    return save_random_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), model_assets_dir, 11, config)

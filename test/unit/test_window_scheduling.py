@@ -6,12 +6,9 @@ it must see, after a chunk boundary, a prefix hit or a retraction, changes the t
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
-from test.conftest import TINY_LLAMA, TOKENIZER_FILES, assets_config
+from test.conftest import TINY_LLAMA, assets_config, save_random_model
 
 # the equivalence tests and their fixtures, collected again in this module with its `tiny_model_dir`
 from test.unit.test_scheduler import (  # noqa: F401
@@ -31,8 +28,7 @@ WINDOW = 8
 def tiny_model_dir(model_assets_dir: str, tmp_path_factory) -> str:
     """A random 4-layer Gemma 2 (local, global, local, global; attention and final soft-caps) with
     SmolLM2's tokenizer, saved as fp32 safetensors."""
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2Config
 
     fields = {k: v for k, v in TINY_LLAMA.items() if k not in ("rope_theta", "num_hidden_layers")}
     config = Gemma2Config(
@@ -43,11 +39,4 @@ def tiny_model_dir(model_assets_dir: str, tmp_path_factory) -> str:
         query_pre_attn_scalar=16,
         architectures=["Gemma2ForCausalLM"],
     )
-    torch.manual_seed(7)
-    out = tmp_path_factory.mktemp("tiny_gemma2")
-    Gemma2ForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        src = Path(model_assets_dir) / name
-        if src.exists():
-            shutil.copy(src, out / name)
-    return str(out)
+    return save_random_model(tmp_path_factory.mktemp("tiny_gemma2"), model_assets_dir, 7, config)

@@ -82,7 +82,13 @@ def qwen3_moe():
     return config, Qwen3MoeForCausalLM
 
 
-FAMILIES = {"gemma2": gemma2, "gemma3": gemma3, "mistral": mistral, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+FAMILIES = {
+    "gemma2": gemma2,
+    "gemma3": gemma3,
+    "mistral": mistral,
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -9,7 +9,9 @@ token); top-1 agreement is the share of positions where the model's most likely 
 The gate: int8 may be the CPU default only if its perplexity is within 2 % of fp32, no worse than
 llama.cpp's, and its top-1 agreement is at least 90 % (docs/cpu_execution.md, "The quality gate").
 
-    .venv/bin/python scripts/eval_quality.py [--model-path DIR|GGUF] [--window 1024] [--json out.json]
+    .venv/bin/python scripts/eval_quality.py [--model-path DIR|GGUF|NAME] [--window 1024] [--json out.json]
+
+NAME is an embedded model (srt/model_source.py: smollm2-135m-instruct, the default, or gemma3-270m).
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def llama_cpp_windows(gguf: str, ids: list[int], window: int, threads: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2 GGUF")
+    p.add_argument(
+        "--model-path", default=None, help="a directory, GGUF or embedded model name; default: SmolLM2"
+    )
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -82,13 +86,14 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from srt.model_source import default_gguf_path, resolve_model_dir
+    from srt.model_source import embedded_gguf_path, embedded_model_name, resolve_model_dir
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path)
+    embedded = embedded_model_name(args.model_path)
     gguf = args.model_path if args.model_path and args.model_path.endswith(".gguf") else None
-    if args.model_path is None:
-        gguf = default_gguf_path()
+    if embedded is not None:
+        gguf = embedded_gguf_path(embedded)
     with open(args.text, encoding="utf-8") as f:
         ids = AutoTokenizer.from_pretrained(model_dir)(f.read())["input_ids"]
     print(f"evaluation text: {args.text} ({len(ids)} tokens, windows of {args.window})", flush=True)

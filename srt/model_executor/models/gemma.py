@@ -23,6 +23,7 @@ from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
 from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.llama import (
     IGNORED_WEIGHT_SUFFIXES,
     STACKED_PARAMS,
@@ -94,7 +95,7 @@ class GemmaMLP(nn.Module):
     def __init__(self, config, tp: TensorParallelGroup):
         super().__init__()
         if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise NotImplementedError(f"hidden_activation {config.hidden_activation!r} is not supported")
+            raise UnsupportedModelError(f"hidden_activation {config.hidden_activation!r} is not supported")
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, False, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
@@ -144,7 +145,7 @@ class GemmaForCausalLM(nn.Module):
     def __init__(self, config, arch: str, max_positions: int, dtype: torch.dtype, device: str, tp=None):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
-            raise NotImplementedError("use_bidirectional_attention (an embedding model) is not supported")
+            raise UnsupportedModelError("use_bidirectional_attention (an embedding model) is not supported")
         self.config = config
         self.model = GemmaModel(config, self.ARCH_SWITCHES[arch], tp or TensorParallelGroup())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))

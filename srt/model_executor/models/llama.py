@@ -29,6 +29,7 @@ from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
 from srt.model_executor.layers.moe import FusedMoE
+from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.parallel_state import TensorParallelGroup
 
@@ -86,7 +87,7 @@ def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple
     if rope_type == "linear":  # positions divided by the factor
         return inv_freq / params["factor"], 1.0
     if rope_type != "llama3":
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"rope type {rope_type!r} is not supported (srt runs {', '.join(ROPE_TYPES)})"
         )
     factor = params["factor"]
@@ -218,7 +219,7 @@ def sparse_layer(config, layer_id: int) -> bool:
 
 def moe_mlp(config, tp: TensorParallelGroup) -> FusedMoE:
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"experts with hidden_act {config.hidden_act!r} are not supported")
+        raise UnsupportedModelError(f"experts with hidden_act {config.hidden_act!r} are not supported")
     qwen3 = hasattr(config, "moe_intermediate_size")
     return FusedMoE(
         num_experts=getattr(config, "num_local_experts", None) or config.num_experts,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.gemma import GemmaForCausalLM
 from srt.model_executor.models.llama import LlamaForCausalLM
 
@@ -18,4 +19,6 @@ def get_model_class(architectures: list[str] | None) -> tuple[str, type]:
     for arch in architectures or [DEFAULT_ARCHITECTURE]:
         if arch in MODEL_REGISTRY:
             return arch, MODEL_REGISTRY[arch]
-    raise ValueError(f"unsupported architectures {architectures}; supported: {', '.join(MODEL_REGISTRY)}")
+    raise UnsupportedModelError(
+        f"unsupported architectures {architectures}; supported: {', '.join(MODEL_REGISTRY)}"
+    )

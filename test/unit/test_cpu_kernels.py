@@ -202,7 +202,7 @@ def test_without_a_compiler_srt_falls_back_to_pytorch_ops(monkeypatch, tmp_path,
 def test_rope_rotates_q_and_k_in_place_to_the_bits_of_the_model_code(kernels):
     from types import SimpleNamespace
 
-    from srt.model_executor.models.llama import RotaryEmbedding
+    from srt.model_executor.layers.rotary_embedding import RotaryEmbedding
 
     heads, kv_heads, head_dim, n = 4, 2, 16, 9
     rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), head_dim, 64, torch.float32, "cpu")

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from srt.model_executor.layers.rotary_embedding import rope_inv_freq
 from srt.model_executor.model_loader import iter_checkpoint, load_weights, map_checkpoint_tensor
 from srt.model_executor.model_runner import ModelRunner
-from srt.model_executor.models.llama import LlamaForCausalLM, rope_inv_freq
+from srt.model_executor.models.llama import LlamaForCausalLM
 from srt.model_executor.models.registry import get_model_class
 from test.unit.model_driver import PagedDriver
 

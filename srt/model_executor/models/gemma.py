@@ -23,13 +23,10 @@ from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.layers.rotary_embedding import RotaryEmbedding
 from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.causal_lm import CausalLM
-from srt.model_executor.models.llama import (
-    STACKED_PARAMS,
-    RotaryEmbedding,
-    layer_sliding_window,
-)
+from srt.model_executor.models.llama import STACKED_PARAMS, layer_sliding_window
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -5,6 +5,11 @@ overwritten at once), materialised empty on the target device, then every parame
 checkpoint through the model's declarative `STACKED_PARAMS` mapping (a class attribute of each model). A tensor-parallel layer picks this
 rank's slice of each tensor (`checkpoint_slice`); other parameters are replicated whole. A parameter (or
 fused shard) that no checkpoint tensor filled is an error, never silently random.
+
+A checkpoint that stores a fused layer already fused (Phi-3's `qkv_proj` and `gate_up_proj`) is split into
+the layer's shards first, in the order the model's `FUSED_CHECKPOINT_PARAMS` names them and at the layer's
+own shard sizes, so each shard is sliced per rank like a separately stored one (a rank's q, k and v heads
+are not one contiguous run of the fused tensor).
 """
 
 from __future__ import annotations
@@ -68,20 +73,23 @@ def load_weights(
     for ckpt_name, tensor in weights:
         if model.skip_weight(ckpt_name):
             continue
-        name, shard = _map_name(model, ckpt_name)
+        name, mapped_shard = _map_name(model, ckpt_name)
         if name in skip:
             continue
         if name not in params:
             raise KeyError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
         module_name, param = name.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        target = params[name].data
-        if hasattr(module, "checkpoint_slice"):
-            target, tensor = module.checkpoint_slice(param, shard, tensor)
-        if target.shape != tensor.shape:
-            raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-        target.copy_(tensor)
-        loaded[name].add(shard)
+        for shard, part in _checkpoint_shards(model, module_name, module, mapped_shard, tensor, ckpt_name):
+            target = params[name].data
+            if hasattr(module, "checkpoint_slice"):
+                target, part = module.checkpoint_slice(param, shard, part)
+            if target.shape != part.shape:
+                raise ValueError(
+                    f"{ckpt_name}: checkpoint shape {tuple(part.shape)} != {tuple(target.shape)}"
+                )
+            target.copy_(part)
+            loaded[name].add(shard)
     missing = [name for name, shards in expected.items() if loaded[name] != shards]
     if missing:
         raise ValueError(
@@ -103,6 +111,26 @@ def _map_name(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
         if f".{part}." in ckpt_name:
             return ckpt_name.replace(f".{part}.", f".{fused}."), shard
     return ckpt_name, None
+
+
+def _checkpoint_shards(
+    model: nn.Module, module_name: str, module: nn.Module, shard, tensor: torch.Tensor, ckpt_name: str
+) -> list[tuple[object, torch.Tensor]]:
+    """(shard, tensor) pairs for one checkpoint tensor: itself, or, where the model declares the module's
+    checkpoint tensor fused (`FUSED_CHECKPOINT_PARAMS`: module name -> its shards in checkpoint order), its
+    rows split at the shards' full (all ranks') sizes."""
+    fused = getattr(model, "FUSED_CHECKPOINT_PARAMS", {}).get(module_name.rsplit(".", 1)[-1])
+    if fused is None or shard is not None:
+        return [(shard, tensor)]
+    sizes = [_full_shard_size(module, s) for s in fused]
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(f"{ckpt_name}: {tensor.shape[0]} rows, not the {sum(sizes)} of its shards {fused}")
+    return list(zip(fused, tensor.split(sizes), strict=True))
+
+
+def _full_shard_size(module: ColumnParallelLinear, shard: str) -> int:
+    """A shard's output size over all ranks (the layer holds this rank's share of each)."""
+    return module.shard_offsets[shard][1] * module.tp.size
 
 
 def _shards_of(model: nn.Module, param_name: str) -> set:

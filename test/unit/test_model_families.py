@@ -1,7 +1,8 @@
 """Every model family srt serves gives transformers' logits and greedy tokens on the same weights: tiny random
-configs built from transformers' own config classes, fp32, through the model runner over the paged pool,
-with a prompt longer than the sliding window so windowed layers must forget what full ones still see, and
-mixture-of-experts layers whose tokens spread over several experts."""
+configs built from transformers' own config classes (test/model_families.py), fp32, through the model runner
+over the paged pool, with a prompt longer than the sliding window so windowed layers must forget what full
+ones still see, mixture-of-experts layers whose tokens spread over several experts, a checkpoint with fused
+q/k/v and gate/up tensors (Phi-3) and scaled RoPE (Phi-3's LongRoPE, Llama's YaRN)."""
 
 from __future__ import annotations
 
@@ -9,86 +10,16 @@ import pytest
 import torch
 
 from srt.model_executor.model_runner import ModelRunner
+from test.model_families import FAMILIES, ORIGINAL_CONTEXT, VOCAB, WINDOW, mistral
 from test.unit.model_driver import PagedDriver, same_or_diverged_at_a_near_tie
 
-VOCAB = 512
-WINDOW = 8
-PROMPTS = [[(7 * i + 3) % (VOCAB - 10) + 5 for i in range(n)] for n in (29, 11)]  # 29 > WINDOW
+PROMPTS = [[(7 * i + 3) % (VOCAB - 10) + 5 for i in range(n)] for n in (29, 11)]
 NEW_TOKENS = 12
 TIE = 1e-4
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    initializer_range=0.2,  # peaky logits: greedy near-ties are rare
-    eos_token_id=None,
-    bos_token_id=1,
-    pad_token_id=0,
-)
-
-
-def gemma2():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(**COMMON, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24)
-    return config, Gemma2ForCausalLM
-
-
-def gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        **COMMON,
-        num_hidden_layers=6,  # five local layers, then a global one
-        sliding_window=WINDOW,
-        query_pre_attn_scalar=16,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 4.0},
-        },
-    )
-    return config, Gemma3ForCausalLM
-
-
-def mistral():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    return MistralConfig(**COMMON, num_hidden_layers=3, sliding_window=WINDOW), MistralForCausalLM
-
-
-def mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
-    return config, MixtralForCausalLM
-
-
-def qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        **COMMON,
-        num_hidden_layers=3,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],  # a dense layer between two sparse ones
-    )
-    return config, Qwen3MoeForCausalLM
-
-
-FAMILIES = {
-    "gemma2": gemma2,
-    "gemma3": gemma3,
-    "mistral": mistral,
-    "mixtral": mixtral,
-    "qwen3_moe": qwen3_moe,
-}
+# transformers' LongRoPE switches a whole sequence to its long factors past the original context, srt only
+# the positions past it (rotary_embedding.py): the comparison holds within it
+assert len(PROMPTS[0]) > WINDOW and max(map(len, PROMPTS)) + NEW_TOKENS <= ORIGINAL_CONTEXT
+SCALED_ROPE_TYPES = ("yarn", "longrope")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -134,23 +65,40 @@ def test_the_runner_gives_transformers_logits_and_greedy_tokens(family):
     assert exact >= 1, "every prompt diverged at a near-tie: the test compares nothing"
 
 
+def logits_as_configured_and_changed(hf_model, **fields) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' last-position logits for the first prompt, with the model's config and with `fields`
+    changed in it (same weights)."""
+    config = hf_model.config
+    changed = type(hf_model)._from_config(
+        type(config)(**{**config.to_dict(), **fields}), attn_implementation="eager"
+    )
+    changed.load_state_dict(hf_model.state_dict())
+    changed.eval()
+    prompt = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        return hf_model(prompt).logits[0, -1], changed(prompt).logits[0, -1]
+
+
 def test_the_window_matters_for_these_weights(family):
     """The comparison above would pass for a runner that ignored the window only if the window changed
     nothing: check that transformers itself answers differently without it."""
     model_dir, hf_model = family
-    config = hf_model.config
-    if not getattr(config, "sliding_window", None):
+    if not getattr(hf_model.config, "sliding_window", None):
         pytest.skip("no window")
-    full = type(hf_model)._from_config(
-        type(config)(**{**config.to_dict(), "sliding_window": 10_000}), attn_implementation="eager"
-    )
-    full.load_state_dict(hf_model.state_dict())
-    full.eval()
-    prompt = PROMPTS[0]
-    with torch.no_grad():
-        windowed = hf_model(torch.tensor([prompt])).logits[0, -1]
-        unwindowed = full(torch.tensor([prompt])).logits[0, -1]
+    windowed, unwindowed = logits_as_configured_and_changed(hf_model, sliding_window=10_000)
     assert not torch.allclose(windowed, unwindowed, atol=1e-4)
+
+
+def test_the_rope_scaling_matters_for_these_weights(family):
+    """As the window above: transformers answers differently with plain RoPE, so the comparison covers the
+    scaled frequencies and the attention factor."""
+    model_dir, hf_model = family
+    rope = hf_model.config.rope_parameters
+    if rope.get("rope_type") not in SCALED_ROPE_TYPES:
+        pytest.skip("no YaRN or LongRoPE")
+    plain = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+    scaled, unscaled = logits_as_configured_and_changed(hf_model, rope_parameters=plain)
+    assert not torch.allclose(scaled, unscaled, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -158,12 +106,13 @@ def test_the_window_matters_for_these_weights(family):
     [
         (
             "LlamaForCausalLM",
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-            "yarn",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+            "rope type 'dynamic'",
         ),
+        ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
         ("PhiForCausalLM", {}, "unsupported architectures"),
     ],
-    ids=["rope-yarn", "architecture"],
+    ids=["rope-dynamic", "partial-rotary", "architecture"],
 )
 def test_an_unsupported_model_is_one_line_of_configuration_error(tmp_path, arch, fields, what):
     """Start-up classifies it as a configuration the user changes (exit 2), naming what is unsupported."""

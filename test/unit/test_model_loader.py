@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from srt.model_executor.layers.rotary_embedding import rope_inv_freq
 from srt.model_executor.model_loader import iter_checkpoint, load_weights, map_checkpoint_tensor
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.models.llama import LlamaForCausalLM
@@ -76,28 +75,6 @@ def test_logits_match_transformers(tmp_path, model_type, arch, extra):
     )
 
 
-def test_llama3_rope_scaling_matches_transformers():
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    config = AutoConfig.for_model(
-        "llama", head_dim=64, hidden_size=512, num_attention_heads=8, rope_parameters=rope
-    )
-    ours, scaling = rope_inv_freq(config, 64)
-    theirs, their_scaling = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    torch.testing.assert_close(ours, theirs.float())
-    assert scaling == their_scaling
-    plain, _ = rope_inv_freq(AutoConfig.for_model("llama", rope_parameters={"rope_theta": 500000.0}), 64)
-    assert not torch.allclose(ours, plain)  # the scaling did something
-
-
 def test_a_missing_checkpoint_tensor_is_an_error(tiny_model_dir, tmp_path):
     for f in ("config.json", "model.safetensors"):
         shutil.copy(f"{tiny_model_dir}/{f}", tmp_path / f)
@@ -124,6 +101,37 @@ def test_fused_qkv_holds_the_checkpoint_slices_in_order(tiny_model_dir):
     assert torch.equal(up, ckpt["model.layers.0.mlp.up_proj.weight"])
     assert torch.equal(gate, ckpt["model.layers.0.mlp.gate_proj.weight"])
     assert runner.model.lm_head is None  # tied: the head is the embedding
+
+
+def saved_phi3(tmp_path) -> str:
+    from test.model_families import phi3
+
+    config, model_class = phi3()
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path, safe_serialization=True)
+    return str(tmp_path)
+
+
+def test_a_fused_checkpoint_tensor_is_split_into_the_layers_shards_in_order(tmp_path):
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: every shard is filled from its
+    rows (an unfilled shard would fail the load), in the checkpoint's order."""
+    model_dir = saved_phi3(tmp_path)
+    runner = ModelRunner(model_dir, max_total_tokens=64, max_running_requests=1, quantization="none")
+    ckpt = dict(iter_checkpoint(model_dir))
+    layer = runner.model.model.layers[1]
+    assert torch.equal(layer.self_attn.qkv_proj.weight, ckpt["model.layers.1.self_attn.qkv_proj.weight"])
+    assert torch.equal(layer.mlp.gate_up_proj.weight, ckpt["model.layers.1.mlp.gate_up_proj.weight"])
+
+
+def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_an_error(tmp_path):
+    model_dir = saved_phi3(tmp_path)
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-16]  # one head of v short
+    save_file(tensors, f"{model_dir}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}: 112 rows, not the 128 of its shards \('q', 'k', 'v'\)"):
+        ModelRunner(model_dir, max_total_tokens=64, max_running_requests=1, quantization="none")
 
 
 def test_unknown_architecture_is_rejected():

@@ -1,4 +1,4 @@
-"""Model families over the paged KV pool (`llama.py`, `gemma.py`), looked up by architecture in `registry.py`."""
+"""Model families over the paged KV pool (`llama.py`, `gemma.py`, `phi3.py`), looked up by architecture in `registry.py`."""
 
 
 class UnsupportedModelError(ValueError):

@@ -5,10 +5,12 @@ from __future__ import annotations
 from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.gemma import GemmaForCausalLM
 from srt.model_executor.models.llama import LlamaForCausalLM
+from srt.model_executor.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     **{arch: LlamaForCausalLM for arch in LlamaForCausalLM.ARCH_SWITCHES},
     **{arch: GemmaForCausalLM for arch in GemmaForCausalLM.ARCH_SWITCHES},
+    **{arch: Phi3ForCausalLM for arch in Phi3ForCausalLM.ARCH_SWITCHES},
 }
 # GGUF-converted configs may lack `architectures`; they are Llama-family (see gguf_convert).
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from srt.model_executor.layers.linear import ColumnParallelLinear
+from srt.model_executor.layers.linear_method import UNQUANTIZED, LayerMethods
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
 
@@ -182,13 +183,14 @@ def load_model(
     device: str,
     tp: TensorParallelGroup | None = None,
     skip: Callable[[nn.Module], Collection[str]] | None = None,
+    methods: LayerMethods = UNQUANTIZED,
 ) -> nn.Module:
-    """The model with the checkpoint's weights, except the parameters `skip` names when shown the model's
+    """The model, its layers built with `methods`, with the checkpoint's weights, except the parameters `skip` names when shown the model's
     structure (on the meta device, before any memory is allocated): those stay uninitialised, and their
     pages are never touched, for the caller to replace."""
     arch, model_class = get_model_class(hf_config.architectures)
     with torch.device("meta"), _default_dtype(dtype):
-        model = model_class(hf_config, arch, max_positions, dtype, device, tp)
+        model = model_class(hf_config, arch, max_positions, dtype, device, tp, methods)
     skipped = skip(model) if skip is not None else ()
     model = model.to_empty(device=device)
     checkpoint = iter_checkpoint(model_dir, lambda name: _map_name(model, name)[0] not in skipped)

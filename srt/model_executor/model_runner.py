@@ -28,12 +28,13 @@ from srt.model_executor.attention.registry import backend_class, resolve_backend
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
 from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers.linear_method import LayerMethods
 from srt.model_executor.model_loader import load_model, map_checkpoint_tensor
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import (
-    apply_w8a8_int8,
     cached_int8_weights,
     calibrated_int8_weights,
+    install_int8_weights,
     replaced_weights,
     resolve_quantization,
 )
@@ -61,8 +62,6 @@ MAX_CONTEXTS_IN_KV_POOL = 64
 # On the 2-core CPU the int8 head is faster at 64 rows than at 256 (1.7 vs 2.3 s for 2,048 rows); the fp32
 # head, which rereads its weight for each block, is slower (4.6 vs 2.9 s).
 PROMPT_LOGPROB_BLOCK_ROWS = 64
-# the checkpoint name of the input embedding table (Llama-family layout)
-EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 MEMINFO_PATH = "/proc/meminfo"
 # Default --mem-fraction-static by device type: a CPU host's memory is shared with everything else on it; a
 # GPU's free memory is this server's, less room for activations, logits and the decode CUDA graphs.
@@ -199,6 +198,9 @@ class ModelRunner:
         start = time.monotonic()
         max_positions = max(self.context_len, self.hf_config.max_position_embeddings)
         self.quantization = resolve_quantization(quantization, self.device)
+        if self.quantization == "w8a8_int8" and self.dtype != torch.float32:
+            raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
+        methods = LayerMethods.for_run(self.quantization, self.device)
         int8_weights = mapped_embedding = None
 
         def replaced_by_cached_int8(model: torch.nn.Module) -> set[str]:
@@ -213,7 +215,7 @@ class ModelRunner:
                 return set()
             skipped = replaced_weights(model)
             mapped_embedding = self._mapped_embedding(model)
-            return skipped | {EMBEDDING_WEIGHT} if mapped_embedding is not None else skipped
+            return skipped | {model.EMBEDDING_WEIGHT} if mapped_embedding is not None else skipped
 
         self.model = load_model(
             self.model_dir,
@@ -223,9 +225,10 @@ class ModelRunner:
             self.device,
             self.tp,
             skip=replaced_by_cached_int8,
+            methods=methods,
         )
         if mapped_embedding is not None:
-            self.model.model.embed_tokens.weight = torch.nn.Parameter(mapped_embedding, requires_grad=False)
+            self.model.input_embedding.weight = torch.nn.Parameter(mapped_embedding, requires_grad=False)
         self.load_weights_seconds = time.monotonic() - start
 
         layout = self.model.kv_layout
@@ -260,6 +263,7 @@ class ModelRunner:
             layout.num_kv_heads,
             layout.head_dim,
             self.device,
+            cpu_kernels=methods.cpu_kernels,
         )
         for layer in self.model.attention_layers():
             reason = self.model.attn_backend.unsupported(layer)
@@ -270,22 +274,21 @@ class ModelRunner:
                 )
         self.cuda_graph = self._capture_cuda_graphs(cuda_graph_max_bs)
         if self.quantization == "w8a8_int8":
-            if self.dtype != torch.float32:
-                raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
             source, started = "cache", time.monotonic()
             if int8_weights is None:  # calibration runs the fp32 model once, through the pools
                 source = "calibration"
                 int8_weights = calibrated_int8_weights(
                     self.model, self.model_dir, self.tp, self.forward_windows, self.max_total_num_tokens
                 )
-            apply_w8a8_int8(self.model, int8_weights, source, started)
+            install_int8_weights(self.model, int8_weights, source, started)
             if mapped_embedding is None:
                 self._map_lookup_only_embedding()
             release_free_heap()  # the dropped fp32 weights
+        self.model.ready()
         logger.info(
             "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
             "max running requests %d, context %d, attention %s, quantization %s, KV cache %s, "
-            "decode CUDA graphs %s",
+            "fused CPU kernels %s, decode CUDA graphs %s",
             self.hf_config.architectures,
             self.tp.rank,
             self.tp.size,
@@ -298,6 +301,7 @@ class ModelRunner:
             self.attention_backend_name,
             self.quantization,
             str(self.kv_cache_dtype).removeprefix("torch."),
+            "off" if methods.cpu_kernels is None else methods.cpu_kernels.isa,
             f"up to batch {self.cuda_graph.max_bs}" if self.cuda_graph else "off",
         )
 
@@ -322,16 +326,14 @@ class ModelRunner:
         checkpoint stores it as the model holds it and this is the CPU. `model` may still be on meta."""
         if self.device != "cpu":
             return None
-        return map_checkpoint_tensor(self.model_dir, EMBEDDING_WEIGHT, model.model.embed_tokens.weight)
+        return map_checkpoint_tensor(self.model_dir, model.EMBEDDING_WEIGHT, model.input_embedding.weight)
 
     def _map_lookup_only_embedding(self) -> None:
         """Once the int8 head has its own copy of a tied embedding, the fp32 table is only looked up: map it
         from the checkpoint (only the rows of tokens seen become resident) instead of holding it."""
-        if self.model.lm_head_quant is None:
-            return
         mapped = self._mapped_embedding(self.model)
         if mapped is not None:
-            self.model.model.embed_tokens.weight = torch.nn.Parameter(mapped, requires_grad=False)
+            self.model.input_embedding.weight = torch.nn.Parameter(mapped, requires_grad=False)
 
     def _kv_capacity(self, layout: KVLayout, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         if max_total_tokens is not None:

@@ -1,13 +1,16 @@
-"""`--quantization w8a8_int8`: turns a loaded fp32 model into int8 linear layers, once, and caches the result.
+"""`--quantization w8a8_int8`: turns a loaded fp32 model's linear weights into int8 weights, once, and caches
+them. A pure step: it reads the model's layers through their linear method (`layers/linear_method.py`) and
+hands each method its int8 weights; which kernels run them the layers chose when they were built.
 
 Order of work, per tensor-parallel rank (each rank quantizes its own shard, so scales and statistics are the
 shard's):
 1. calibrate: run the fp32 model over `calibration_text.txt` (shipped with srt, deliberately not the
-   evaluation text of `scripts/eval_quality.py`) and sum each linear layer's input second moments X^T X,
-   and those of the normed hidden state the output head reads;
-2. quantize every linear layer and the output head to per-channel int8 with GPTQ's error-compensating
-   rounding under those moments (`layers/gptq.py`), then drop the fp32 copies of the linear weights (the
-   embedding stays fp32: the head gets its own int8 copy when the two are tied);
+   evaluation text of `scripts/eval_quality.py`) and sum the input second moments X^T X of each weight
+   behind a linear method: every linear layer, each expert's projections (over the tokens routed to it)
+   and the output head;
+2. quantize each such weight to per-channel int8 with GPTQ's error-compensating rounding under those
+   moments (`layers/gptq.py`), then drop the fp32 copies (the embedding stays fp32: the head gets its own
+   int8 copy when the two are tied);
 3. save the int8 tensors in a safetensors file under the srt cache, keyed by the checkpoint, the rank and
    the calibration settings; a later start loads it instead of calibrating (about 20 s saved here).
 
@@ -30,12 +33,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from srt.engine_options import QUANTIZATIONS
-from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import pack_weight
 from srt.model_executor.layers.int8_math import Int8Weight
-from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-from srt.model_executor.models.cpu_decode import CpuDecodeStep
+from srt.model_executor.layers.linear_method import WEIGHT, LinearMethod
 from srt.model_source import cache_root
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "calibration_text.txt
 # Calibration runs the text as independent sequences of this many tokens (bounded logits memory).
 CALIBRATION_WINDOW = 512
 CACHE_FORMAT = 2  # 1: SmoothQuant-scaled weights (with a smooth vector per layer)
-HEAD = "lm_head"
 
 
 def resolve_quantization(requested: str | None, device: str) -> str:
@@ -66,10 +66,30 @@ def resolve_quantization(requested: str | None, device: str) -> str:
     return requested
 
 
-def linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [
-        (n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
-    ]
+def quantizable_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that multiply through a linear method, by name (the head is `lm_head`)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "method", None), LinearMethod)]
+
+
+def weight_name(layer_name: str, key: str) -> str:
+    """A weight's name in the cache: the layer's for its plain weight, `layer.w13.3` for an expert's."""
+    return layer_name if key == WEIGHT else f"{layer_name}.{key}"
+
+
+def quantizable_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    return [(weight_name(n, key), m, key) for n, m in quantizable_layers(model) for key in m.weight_keys()]
+
+
+class _RecordingMethod(LinearMethod):
+    """Calibration's stand-in for a layer's method: hands every input to `record`, then multiplies as the
+    method it wraps (installed only while the calibration text runs)."""
+
+    def __init__(self, inner: LinearMethod, layer_name: str, record: Callable[[str, torch.Tensor], None]):
+        self.inner, self.layer_name, self.record = inner, layer_name, record
+
+    def apply(self, layer, x, bias, key=WEIGHT):
+        self.record(weight_name(self.layer_name, key), x)
+        return self.inner.apply(layer, x, bias, key)
 
 
 def calibration_ids(model_dir: str) -> list[int]:
@@ -81,9 +101,9 @@ def calibration_ids(model_dir: str) -> list[int]:
 
 
 def input_second_moments(model: torch.nn.Module, windows: Iterable) -> dict[str, torch.Tensor]:
-    """Sum of x x^T [K, K] over every input row x of every linear layer, and of the head's input under
-    `HEAD`, while `windows` runs the model over the calibration text: the Hessian of each layer's squared
-    output error, which GPTQ's rounding minimizes."""
+    """Sum of x x^T [K, K] over every input row x of every quantizable weight while `windows` runs the model
+    over the calibration text: the Hessian of each weight's squared output error, which GPTQ's rounding
+    minimizes. An expert sees only the rows routed to it."""
     moments: dict[str, torch.Tensor] = {}
 
     def record(name: str, x: torch.Tensor) -> None:
@@ -91,25 +111,28 @@ def input_second_moments(model: torch.nn.Module, windows: Iterable) -> dict[str,
         xtx = x.t() @ x
         moments[name] = xtx if name not in moments else moments[name].add_(xtx)
 
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, inp, n=n: record(n, inp[0])) for n, m in linear_layers(model)
-    ]
-    hooks.append(model.model.norm.register_forward_hook(lambda _m, _inp, out: record(HEAD, out)))
+    layers = quantizable_layers(model)
+    for name, m in layers:
+        m.method = _RecordingMethod(m.method, name, record)
     try:
         for _ in windows:
             pass
     finally:
-        for h in hooks:
-            h.remove()
+        for _, m in layers:
+            m.method = m.method.inner
     return moments
 
 
 def quantize_model(model: torch.nn.Module, moments: dict[str, torch.Tensor]) -> dict[str, Int8Weight]:
-    """Every linear layer and the head in int8, each freed of its moments as soon as it is done."""
+    """Every quantizable weight in int8, each freed of its moments as soon as it is done. A weight no
+    calibration row reached (an expert the text never routed to) is rounded to its nearest levels."""
     out = {}
-    for name, m in linear_layers(model):
-        out[name] = quantize_per_channel_gptq(m.weight.data, moments.pop(name))
-    out[HEAD] = quantize_per_channel_gptq(model.lm_head_weight.data, moments.pop(HEAD))
+    for name, layer, key in quantizable_weights(model):
+        w = layer.dense_weight(key).data
+        hessian = moments.pop(name, None)
+        out[name] = quantize_per_channel_gptq(
+            w, hessian if hessian is not None else torch.zeros(w.shape[1], w.shape[1])
+        )
     return out
 
 
@@ -171,15 +194,20 @@ def cached_int8_weights(
     the model, whose collectives every rank must join: if any rank lacks its file, a start cut short
     between two ranks' saves, all ranks calibrate). Reads only the model's structure: called before the
     checkpoint is loaded, so that the fp32 weights int8 replaces never need to be read."""
-    names = [n for n, _ in linear_layers(model)] + [HEAD]
+    names = [name for name, _, _ in quantizable_weights(model)]
     weights = load_cache(cache_path(model_dir, tp.rank, tp.size), names)
     return weights if tp.min_across_ranks(int(weights is not None)) == 1 else None
 
 
 def replaced_weights(model: torch.nn.Module) -> set[str]:
-    """Parameters whose fp32 values int8 weights replace: the linear layers' and an untied head's."""
-    names = {f"{n}.weight" for n, _ in linear_layers(model)}
-    return names | ({"lm_head.weight"} if model.lm_head is not None else set())
+    """Parameters whose fp32 values int8 weights replace: the quantizable layers' own, less their biases (a
+    tied head has none: the embedding's table stays)."""
+    return {
+        f"{n}.{p}"
+        for n, m in quantizable_layers(model)
+        for p, _ in m.named_parameters(recurse=False)
+        if p != "bias"
+    }
 
 
 def calibrated_int8_weights(
@@ -198,31 +226,20 @@ def calibrated_int8_weights(
     return weights
 
 
-def apply_w8a8_int8(
+def install_int8_weights(
     model: torch.nn.Module, weights: dict[str, Int8Weight], source: str, start: float
 ) -> None:
-    """Put the int8 `weights` (`source`: from the cache or from calibration, begun at monotonic `start`) in
-    `model` in place of its fp32 linear weights."""
-    layers = linear_layers(model)
+    """Hand each layer's method its int8 `weights` (`source`: the cache or calibration, begun at monotonic
+    `start`), prepared for the fastest kernel here; the methods drop the fp32 copies."""
     packed = all([pack_weight(qw) for qw in weights.values()])
+    layers = quantizable_layers(model)
     for name, m in layers:
-        m.quant = weights[name]
-        m.register_parameter("weight", None)  # the fp32 copy is never read again
-    model.lm_head_quant = weights[HEAD]
-    if model.lm_head is not None:
-        model.lm_head.register_parameter("weight", None)
-    kernels = cpu_kernels.load()
-    if kernels is not None:
-        # the parts with fused CPU forms: norms, rotary embedding, MLP activation, decode attention
-        for module in [*model.modules(), model.attn_backend]:
-            if hasattr(module, "cpu_kernels"):
-                module.cpu_kernels = kernels
-        model.cpu_decode = CpuDecodeStep.build(model, kernels)
+        m.method.install(m, {key: weights[weight_name(name, key)] for key in m.weight_keys()})
     logger.info(
-        "w8a8_int8: %d linear layers and the head in int8 (from %s, %s%s) in %.2f s",
+        "w8a8_int8: %d weights of %d layers in int8 (from %s, %s) in %.2f s",
+        len(weights),
         len(layers),
         source,
         "oneDNN packed kernel" if packed else "torch._int_mm",
-        "" if kernels is None else f", fused {kernels.isa} kernels",
         time.monotonic() - start,
     )

@@ -72,10 +72,10 @@ def test_the_lean_step_takes_a_batch_only_where_the_fused_kernel_takes_every_lin
     """The lean step runs every linear layer through the fused kernel, so it must not take a batch size for
     which the module path would have chosen a faster library kernel (packed oneDNN, or `_int_mm` with
     VNNI): same bits either way, but the wrong kernel is up to 2x slower."""
-    from srt.model_executor.quantization import linear_layers
+    from srt.model_executor.quantization import quantizable_layers
 
     kernels = cpu_kernels.load()
-    weights = [m.quant for _, m in linear_layers(runner.model)]
+    weights = [m.method.int8_weight() for name, m in quantizable_layers(runner.model) if name != "lm_head"]
     fused_everywhere = all(
         w.weight is not None
         and w.wsum is not None

@@ -14,7 +14,9 @@ from srt.model_executor.layers import cpu_kernels, int8_linear
 from srt.model_executor.layers.gptq import quantize_per_channel_gptq
 from srt.model_executor.layers.int8_linear import pack_weight, packed_kernel_available, w8a8_linear
 from srt.model_executor.layers.int8_math import quantize_per_channel, quantize_two_level, torch_w8a8_linear
-from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from srt.model_executor.layers.layernorm import RMSNorm
+from srt.model_executor.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from srt.model_executor.layers.linear_method import WEIGHT, W8A8Int8LinearMethod
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import DEFAULT_CPU_QUANTIZATION, cache_path, resolve_quantization
@@ -148,19 +150,24 @@ def test_weights_use_the_whole_int8_range_per_channel_and_activations_seven_bits
     assert q[5:].abs().max() <= 63 and q[5:].abs().max() >= 50  # the residual uses its range too
 
 
-def test_parallel_linear_layers_run_int8_when_quantized():
+def test_parallel_linear_layers_run_int8_once_their_method_gets_int8_weights():
+    """A layer built with the int8 method multiplies its fp32 weight (what calibration runs) until the method
+    is given the int8 form, then only that (the fp32 copy is dropped)."""
     gen = torch.Generator().manual_seed(4)
     tp = TensorParallelGroup()
-    col, row = ColumnParallelLinear(8, {"a": 6}, bias=True, tp=tp), RowParallelLinear(6, 4, bias=True, tp=tp)
+    col = ColumnParallelLinear(8, {"a": 6}, bias=True, tp=tp, method=W8A8Int8LinearMethod())
+    row = RowParallelLinear(6, 4, bias=True, tp=tp, method=W8A8Int8LinearMethod())
     for layer in (col, row):
         layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen))
         layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
     x = torch.randn(3, 8, generator=gen)
     with torch.no_grad():
         ref = row(col(x))
+        assert torch.equal(ref, F.linear(F.linear(x, col.weight, col.bias), row.weight, row.bias))
         for layer in (col, row):
-            layer.quant = quantize_per_channel(layer.weight.data)
+            layer.method.install(layer, {WEIGHT: quantize_per_channel(layer.weight.data)})
         out = row(col(x))
+    assert col.weight is None and row.weight is None
     assert not torch.equal(out, ref)  # really a different (int8) computation ...
     assert rel_err(out, ref) < 0.03  # ... within its error
 
@@ -184,12 +191,13 @@ def test_int8_model_tracks_fp32_and_its_cache_is_reused(tiny_model_dir, private_
     first = ModelRunner(tiny_model_dir, max_total_tokens=256, quantization="w8a8_int8")
     path = cache_path(first.model_dir, 0, 1)
     assert os.path.isfile(path) and path.startswith(private_cache)
-    layers = [m for m in first.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
-    assert layers and all(m.quant is not None and m.weight is None for m in layers)  # fp32 copies dropped
-    assert first.model.lm_head_quant is not None
-    norms = [m for m in first.model.modules() if hasattr(m, "cpu_kernels")]
-    assert norms and all(m.cpu_kernels is cpu_kernels.load() for m in norms)  # fused where they loaded
-    assert all((m.quant.packed is not None) == packed_kernel_available() for m in layers)
+    layers = [m for m in first.model.modules() if isinstance(m, LinearBase)]
+    assert len(layers) == 3 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+    weights = [m.method.int8_weight() for m in layers]
+    assert all(w is not None for w in weights) and all(m.weight is None for m in layers)  # fp32 copies dropped
+    norms = [m for m in first.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernels is cpu_kernels.load() for m in norms)  # fused where they loaded
+    assert all((w.packed is not None) == packed_kernel_available() for w in weights)
     int8 = logits_of(first)
     assert rel_err(int8, fp32) < 0.05
     mtime = os.stat(path).st_mtime_ns

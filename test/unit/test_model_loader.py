@@ -100,7 +100,9 @@ def test_fused_qkv_holds_the_checkpoint_slices_in_order(tiny_model_dir):
     gate, up = runner.model.model.layers[0].mlp.gate_up_proj.weight.chunk(2)
     assert torch.equal(up, ckpt["model.layers.0.mlp.up_proj.weight"])
     assert torch.equal(gate, ckpt["model.layers.0.mlp.gate_proj.weight"])
-    assert runner.model.lm_head is None  # tied: the head is the embedding
+    head = runner.model.lm_head  # tied: the head reads the embedding's table and holds no copy of it
+    assert head.weight is None and head.dense_weight("weight") is runner.model.input_embedding.weight
+    assert "lm_head.weight" not in dict(runner.model.named_parameters())
 
 
 def saved_phi3(tmp_path) -> str:

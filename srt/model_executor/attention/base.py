@@ -59,7 +59,10 @@ class AttentionBackend(ABC):
         num_kv_heads: int,
         head_dim: int,
         device: str,
+        cpu_kernels=None,
     ):
+        """`cpu_kernels`: the int8 model's fused CPU kernels (`layers/cpu_kernels.py`), which a CPU backend
+        attends through where given; GPU backends take none."""
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.req_to_token_pool = req_to_token_pool
@@ -68,6 +71,7 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = device
+        self.cpu_kernels = cpu_kernels
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

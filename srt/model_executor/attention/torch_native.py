@@ -79,9 +79,8 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     _k_workspace: torch.Tensor | None = None
     _v_workspace: torch.Tensor | None = None
-    # Set with the int8 model's fused CPU kernels (quantization.py): decode then attends straight out of the
-    # pool in one call per layer, with no gathered copy of the K/V.
-    cpu_kernels = None
+    # With the int8 model's fused CPU kernels (`cpu_kernels`, given at construction), decode attends straight
+    # out of the pool in one call per layer, with no gathered copy of the K/V.
 
     def _workspaces(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._k_workspace is None or self._k_workspace.shape[0] < rows:

@@ -9,18 +9,17 @@ Both take their part of a checkpoint tensor through `checkpoint_slice`, which th
 the loader keeps the shape check and the copy in one place, the layer alone knows which slice is its own.
 At one rank every slice is the whole tensor and the layers compute exactly `nn.Linear`.
 
-With `--quantization w8a8_int8` each layer's loaded (already sharded) fp32 weight is replaced by `quant`, an
-`Int8Weight` (`int8_math.py`); the bias stays fp32.
+Every layer multiplies through the `LinearMethod` it was built with (`linear_method.py`): with
+`--quantization w8a8_int8` the method holds the layer's (already sharded) weight in int8 once quantized; the
+bias stays fp32. The output head is a `ReplicatedLinear` too, reading the input embedding's table when tied.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from srt.model_executor.layers.int8_linear import w8a8_linear
-from srt.model_executor.layers.int8_math import Int8Weight
+from srt.model_executor.layers.linear_method import WEIGHT, LinearMethod
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 # Rank that adds a row-parallel bias: added once before the all-reduce, it is in the sum exactly once.
@@ -33,15 +32,42 @@ def split_size(total: int, tp: TensorParallelGroup, what: str) -> int:
     return total // tp.size
 
 
-class ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """A layer with one [out, in] weight multiplied through its method (`LinearWeights` for the method)."""
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, method: LinearMethod | None):
+        super().__init__()
+        self.method = method or LinearMethod()
+
+    def weight_keys(self) -> list[str]:
+        return [WEIGHT]
+
+    def dense_weight(self, key: str) -> torch.Tensor:
+        return self.weight
+
+    def drop_dense_weights(self) -> None:
+        self.register_parameter("weight", None)  # the fp32 copy is never read again
+
+
+class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; the output is the concatenation of checkpoint layers ("shards").
 
     Each rank holds its slice of every shard, in shard order (rank r of a fused qkv holds q_r, k_r, v_r), so
     splitting the local output by local shard sizes gives this rank's heads of q, k and v.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, tp: TensorParallelGroup):
-        super().__init__()
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        tp: TensorParallelGroup,
+        method: LinearMethod | None = None,
+    ):
+        super().__init__(method)
         self.tp = tp
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
@@ -51,12 +77,9 @@ class ColumnParallelLinear(nn.Module):
             offset += local
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
-        self.quant: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return w8a8_linear(x, self.quant, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
     def checkpoint_slice(
         self, param: str, shard: str | None, tensor: torch.Tensor
@@ -67,22 +90,26 @@ class ColumnParallelLinear(nn.Module):
         return target, tensor.narrow(0, self.tp.rank * size, size)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Input features split over ranks; the ranks' partial outputs are summed by an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup):
-        super().__init__()
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+        method: LinearMethod | None = None,
+    ):
+        super().__init__(method)
         self.tp = tp
         self.in_local = split_size(in_features, tp, "input size of a row-parallel layer")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.quant: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == BIAS_RANK else None
-        if self.quant is not None:
-            return self.tp.all_reduce(w8a8_linear(x, self.quant, bias))
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp.all_reduce(self.method.apply(self, x, bias))
 
     def checkpoint_slice(
         self, param: str, shard: str | None, tensor: torch.Tensor
@@ -91,3 +118,36 @@ class RowParallelLinear(nn.Module):
         if param == "bias":  # replicated: every rank holds the whole bias
             return target, tensor
         return target, tensor.narrow(1, self.tp.rank * self.in_local, self.in_local)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (the output head). Tied to an embedding, it reads that table as its
+    weight and holds none of its own (a second parameter would load, convert and quantize the table twice);
+    an int8 method still gets its own int8 copy while the embedding stays fp32 for lookups."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        method: LinearMethod | None = None,
+        tied_to: nn.Embedding | None = None,
+    ):
+        super().__init__(method)
+        self.bias = None
+        self._tied = (tied_to,)  # a tuple: not registered, so the embedding stays the embedding's own module
+        weight = nn.Parameter(torch.empty(out_features, in_features)) if tied_to is None else None
+        self.register_parameter("weight", weight)  # None when tied: `dense_weight` reads the embedding's
+
+    @property
+    def tied(self) -> bool:
+        return self._tied[0] is not None
+
+    def dense_weight(self, key: str) -> torch.Tensor:
+        return self._tied[0].weight if self.tied else self.weight
+
+    def drop_dense_weights(self) -> None:
+        if not self.tied:  # the embedding's table stays: lookups read it
+            super().drop_dense_weights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, None)

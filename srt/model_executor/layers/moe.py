@@ -8,6 +8,10 @@ Face's implementation does, so fp32 results match it.
 
 Routing follows the checkpoint's family: softmax in fp32, top-k, then renormalized over the k chosen
 (Mixtral always, Qwen3-MoE when `norm_topk_prob`); Qwen3-MoE casts the weights back to the model's dtype.
+Each expert's projections multiply through the layer's linear method (`linear_method.py`) under the keys
+`w13.E` and `w2.E`, so `--quantization w8a8_int8` gives every expert its int8 weights, calibrated on the
+tokens routed to it, as it does a dense layer's. The router stays fp32 (its top-k choice is sensitive, its
+matmul small).
 Tensor parallelism splits every expert's inner dimension, like a dense MLP: each rank computes a partial
 output for every token and one all-reduce sums them. The router is replicated.
 """
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.model_executor.layers.linear import split_size
+from srt.model_executor.layers.linear_method import LinearMethod
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 GATE, UP, DOWN = "gate", "up", "down"
@@ -34,6 +39,7 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         weights_in_model_dtype: bool,
         tp: TensorParallelGroup,
+        method: LinearMethod | None = None,
     ):
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -47,6 +53,20 @@ class FusedMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
+        self.method = method or LinearMethod()
+        self._keys = [(f"w13.{e}", f"w2.{e}") for e in range(num_experts)]
+
+    # ---- the linear method's view (`LinearWeights`) ----
+    def weight_keys(self) -> list[str]:
+        return [key for pair in self._keys for key in pair]
+
+    def dense_weight(self, key: str) -> torch.Tensor:
+        param, expert = key.split(".")
+        return getattr(self, param)[int(expert)]
+
+    def drop_dense_weights(self) -> None:
+        self.register_parameter("w13", None)
+        self.register_parameter("w2", None)
 
     # ---- loading: one checkpoint tensor per (expert, projection) ----
     def checkpoint_shards(self, param: str) -> set:
@@ -89,7 +109,8 @@ class FusedMoE(nn.Module):
             pairs = order[start : start + n]
             rows = rows_by_pair[start : start + n]
             start += n
-            gate, up = F.linear(x[rows], self.w13[expert]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * flat_weights[pairs, None]
+            key13, key2 = self._keys[expert]
+            gate, up = self.method.apply(self, x[rows], None, key13).split(self.inter, dim=-1)
+            y = self.method.apply(self, F.silu(gate) * up, None, key2) * flat_weights[pairs, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return self.tp.all_reduce(out)

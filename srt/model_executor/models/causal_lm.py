@@ -1,9 +1,11 @@
 """What the runner, the loader and the quantizer read of a model, written once for every family.
 
 A family's class derives from `CausalLM`, holds `model.embed_tokens`, `model.layers` (each with
-`self_attn.attn`, its `AttentionLayer`) and `lm_head` (None when tied), and implements `hidden_states` and
-`compute_logits`; the rest of the interface (the KV layout, the attention layers, the head's weight, the
-last-token forward, which checkpoint tensors to skip) is the same for all of them.
+`self_attn.attn`, its `AttentionLayer`) and `lm_head` (a `ReplicatedLinear`, reading the embedding when
+tied), is built with `LayerMethods` (its layers' linear method and fused kernels), and implements
+`hidden_states` and `compute_logits`; the rest of the interface (the KV layout, the attention layers, the
+input embedding, the last-token forward, which checkpoint tensors to skip, `ready`) is the same for all of
+them. Code outside `models/` reads a model through this interface only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from torch import nn
 
 from srt.model_executor.attention.base import AttentionLayer, KVLayout
 from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
+from srt.model_executor.layers.cpu_kernels import CpuKernels
+from srt.model_executor.models.cpu_decode import CpuDecodeStep
 
 # Checkpoint tensors recomputed instead of loaded.
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -23,8 +27,15 @@ class CausalLM(nn.Module):
     new token; the head runs only on those rows (most of an extend step's rows are never sampled)."""
 
     model: nn.Module
-    lm_head: nn.Linear | None
+    lm_head: nn.Module
     tie_word_embeddings: bool
+    kernels: CpuKernels | None = None  # the fused CPU kernels the layers were built with
+    # whether the fused CPU decode step (cpu_decode.py) is written for this family's layers
+    CPU_DECODE = False
+    # the int8 CPU decode step as one kernel call per operation, built in `ready` where it applies
+    cpu_decode: CpuDecodeStep | None = None
+    # the checkpoint name of the input embedding table, which the runner may map instead of copying
+    EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
@@ -45,8 +56,14 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def input_embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def ready(self) -> None:
+        """Called once the weights are final (quantized, if they are) and the attention backend is set:
+        builds what depends on both, the fused CPU decode step, which refuses (once, in the log) a model
+        it cannot run."""
+        self.cpu_decode = CpuDecodeStep.build(self, self.kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, positions, batch)

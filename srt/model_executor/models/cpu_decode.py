@@ -91,7 +91,7 @@ class CpuDecodeStep:
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    *(_linear(p.quant, p.bias) for p in _projections(layer)),
+                    *(_linear(p.method.int8_weight(), p.bias) for p in _projections(layer)),
                     k_buf.data_ptr(),
                     v_buf.data_ptr(),
                 )
@@ -124,7 +124,7 @@ class CpuDecodeStep:
         """Why this step cannot run `model`'s decode; None when it can."""
         if not model.CPU_DECODE:
             return f"{type(model).__name__} is not a Llama-layer model"
-        if model.attn_backend.cpu_kernels is None:
+        if getattr(model.attn_backend, "cpu_kernels", None) is None:
             return "attention does not run through the CPU kernels"
         if model.model.layers[0].self_attn.o_proj.tp.size != 1:
             return "tensor parallelism"
@@ -138,6 +138,8 @@ class CpuDecodeStep:
         if any(layer.sliding_window or layer.logit_cap for layer in layers):
             return "sliding-window or soft-capped attention"
         weights = _weights(model)
+        if any(w is None for w in weights):
+            return "a linear layer without int8 weights"
         if any(w.weight is None or w.wsum is None or w.weight.shape[1] % kernels.k_multiple for w in weights):
             return "a linear layer the fused kernel does not take"
         if any(w.weight.shape[1] > kernels.max_k for w in weights if w.packed is not None):
@@ -207,4 +209,4 @@ def _projections(layer) -> tuple:
 
 
 def _weights(model) -> list[Int8Weight]:
-    return [p.quant for layer in model.model.layers for p in _projections(layer)]
+    return [p.method.int8_weight() for layer in model.model.layers for p in _projections(layer)]

@@ -20,9 +20,13 @@ from torch import nn
 
 from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
 from srt.model_executor.forward_batch_info import ForwardBatch
-from srt.model_executor.layers.int8_linear import w8a8_linear
-from srt.model_executor.layers.int8_math import Int8Weight
-from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    split_size,
+)
+from srt.model_executor.layers.linear_method import UNQUANTIZED, LayerMethods
 from srt.model_executor.layers.rotary_embedding import RotaryEmbedding
 from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.causal_lm import CausalLM
@@ -52,7 +56,7 @@ def layer_type(config, layer_id: int) -> str:
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, qk_norm: bool, tp: TensorParallelGroup):
+    def __init__(self, config, layer_id: int, qk_norm: bool, tp: TensorParallelGroup, methods: LayerMethods):
         super().__init__()
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -63,9 +67,9 @@ class GemmaAttention(nn.Module):
         q_total, kv_total = total_heads * self.head_dim, total_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, {"q": q_total, "k": kv_total, "v": kv_total}, bias, tp
+            config.hidden_size, {"q": q_total, "k": kv_total, "v": kv_total}, bias, tp, methods.linear()
         )
-        self.o_proj = RowParallelLinear(q_total, config.hidden_size, bias, tp)
+        self.o_proj = RowParallelLinear(q_total, config.hidden_size, bias, tp, methods.linear())
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rope_key = layer_type(config, layer_id)
@@ -89,13 +93,14 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup):
+    def __init__(self, config, tp: TensorParallelGroup, methods: LayerMethods):
         super().__init__()
         if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UnsupportedModelError(f"hidden_activation {config.hidden_activation!r} is not supported")
         inter = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, False, tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
+        shards = {"gate": inter, "up": inter}
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, shards, False, tp, methods.linear())
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp, methods.linear())
         self.inter = split_size(inter, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +109,10 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, qk_norm: bool, tp: TensorParallelGroup):
+    def __init__(self, config, layer_id: int, qk_norm: bool, tp: TensorParallelGroup, methods: LayerMethods):
         super().__init__()
-        self.self_attn = GemmaAttention(config, layer_id, qk_norm, tp)
-        self.mlp = GemmaMLP(config, tp)
+        self.self_attn = GemmaAttention(config, layer_id, qk_norm, tp, methods)
+        self.mlp = GemmaMLP(config, tp, methods)
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -121,11 +126,11 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, tp: TensorParallelGroup):
+    def __init__(self, config, qk_norm: bool, tp: TensorParallelGroup, methods: LayerMethods):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, qk_norm, tp) for i in range(config.num_hidden_layers)
+            GemmaDecoderLayer(config, i, qk_norm, tp, methods) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -134,23 +139,28 @@ class GemmaForCausalLM(CausalLM):
     # architecture name -> qk_norm
     ARCH_SWITCHES = {"Gemma2ForCausalLM": False, "Gemma3ForCausalLM": True}
     STACKED_PARAMS = STACKED_PARAMS
-    # the fused CPU decode step is written for Llama's layers: it never runs Gemma's
-    CPU_DECODE = False
 
-    def __init__(self, config, arch: str, max_positions: int, dtype: torch.dtype, device: str, tp=None):
+    def __init__(
+        self,
+        config,
+        arch: str,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: str,
+        tp=None,
+        methods: LayerMethods = UNQUANTIZED,
+    ):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError("use_bidirectional_attention (an embedding model) is not supported")
         self.config = config
-        self.model = GemmaModel(config, self.ARCH_SWITCHES[arch], tp or TensorParallelGroup())
+        self.kernels = methods.cpu_kernels  # attention's; Gemma's norms and GeGLU have no fused form
+        self.model = GemmaModel(config, self.ARCH_SWITCHES[arch], tp or TensorParallelGroup(), methods)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, methods.linear(), tied)
         self.final_logit_cap = getattr(config, "final_logit_softcapping", None) or None
         self.attn_backend: AttentionBackend | None = None
-        self.lm_head_quant: Int8Weight | None = None
-        self.cpu_decode = None
         # one RoPE table per layer type whose parameters differ (Gemma 3: a local and a global base)
         keys = sorted({layer.self_attn.rope_key for layer in self.model.layers})
         self.ropes = {
@@ -171,11 +181,7 @@ class GemmaForCausalLM(CausalLM):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = self.model.norm(hidden)
-        if self.lm_head_quant is not None:
-            logits = w8a8_linear(normed, self.lm_head_quant, None)
-        else:
-            logits = F.linear(normed, self.lm_head_weight).float()
+        logits = self.lm_head(self.model.norm(hidden)).float()
         if self.final_logit_cap is not None:
             logits = torch.tanh(logits / self.final_logit_cap) * self.final_logit_cap
         return logits

@@ -18,20 +18,23 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
 from srt.model_executor.forward_batch_info import ForwardBatch
-from srt.model_executor.layers.cpu_kernels import CpuKernels
-from srt.model_executor.layers.int8_linear import w8a8_linear
-from srt.model_executor.layers.int8_math import Int8Weight
-from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, split_size
+from srt.model_executor.layers.activation import SiluAndMul
+from srt.model_executor.layers.layernorm import RMSNorm
+from srt.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    split_size,
+)
+from srt.model_executor.layers.linear_method import UNQUANTIZED, LayerMethods
 from srt.model_executor.layers.moe import FusedMoE
 from srt.model_executor.layers.rotary_embedding import RotaryEmbedding
 from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.causal_lm import CausalLM
-from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -44,23 +47,6 @@ STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        # set with the int8 model's fused CPU kernels (quantization.py): one call instead of six ops
-        self.cpu_kernels: CpuKernels | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels is not None:
-            return self.cpu_kernels.rmsnorm(x, self.weight, self.eps)
-        # fp32 statistics, as in HF, so reduced-precision runs normalize stably
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 def layer_sliding_window(config, layer_id: int) -> int | None:
@@ -79,7 +65,15 @@ def layer_sliding_window(config, layer_id: int) -> int | None:
 class LlamaAttention(nn.Module):
     """This rank's heads: `num_heads` and `num_kv_heads` are per rank (the config's totals / tp size)."""
 
-    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        qkv_bias: bool,
+        qk_norm: bool,
+        tp: TensorParallelGroup,
+        methods: LayerMethods,
+    ):
         super().__init__()
         self.layer_id = layer_id
         total_heads = config.num_attention_heads
@@ -91,13 +85,15 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         q_total, kv_total = total_heads * self.head_dim, total_kv_heads * self.head_dim
         shards = {"q": q_total, "k": kv_total, "v": kv_total}
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, qkv_bias, tp)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, qkv_bias, tp, methods.linear())
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = RowParallelLinear(q_total, config.hidden_size, o_bias, tp)
+        self.o_proj = RowParallelLinear(q_total, config.hidden_size, o_bias, tp, methods.linear())
         self.attn = AttentionLayer(layer_id, self.head_dim**-0.5, layer_sliding_window(config, layer_id))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.cpu_kernels: CpuKernels | None = None  # as RMSNorm's (the rotary embedding in one call)
+        kernels = methods.cpu_kernels
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        # q's and k's heads rotated in one kernel call, unless they are normed first (Qwen3)
+        self.rope_kernels = kernels if not qk_norm else None
 
     def forward(
         self,
@@ -109,36 +105,32 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        # q's and k's heads rotated in one call, unless they are normed first (Qwen3)
-        fused_rope = self.cpu_kernels is not None and self.q_norm is None
-        if fused_rope:
-            self.cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *cos_sin)
+        if self.rope_kernels is not None:
+            self.rope_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *cos_sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not fused_rope:
+        if self.rope_kernels is None:
             q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
         out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.attn, batch)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup):
+    def __init__(self, config, tp: TensorParallelGroup, methods: LayerMethods):
         super().__init__()
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp)
+        shards = {"gate": inter, "up": inter}
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, shards, bias, tp, methods.linear())
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp, methods.linear())
         self.inter = split_size(inter, tp, "intermediate_size")  # this rank's share
-        self.cpu_kernels: CpuKernels | None = None  # as RMSNorm's
+        self.act = SiluAndMul(self.inter, methods.cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels is not None:
-            return self.down_proj(self.cpu_kernels.silu_mul(self.gate_up_proj(x), self.inter))
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 def sparse_layer(config, layer_id: int) -> bool:
@@ -150,7 +142,7 @@ def sparse_layer(config, layer_id: int) -> bool:
     return (layer_id + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
 
 
-def moe_mlp(config, tp: TensorParallelGroup) -> FusedMoE:
+def moe_mlp(config, tp: TensorParallelGroup, methods: LayerMethods) -> FusedMoE:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"experts with hidden_act {config.hidden_act!r} are not supported")
     qwen3 = hasattr(config, "moe_intermediate_size")
@@ -162,16 +154,19 @@ def moe_mlp(config, tp: TensorParallelGroup) -> FusedMoE:
         renormalize=bool(config.norm_topk_prob) if qwen3 else True,
         weights_in_model_dtype=qwen3,
         tp=tp,
+        method=methods.linear(),
     )
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool, tp, methods: LayerMethods):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, tp)
-        self.mlp = moe_mlp(config, tp) if sparse_layer(config, layer_id) else LlamaMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, tp, methods)
+        sparse = sparse_layer(config, layer_id)
+        self.mlp = moe_mlp(config, tp, methods) if sparse else LlamaMLP(config, tp, methods)
+        eps, kernels = config.rms_norm_eps, methods.cpu_kernels
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
 
     def forward(self, hidden, rope, cos_sin, batch, attn) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cos_sin, batch, attn)
@@ -179,13 +174,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup, methods: LayerMethods):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, tp) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, tp, methods)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, methods.cpu_kernels)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -218,22 +214,19 @@ class LlamaForCausalLM(CausalLM):
         dtype: torch.dtype,
         device: str,
         tp: TensorParallelGroup | None = None,
+        methods: LayerMethods = UNQUANTIZED,
     ):
         super().__init__()
         qkv_bias, qk_norm = self.ARCH_SWITCHES[arch]
         qkv_bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.config = config
-        self.model = LlamaModel(config, qkv_bias, qk_norm, tp or TensorParallelGroup())
+        self.kernels = methods.cpu_kernels
+        self.model = LlamaModel(config, qkv_bias, qk_norm, tp or TensorParallelGroup(), methods)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, methods.linear(), tied)
         # set by the model runner once the KV pool exists (the pool is sized after the weights are loaded)
         self.attn_backend: AttentionBackend | None = None
-        # the output head in int8 (`--quantization w8a8_int8`); the embedding itself stays fp32
-        self.lm_head_quant: Int8Weight | None = None
-        # the int8 CPU decode step as one kernel call per operation (cpu_decode.py), set with the kernels
-        self.cpu_decode: CpuDecodeStep | None = None
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rope = RotaryEmbedding(config, head_dim, max_positions, dtype, device)
 
@@ -249,9 +242,7 @@ class LlamaForCausalLM(CausalLM):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_quant is not None:
-            return w8a8_linear(self.model.norm(hidden), self.lm_head_quant, None)
-        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+        return self.lm_head(self.model.norm(hidden)).float()
 
 
 EntryClass = LlamaForCausalLM

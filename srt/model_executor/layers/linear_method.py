@@ -1,0 +1,103 @@
+"""How a linear layer multiplies: the seam between model code and quantization (and, later, adapters).
+
+A layer gets its `LinearMethod` at construction and calls `method.apply(layer, x, bias, key)`; model code
+never branches on which method it is. `key` names one weight of the layer: `WEIGHT` for a plain linear
+layer, `"w13.3"` for expert 3's gate/up of a mixture of experts, so the experts run through the same seam.
+A layer says what it holds through the small `LinearWeights` protocol below.
+
+`W8A8Int8LinearMethod` runs the fp32 weights until `install` hands it their int8 form: calibration runs the
+model in between, through the same layers. Which fused CPU operations (norms, rotary embedding, activation,
+attention) a model's layers use is chosen with the method, in `LayerMethods`, and given to the layers when
+they are built: nothing attaches kernels to a built model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers.cpu_kernels import CpuKernels
+from srt.model_executor.layers.int8_linear import w8a8_linear
+from srt.model_executor.layers.int8_math import Int8Weight
+
+WEIGHT = "weight"  # the key of a plain linear layer's one weight
+
+
+class LinearWeights(Protocol):
+    """What a layer with a linear method exposes to it."""
+
+    def weight_keys(self) -> list[str]:
+        """The keys of its weights, each an [out, in] matrix."""
+
+    def dense_weight(self, key: str) -> torch.Tensor:
+        """The unquantized [out, in] weight named `key`."""
+
+    def drop_dense_weights(self) -> None:
+        """Free the unquantized weights (an int8 form replaced them)."""
+
+
+class LinearMethod:
+    name = "none"
+
+    def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None, key: str = WEIGHT):
+        return F.linear(x, layer.dense_weight(key), bias)
+
+    def int8_weight(self, key: str = WEIGHT) -> Int8Weight | None:
+        """The int8 form of weight `key` (None: this method multiplies unquantized weights)."""
+        return None
+
+
+class W8A8Int8LinearMethod(LinearMethod):
+    """`--quantization w8a8_int8` (int8 weights per output channel, int8 activations per token; the numerics
+    are in `int8_linear.py`)."""
+
+    name = "w8a8_int8"
+
+    def __init__(self):
+        self.weights: dict[str, Int8Weight] | None = None
+
+    def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None, key: str = WEIGHT):
+        if self.weights is None:  # before `install`: the fp32 weights, which calibration runs
+            return F.linear(x, layer.dense_weight(key), bias)
+        return w8a8_linear(x, self.weights[key], bias)
+
+    def install(self, layer: LinearWeights, weights: dict[str, Int8Weight]) -> None:
+        missing = set(layer.weight_keys()) - set(weights)
+        if missing:
+            raise KeyError(f"int8 weights missing for {sorted(missing)}")
+        self.weights = weights
+        layer.drop_dense_weights()
+
+    def int8_weight(self, key: str = WEIGHT) -> Int8Weight | None:
+        return None if self.weights is None else self.weights[key]
+
+
+LINEAR_METHODS = {m.name: m for m in (LinearMethod, W8A8Int8LinearMethod)}
+
+
+@dataclass(frozen=True)
+class LayerMethods:
+    """What a model's layers are built with: their linear method (a new instance per layer, since it holds
+    that layer's quantized weights) and the fused CPU kernels that norms, the rotary embedding, the MLP
+    activation and attention use where given. The kernels come with int8 only: the fp32 path keeps
+    PyTorch's operations, which transformers' outputs are compared with."""
+
+    quantization: str = "none"
+    cpu_kernels: CpuKernels | None = None
+
+    @staticmethod
+    def for_run(quantization: str, device: str) -> LayerMethods:
+        if quantization not in LINEAR_METHODS:
+            raise ValueError(f"unknown quantization {quantization!r}; choose one of {sorted(LINEAR_METHODS)}")
+        kernels = cpu_kernels.load() if quantization == "w8a8_int8" and device == "cpu" else None
+        return LayerMethods(quantization, kernels)
+
+    def linear(self) -> LinearMethod:
+        return LINEAR_METHODS[self.quantization]()
+
+
+UNQUANTIZED = LayerMethods()

@@ -111,8 +111,9 @@ def test_the_rope_scaling_matters_for_these_weights(family):
         ),
         ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
         ("PhiForCausalLM", {}, "unsupported architectures"),
+        ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ],
-    ids=["rope-dynamic", "partial-rotary", "architecture"],
+    ids=["rope-dynamic", "partial-rotary", "architecture", "activation"],
 )
 def test_an_unsupported_model_is_one_line_of_configuration_error(tmp_path, arch, fields, what):
     """Start-up classifies it as a configuration the user changes (exit 2), naming what is unsupported."""

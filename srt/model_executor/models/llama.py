@@ -121,6 +121,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config, tp: TensorParallelGroup, methods: LayerMethods):
         super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (srt runs silu)")
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         shards = {"gate": inter, "up": inter}

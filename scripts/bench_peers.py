@@ -11,6 +11,7 @@ each level's median run and every round's figure.
     python scripts/bench_peers.py                                   # all peers, the issue's workloads
     python scripts/bench_peers.py --peers srt,llama.cpp --plot /tmp/peers --output-file peers.json
     python scripts/bench_peers.py --peers srt,llama.cpp --concurrency 64 --num-prompts 64 --rounds 3
+    python scripts/bench_peers.py --model gemma3-270m --peers srt,llama.cpp --concurrency 1,16 --num-prompts 8,32
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from srt.bench.peers import (
 from srt.bench.plot import plot_sweep
 from srt.bench.report import format_server_comparison
 from srt.bench.runner import RunResult, run_benchmark, warmup
-from srt.model_source import default_gguf_path, resolve_model_dir
+from srt.model_source import DEFAULT_EMBEDDED_MODEL, EMBEDDED_MODELS, embedded_gguf_path, resolve_model_dir
 
 logger = logging.getLogger("bench_peers")
 
@@ -56,6 +57,12 @@ BASE_PORT = 30100
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peers", default=",".join(PEER_FACTORIES), help="comma-separated subset, run in order")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_EMBEDDED_MODEL,
+        choices=sorted(EMBEDDED_MODELS),
+        help="the embedded model every peer serves (llama.cpp its GGUF, the others its converted directory)",
+    )
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     p.add_argument("--num-prompts", default="8,32,64", help="requests per level, one number per level")
     p.add_argument("--input-len", type=int, default=256)
@@ -123,7 +130,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunR
         raise SystemExit("--num-prompts needs one count per --concurrency level")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    model_dir = resolve_model_dir(None)
+    model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
 
     def count_tokens(text: str) -> int:
@@ -150,7 +157,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunR
         results: dict[str, list[RunResult]] = {}
         rounds.append(results)
         for i, name in enumerate(names):
-            source = default_gguf_path() if name == "llama.cpp" else model_dir
+            source = embedded_gguf_path(args.model) if name == "llama.cpp" else model_dir
             peer = PEER_FACTORIES[name](args.base_port + i, source)
             if peer.missing:
                 if r == 0:
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     results = median_runs(rounds)
     print(f"\nMachine: {machine_description()}")
     print(
-        f"Workload: input {args.input_len} / output {args.output_len} tokens, greedy, fixed output length, "
+        f"Model: {args.model}. Workload: input {args.input_len} / output {args.output_len} tokens, greedy, fixed output length, "
         f"chat endpoint; prompts per level {args.num_prompts}\n"
     )
     if len(rounds) > 1:

@@ -50,7 +50,8 @@ def _missing_modules(*modules: str) -> list[str]:
 
 
 def srt_peer(port: int, model_dir: str, *flags: str, name: str = "srt") -> Peer:
-    cmd = [sys.executable, "-m", "srt.launch_server", "--host", HOST, "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "srt.launch_server", "--model-path", model_dir]
+    cmd += ["--host", HOST, "--port", str(port), *flags]
     target = Target(f"http://{HOST}:{port}", backend="openai", endpoint="chat", fixed_output="ignore_eos")
     return Peer(name, cmd, target)
 

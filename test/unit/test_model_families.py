@@ -131,3 +131,39 @@ def test_an_unsupported_model_is_one_line_of_configuration_error(tmp_path, arch,
         ModelRunner(str(tmp_path), max_total_tokens=512, quantization="none")
     failure = startup_failure(err.value)
     assert failure.config_error and what in failure.message and "\n" not in failure.message
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_a_gpu_every_family_gives_transformers_greedy_tokens(family, dtype):
+    """The GPU path (Triton attention with each layer's window and cap, decode CUDA graphs, the experts on
+    the device) against transformers on the same GPU and dtype; bf16 ties are wider, so a divergence at a
+    near-tie of the top two logits is allowed there as in fp32 (test_cuda_model.py's rule)."""
+    model_dir, hf_model = family
+    torch_dtype = getattr(torch, dtype)
+    runner = ModelRunner(
+        model_dir,
+        device="cuda",
+        dtype=dtype,
+        max_total_tokens=2048,
+        max_running_requests=4,
+        cuda_graph_max_bs=4,
+    )
+    reference = type(hf_model)._from_config(hf_model.config, attn_implementation="eager")
+    reference.load_state_dict(hf_model.state_dict())
+    reference = reference.to(device="cuda", dtype=torch_dtype).eval()
+    traces = PagedDriver(runner).greedy(PROMPTS, NEW_TOKENS)
+    exact = 0
+    for prompt, trace in zip(PROMPTS, traces, strict=True):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+        want = out[0, len(prompt) :].tolist()
+        exact += same_or_diverged_at_a_near_tie(
+            trace.tokens, want, trace.top2_gaps, TIE if dtype == "float32" else 0.1
+        )
+    assert exact >= 1, "every prompt diverged at a near-tie: the test compares nothing"

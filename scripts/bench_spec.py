@@ -1,0 +1,388 @@
+"""Speculative decoding on srt: what n-gram drafts and Predicted Outputs buy, where they must not cost, and
+whether greedy outputs stay exactly the same.
+
+Starts one server per configuration, one after another, on the embedded SmolLM2:
+- `srt`: no speculation (the reference of every ratio and of the output comparison);
+- `srt-ngram`: `--speculative-algorithm NGRAM`;
+- `srt-prediction`, `srt-ngram-prediction`: grounded requests carry OpenAI's `prediction` (their original
+  text), on a server without and with NGRAM;
+- `llama.cpp-lookup`: llama.cpp's server from llama-cpp-python with its prompt-lookup draft (skipped with a
+  message when not installed, or when the installed version has no such draft).
+Workloads: the grounded prompts (scripts/data/grounded_prompts.jsonl) and short open questions, one request
+at a time, greedy, answers ending on their own under `--max-tokens`; bench_peers' random chat workload
+(input 256 / output 64 tokens, fixed length) at concurrency 16 and 64. The table gives output tok/s, the ratio
+to `srt`, the mean acceptance length from srt's `/metrics` (1 + accepted / drafts over the run) and how many
+answers were identical to `srt`'s; a checklist of the targets follows. A benchmark, never part of the tests.
+
+    python scripts/bench_spec.py                                       # everything, one round
+    python scripts/bench_spec.py --peers srt,srt-ngram --num-prompts 12 --concurrency 16 --concurrency-prompts 32
+    python scripts/bench_spec.py --rounds 3 --output-file spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+
+from srt.bench.dataset import load_tokenizer, random_requests
+from srt.bench.grounded import (
+    SpecFigures,
+    grounded_requests,
+    identical_outputs,
+    load_records,
+    open_requests,
+    run_one_by_one,
+)
+from srt.bench.peers import RunningServer, llama_cpp_peer, machine_description, srt_peer
+from srt.bench.runner import METRICS_SETTLE_S, RunResult, new_session, run_benchmark, scrape_metrics, warmup
+from srt.model_source import DEFAULT_EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
+
+logger = logging.getLogger("bench_spec")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_WORKLOAD = os.path.join(HERE, "data", "grounded_prompts.jsonl")
+BASE_PORT = 30200
+GROUNDED, OPEN = "grounded", "open"
+BATCH_ONE = (GROUNDED, OPEN)
+REFERENCE = "srt"
+NGRAM_FLAGS = ("--speculative-algorithm", "NGRAM")
+# llama-cpp-python's own default for draft_model_num_pred_tokens.
+LLAMA_LOOKUP_TOKENS = 10
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row group of the table: a server, whether grounded requests carry their prediction, and the
+    workloads worth running on it (a prediction changes nothing for a request that has none)."""
+
+    server: str  # "srt", "srt-ngram" or "llama.cpp-lookup"
+    prediction: bool
+    workloads: tuple[str, ...] | None  # None: all of them
+
+    def runs(self, workload: str) -> bool:
+        return self.workloads is None or workload in self.workloads
+
+
+CONFIGS = {
+    "srt": Config("srt", False, None),
+    "srt-ngram": Config("srt-ngram", False, None),
+    "srt-prediction": Config("srt", True, (GROUNDED,)),
+    "srt-ngram-prediction": Config("srt-ngram", True, (GROUNDED,)),
+    "llama.cpp-lookup": Config("llama.cpp-lookup", False, BATCH_ONE),
+}
+# (configuration, workload, the one it is divided by, the least ratio the speculative decoding work aims at)
+TARGETS = (
+    ("srt-ngram", GROUNDED, REFERENCE, 2.0),
+    ("srt-ngram", OPEN, REFERENCE, 0.95),
+    ("srt-ngram", "random-c16", REFERENCE, 0.97),
+    ("srt-ngram", "random-c64", REFERENCE, 0.97),
+    ("srt-prediction", GROUNDED, REFERENCE, 3.0),
+    ("srt-ngram", GROUNDED, "llama.cpp-lookup", 1.5),
+)
+
+
+@dataclass
+class Measurement:
+    """One workload on one server: what the client saw, and what srt's counters said (None: no counters)."""
+
+    run: RunResult
+    spec: SpecFigures | None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peers", default=",".join(CONFIGS), help="comma-separated configurations, run in order")
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD, help="grounded prompts, JSON lines")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="first N grounded prompts and open questions (default: all)",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=256, help="cap on each batch-1 answer (not a fixed length)"
+    )
+    p.add_argument("--concurrency", default="16,64", help="levels of the random workload ('' skips it)")
+    p.add_argument("--concurrency-prompts", default="32,64", help="requests per level, one number per level")
+    p.add_argument("--input-len", type=int, default=256, help="random workload prompt tokens (bench_peers')")
+    p.add_argument("--output-len", type=int, default=64, help="random workload output tokens, fixed")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens for NGRAM"
+    )
+    p.add_argument("--ngram-min", type=int, default=None, help="--speculative-ngram-min-match-window-size")
+    p.add_argument("--ngram-max", type=int, default=None, help="--speculative-ngram-max-match-window-size")
+    p.add_argument("--lookup-tokens", type=int, default=LLAMA_LOOKUP_TOKENS, help="llama.cpp's drafts a step")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every configuration this many times, taking turns"
+    )
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--base-port", type=int, default=BASE_PORT)
+    p.add_argument("--log-dir", default=None, help="server logs; default: a temporary directory")
+    p.add_argument("--output-file", default=None, help="JSON with every round's runs and counters")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def ngram_flags(args: argparse.Namespace) -> list[str]:
+    flags = list(NGRAM_FLAGS)
+    for flag, value in (
+        ("--speculative-num-draft-tokens", args.num_draft_tokens),
+        ("--speculative-ngram-min-match-window-size", args.ngram_min),
+        ("--speculative-ngram-max-match-window-size", args.ngram_max),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def llama_lookup_missing() -> str | None:
+    """Why the installed llama-cpp-python cannot draft by prompt lookup (None: it can, or it is not installed,
+    which its peer already reports)."""
+    try:
+        from llama_cpp.server.settings import ModelSettings
+    except ImportError:
+        return None
+    if "draft_model" not in ModelSettings.model_fields:
+        return "this llama-cpp-python has no draft_model setting: skipping llama.cpp-lookup"
+    return None
+
+
+def make_peer(name: str, port: int, model_dir: str, args: argparse.Namespace):
+    server = CONFIGS[name].server
+    if server == "srt":
+        return srt_peer(port, model_dir, name=name)
+    if server == "srt-ngram":
+        return srt_peer(port, model_dir, *ngram_flags(args), name=name)
+    peer = llama_cpp_peer(port, embedded_gguf_path(DEFAULT_EMBEDDED_MODEL))
+    lookup = [
+        "--draft_model",
+        "prompt-lookup-decoding",
+        "--draft_model_num_pred_tokens",
+        str(args.lookup_tokens),
+    ]
+    return replace(
+        peer, name=name, command=peer.command + lookup, missing=peer.missing or llama_lookup_missing()
+    )
+
+
+async def scrape(base_url: str):
+    async with new_session() as session:
+        return await scrape_metrics(session, base_url)
+
+
+async def bench_config(
+    name, peer, workloads, warm_request, count_tokens, log_path, show_progress, out
+) -> None:
+    """Start one server, warm it up, run its workloads into `out` (kept when interrupted), stop it."""
+    config = CONFIGS[name]
+    natural = replace(peer.target, fixed_output="none")  # grounded answers end on their own
+    with RunningServer(peer, log_path) as server:
+        logger.info("%s ready after %.1f s", name, await server.wait_ready(count_tokens))
+        warm = await warmup(peer.target, warm_request, count_tokens)
+        if not warm.success:
+            raise RuntimeError(f"{name} warm-up failed: {warm.error}")
+        for workload, (level, requests) in workloads.items():
+            if not config.runs(workload):
+                continue
+            before = await scrape(peer.target.base_url)
+            if workload in BATCH_ONE:
+                run = await run_one_by_one(natural, requests, count_tokens, config.prediction)
+            else:
+                run = await run_benchmark(
+                    peer.target, requests, count_tokens, max_concurrency=level, show_progress=show_progress
+                )
+            await asyncio.sleep(METRICS_SETTLE_S)
+            spec = SpecFigures.between(before, await scrape(peer.target.base_url))
+            s = run.summary
+            logger.info(
+                "%s %s: %d ok, %d failed, %.1f output tok/s, accept length %s",
+                name, workload, s.completed, s.failed, s.output_throughput,
+                "-" if spec is None or spec.accept_length is None else f"{spec.accept_length:.2f}",
+            )  # fmt: skip
+            out[workload] = Measurement(run, spec)
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, dict[str, Measurement]]]:
+    levels, counts = _ints(args.concurrency), _ints(args.concurrency_prompts)
+    if len(levels) != len(counts):
+        raise SystemExit("--concurrency-prompts needs one count per --concurrency level")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    names = args.peers.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+    if REFERENCE not in names:
+        logger.warning("without %s there are no ratios and no output comparison", REFERENCE)
+    model_dir = resolve_model_dir(None)
+    tokenizer = load_tokenizer(model_dir)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    grounded = grounded_requests(load_records(args.workload), tokenizer, args.max_tokens)[: args.num_prompts]
+    questions = open_requests(tokenizer, args.max_tokens)[: args.num_prompts]
+    # one warm-up request first, then fresh prompts for every level (no prefix-cache hits across levels)
+    random_set = random_requests(
+        tokenizer, 1 + sum(counts), args.input_len, args.output_len, 1.0, args.seed, True
+    )
+    workloads = {GROUNDED: (1, grounded), OPEN: (1, questions)}
+    offset = 1
+    for level, count in zip(levels, counts, strict=True):
+        workloads[f"random-c{level}"] = (level, random_set[offset : offset + count])
+        offset += count
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_spec_")
+    os.makedirs(log_dir, exist_ok=True)
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    rounds: list[dict[str, dict[str, Measurement]]] = []
+    for r in range(args.rounds):
+        results: dict[str, dict[str, Measurement]] = {}
+        rounds.append(results)
+        for i, name in enumerate(names):
+            peer = make_peer(name, args.base_port + i, model_dir, args)
+            if peer.missing:
+                if r == 0:
+                    logger.warning("%s", peer.missing)
+                continue
+            log_path = os.path.join(log_dir, f"{name}-round{r + 1}.log")
+            try:
+                await bench_config(
+                    name, peer, workloads, random_set[0], count_tokens, log_path, not args.disable_tqdm,
+                    results.setdefault(name, {}),
+                )  # fmt: skip
+            except (RuntimeError, TimeoutError) as exc:
+                logger.error("%s could not be benchmarked: %s", name, exc)
+            except asyncio.CancelledError:
+                logger.warning("interrupted during %s: reporting what was measured so far", name)
+                return rounds
+    return rounds
+
+
+def median_measurements(rounds) -> dict[str, dict[str, Measurement]]:
+    """Per configuration and workload, the round of median output tok/s (the lower middle of an even count)."""
+    gathered: dict[str, dict[str, list[Measurement]]] = {}
+    for results in rounds:
+        for name, by_workload in results.items():
+            for workload, m in by_workload.items():
+                gathered.setdefault(name, {}).setdefault(workload, []).append(m)
+    return {
+        name: {
+            w: sorted(ms, key=lambda m: m.run.summary.output_throughput)[(len(ms) - 1) // 2]
+            for w, ms in by_workload.items()
+        }
+        for name, by_workload in gathered.items()
+    }
+
+
+def identity_counts(rounds, name: str, workload: str) -> tuple[int, int] | None:
+    """Answers identical to the reference's in the same round, summed over rounds; None for llama.cpp (other
+    numerics) and for the reference itself."""
+    if name == REFERENCE or CONFIGS[name].server not in ("srt", "srt-ngram"):
+        return None
+    same = compared = 0
+    for results in rounds:
+        ours, ref = results.get(name, {}).get(workload), results.get(REFERENCE, {}).get(workload)
+        if ours is not None and ref is not None:
+            s, c = identical_outputs(ref.run, ours.run)
+            same, compared = same + s, compared + c
+    return (same, compared) if compared else None
+
+
+def ratio(medians, name: str, workload: str, reference: str) -> float | None:
+    ours, ref = medians.get(name, {}).get(workload), medians.get(reference, {}).get(workload)
+    if ours is None or ref is None or ref.run.summary.output_throughput <= 0:
+        return None
+    return ours.run.summary.output_throughput / ref.run.summary.output_throughput
+
+
+def results_table(rounds) -> str:
+    medians = median_measurements(rounds)
+    lines = [
+        "| configuration | workload | ok / failed | output tok/s | ÷ srt | accept length | identical to srt |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, by_workload in medians.items():
+        for workload, m in by_workload.items():
+            s = m.run.summary
+            r = ratio(medians, name, workload, REFERENCE)
+            accept = None if m.spec is None else m.spec.accept_length
+            same = identity_counts(rounds, name, workload)
+            cells = [
+                name, workload, f"{s.completed} / {s.failed}", f"{s.output_throughput:.1f}",
+                "-" if r is None else f"{r:.2f}x", "-" if accept is None else f"{accept:.2f}",
+                "-" if same is None else f"{same[0]}/{same[1]}",
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_checklist(rounds) -> str:
+    medians = median_measurements(rounds)
+    lines = []
+    for name, workload, reference, least in TARGETS:
+        r = ratio(medians, name, workload, reference)
+        verdict = "not measured" if r is None else f"{r:.2f}x, {'met' if r >= least else 'MISSED'}"
+        lines.append(f"- {name} ÷ {reference}, {workload}: at least {least:.2f}x: {verdict}")
+    for name in medians:
+        for workload in medians[name]:
+            same = identity_counts(rounds, name, workload)
+            if same is not None and same[0] != same[1]:
+                lines.append(
+                    f"- {name}, {workload}: {same[1] - same[0]} answers differ from srt's (greedy: MISSED)"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    command = shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    rounds = [results for results in asyncio.run(main_async(args)) if results]
+    if not rounds:
+        logger.error("no configuration could be benchmarked")
+        return 1
+    print(f"\nMachine: {machine_description()}\nCommand: {command}")
+    print(
+        f"Model: {DEFAULT_EMBEDDED_MODEL}, greedy, chat endpoint. Batch 1: grounded prompts and open questions, "
+        f"answers capped at {args.max_tokens} tokens; random: input {args.input_len} / output {args.output_len} "
+        f"tokens, fixed length. Rounds: {len(rounds)} (each cell is its workload's median round)\n"
+    )
+    print(results_table(rounds))
+    print(f"\nTargets:\n{targets_checklist(rounds)}")
+    if args.output_file:
+        payload = {
+            "machine": machine_description(),
+            "command": command,
+            "args": vars(args),
+            "rounds": [
+                {
+                    name: {
+                        w: {"run": m.run.to_json(), "spec": None if m.spec is None else vars(m.spec)}
+                        for w, m in by_workload.items()
+                    }
+                    for name, by_workload in results.items()
+                }
+                for results in rounds
+            ],
+        }
+        with open(args.output_file, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,11 @@ OVERLOAD_TIMEOUT_SECONDS = 1800
 # Token ids of ordinary word pieces in SmolLM2's vocabulary (no special tokens).
 FIRST_PLAIN_TOKEN, LAST_PLAIN_TOKEN = 1000, 40000
 ABANDONED_PROMPT = 400
-CLIENT_GIVES_UP_SECONDS = 3.0
+# The abandoned request asks for as many tokens as the small server's KV pool holds beyond its prompt: at
+# batch 1 on a CPU that is several seconds (over 480 tok/s would be needed to finish within this wait; 3 s
+# was once too little on a fast machine, where 400 tokens came back in time).
+CLIENT_GIVES_UP_SECONDS = 1.0
+ABANDONED_PROMPT_TOKENS = 16
 # Seconds the scheduler may take to notice a disconnect and report idle.
 ABORT_SETTLE_SECONDS = 15.0
 
@@ -140,7 +144,8 @@ def wait_aborted_and_idle(server, aborted_before: float) -> str:
 
 def test_non_streaming_client_that_gives_up_is_aborted(small_server):
     aborted0 = metric(scrape(small_server), "sglang:num_aborted_requests_total")
-    body = {"prompt": random_ids(64, 3), "max_tokens": 400, **GREEDY}
+    max_tokens = KV_TOKENS - ABANDONED_PROMPT_TOKENS - 16
+    body = {"prompt": random_ids(ABANDONED_PROMPT_TOKENS, 3), "max_tokens": max_tokens, **GREEDY}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{small_server.openai_base_url}/completions", json=body, timeout=CLIENT_GIVES_UP_SECONDS)
     wait_aborted_and_idle(small_server, aborted0)

@@ -11,13 +11,18 @@ each level's median run and every round's figure.
     python scripts/bench_peers.py                                   # all peers, the issue's workloads
     python scripts/bench_peers.py --peers srt,llama.cpp --plot /tmp/peers --output-file peers.json
     python scripts/bench_peers.py --peers srt,llama.cpp --concurrency 64 --num-prompts 64 --rounds 3
-    python scripts/bench_peers.py --model gemma3-270m --peers srt,llama.cpp --concurrency 1,16 --num-prompts 8,32
+    python scripts/bench_peers.py --model gemma3-270m --endpoint completions --peers srt,llama.cpp \
+        --concurrency 1,16 --num-prompts 8,32
+
+A pretrained (not instruction-tuned) model such as Gemma 3 270M has no chat to hold: `--endpoint completions`
+sends the prompts as plain text (llama-cpp-python's chat format for it answers with no content at all).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -65,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     p.add_argument("--num-prompts", default="8,32,64", help="requests per level, one number per level")
+    p.add_argument("--endpoint", default="chat", choices=("chat", "completions"))
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
@@ -138,7 +144,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunR
 
     # Same prompts for every server, fresh ones for every level (no prefix-cache hits across levels).
     dataset = random_requests(
-        tokenizer, 1 + sum(counts), args.input_len, args.output_len, 1.0, args.seed, True
+        tokenizer, 1 + sum(counts), args.input_len, args.output_len, 1.0, args.seed, args.endpoint == "chat"
     )
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_peers_")
     os.makedirs(log_dir, exist_ok=True)
@@ -159,6 +165,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunR
         for i, name in enumerate(names):
             source = embedded_gguf_path(args.model) if name == "llama.cpp" else model_dir
             peer = PEER_FACTORIES[name](args.base_port + i, source)
+            peer.target = dataclasses.replace(peer.target, endpoint=args.endpoint)
             if peer.missing:
                 if r == 0:
                     logger.warning("%s", peer.missing)
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nMachine: {machine_description()}")
     print(
         f"Model: {args.model}. Workload: input {args.input_len} / output {args.output_len} tokens, greedy, fixed output length, "
-        f"chat endpoint; prompts per level {args.num_prompts}\n"
+        f"{args.endpoint} endpoint; prompts per level {args.num_prompts}\n"
     )
     if len(rounds) > 1:
         print(f"Each level's median run of {len(rounds)} rounds:\n")

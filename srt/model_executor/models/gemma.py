@@ -20,6 +20,7 @@ from torch import nn
 
 from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
 from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -37,14 +38,22 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), computed in fp32 and cast back (Gemma's order: scale before the cast)."""
+    """x / rms(x) * (1 + w), computed in fp32 and cast back (Gemma's order: scale before the cast). With the
+    int8 model's CPU kernels, one RMSNorm kernel call with the weight 1 + w, formed at the first call (the
+    weights are final by then: loading precedes any forward)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: CpuKernels | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.kernels = kernels
+        self._kernel_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            if self._kernel_weight is None:
+                self._kernel_weight = (1.0 + self.weight.float()).contiguous()
+            return self.kernels.rmsnorm(x, self._kernel_weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
@@ -70,8 +79,10 @@ class GemmaAttention(nn.Module):
             config.hidden_size, {"q": q_total, "k": kv_total, "v": kv_total}, bias, tp, methods.linear()
         )
         self.o_proj = RowParallelLinear(q_total, config.hidden_size, bias, tp, methods.linear())
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        kernels = methods.cpu_kernels
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.rope_kernels = kernels
         self.rope_key = layer_type(config, layer_id)
         self.attn = AttentionLayer(
             layer_id,
@@ -87,9 +98,18 @@ class GemmaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        q, k = self._rotate(q, rope, cos_sin), self._rotate(k, rope, cos_sin)
         out = attn.forward(q, k, v.view(n, self.num_kv_heads, self.head_dim), self.attn, batch)
         return self.o_proj(out)
+
+    def _rotate(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin) -> torch.Tensor:
+        """x [n, heads, head_dim] rotated: by the CPU kernel in place on a contiguous copy (or x itself, once
+        normed), else by the table's PyTorch ops."""
+        if self.rope_kernels is None:
+            return rope.apply(x, *cos_sin)
+        rows = x.reshape(x.shape[0], -1)
+        self.rope_kernels.rope_(rows, x.shape[1], self.head_dim, *cos_sin)
+        return rows.view_as(x)
 
 
 class GemmaMLP(nn.Module):
@@ -113,11 +133,11 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = GemmaAttention(config, layer_id, qk_norm, tp, methods)
         self.mlp = GemmaMLP(config, tp, methods)
-        eps = config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        eps, kernels, hidden = config.rms_norm_eps, methods.cpu_kernels, config.hidden_size
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, kernels)
 
     def forward(self, hidden, rope, cos_sin, batch, attn) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(hidden), rope, cos_sin, batch, attn)
@@ -132,7 +152,7 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, i, qk_norm, tp, methods) for i in range(config.num_hidden_layers)
         )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, methods.cpu_kernels)
 
 
 class GemmaForCausalLM(CausalLM):
@@ -154,7 +174,7 @@ class GemmaForCausalLM(CausalLM):
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError("use_bidirectional_attention (an embedding model) is not supported")
         self.config = config
-        self.kernels = methods.cpu_kernels  # attention's; Gemma's norms and GeGLU have no fused form
+        self.kernels = methods.cpu_kernels  # norms, rotary embedding and attention; GeGLU has no fused form
         self.model = GemmaModel(config, self.ARCH_SWITCHES[arch], tp or TensorParallelGroup(), methods)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None

@@ -22,6 +22,13 @@ from srt.kv_events.config import parse_kv_events_config
 from srt.metrics.custom_labels import parse_allowed_custom_labels
 from srt.model_source import EMBEDDED_MODELS, embedded_model_name
 from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
+from srt.speculative.defaults import (
+    NGRAM_MAX_MATCH_WINDOW_SIZE,
+    NGRAM_MIN_MATCH_WINDOW_SIZE,
+    SPECULATIVE_ALGORITHMS,
+    UNIMPLEMENTED_ALGORITHMS,
+    drafts_per_step,
+)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -157,6 +164,24 @@ class ServerArgs:
         160, "largest decode batch replayed from a captured CUDA graph (larger ones run eagerly)"
     )
     disable_cuda_graph: bool = _f(False, "run every decode step eagerly (no CUDA graph capture at start)")
+    # Speculative decoding (docs/speculative_decoding.md)
+    speculative_algorithm: str | None = _f(
+        None,
+        "NGRAM drafts each running request's next tokens from its own prompt and output (prompt lookup); "
+        "default: no speculation",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int | None = _f(
+        None,
+        "positions a verify step feeds per request, the verified token included (N proposes N - 1 drafts); "
+        "default: --speculative-ngram-max-match-window-size, as SGLang",
+    )
+    speculative_ngram_min_match_window_size: int = _f(
+        NGRAM_MIN_MATCH_WINDOW_SIZE, "shortest suffix of a request's tokens that may anchor an NGRAM lookup"
+    )
+    speculative_ngram_max_match_window_size: int = _f(
+        NGRAM_MAX_MATCH_WINDOW_SIZE, "longest suffix of a request's tokens an NGRAM lookup compares"
+    )
     # Observability beyond metrics: request traces, KV cache events, per-request export, custom labels
     enable_trace: bool = _f(False, "export OpenTelemetry request traces (OTLP) at trace level 1")
     otlp_traces_endpoint: str = _f(
@@ -263,6 +288,7 @@ class ServerArgs:
                 parse_kv_events_config(self.kv_events_config, self.dp_size)
             except ValueError as e:
                 problems.append(str(e))
+        problems.extend(self._speculative_problems())
         if embedded_model_name(self.model_path) is None and not os.path.exists(self.model_path):
             problems.append(
                 f"--model-path {self.model_path!r} does not exist: pass a Hugging Face model directory, a "
@@ -271,6 +297,48 @@ class ServerArgs:
             )
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _speculative_problems(self) -> list[str]:
+        """`--speculative-*`: an algorithm srt runs, integers (a bool is not one) within their ranges."""
+        problems = []
+        algorithm = self.speculative_algorithm
+        if algorithm in UNIMPLEMENTED_ALGORITHMS:
+            problems.append(f"--speculative-algorithm {algorithm} is not implemented yet; use NGRAM")
+        elif algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            choices = ", ".join(SPECULATIVE_ALGORITHMS)
+            problems.append(f"--speculative-algorithm must be one of {choices}, got {algorithm!r}")
+        counted = " (it counts the verified token: N proposes N - 1 drafts)"
+        for name, low, why in (
+            ("speculative_num_draft_tokens", 2, counted),
+            ("speculative_ngram_min_match_window_size", 1, ""),
+            ("speculative_ngram_max_match_window_size", 1, ""),
+        ):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if value is None and name == "speculative_num_draft_tokens":  # unset: the max match window
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{flag} must be an integer, got {value!r}")
+            elif value < low:
+                problems.append(f"{flag} must be >= {low}{why}, got {value}")
+        min_n, max_n = (
+            self.speculative_ngram_min_match_window_size,
+            self.speculative_ngram_max_match_window_size,
+        )
+        if not problems and min_n > max_n:
+            problems.append(
+                f"--speculative-ngram-min-match-window-size ({min_n}) must not exceed "
+                f"--speculative-ngram-max-match-window-size ({max_n})"
+            )
+        return problems
+
+    @property
+    def speculative_drafts_per_step(self) -> int:
+        """Most drafts a verify step gives one request (0: speculation off)."""
+        if self.speculative_algorithm is None:
+            return 0
+        n = self.speculative_num_draft_tokens or self.speculative_ngram_max_match_window_size
+        return drafts_per_step(n)
 
     @property
     def metrics_enabled(self) -> bool:

@@ -5,6 +5,9 @@ SGLang counts the verified root in `--speculative-num-draft-tokens`: a verify st
 token plus the drafts, so a chain of `num_draft_tokens` positions proposes `num_draft_tokens - 1` drafts.
 """
 
+# --speculative-algorithm's choices (SGLang's names); those not implemented yet are refused at start-up.
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+UNIMPLEMENTED_ALGORITHMS = ("STANDALONE",)
 # --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup (SGLang: 1).
 NGRAM_MIN_MATCH_WINDOW_SIZE = 1
 # --speculative-ngram-max-match-window-size: longest suffix compared (SGLang: 12).

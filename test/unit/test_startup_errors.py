@@ -102,7 +102,12 @@ def test_missing_model_path(tmp_path):
 
 @pytest.mark.parametrize(
     "flags",
-    [("--max-request-bytes", "0"), ("--graceful-shutdown-timeout", "-1"), ("--max-concurrent-requests", "0")],
+    [
+        ("--max-request-bytes", "0"),
+        ("--graceful-shutdown-timeout", "-1"),
+        ("--max-concurrent-requests", "0"),
+        ("--speculative-algorithm", "STANDALONE"),
+    ],
 )
 def test_bad_new_flags(flags):
     r, _ = launch(*flags)

@@ -1,0 +1,53 @@
+"""`--speculative-*` flags (docs/speculative_decoding.md): SGLang's names and counting, and a bad value or an
+algorithm srt does not run yet refused at start-up in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from srt.server_args import ServerArgs
+from srt.speculative.defaults import NGRAM_MAX_MATCH_WINDOW_SIZE
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        ({"speculative_algorithm": "STANDALONE"}, ["STANDALONE", "not implemented"]),
+        ({"speculative_num_draft_tokens": 1}, ["--speculative-num-draft-tokens", ">= 2"]),
+        ({"speculative_num_draft_tokens": True}, ["--speculative-num-draft-tokens", "integer"]),
+        ({"speculative_ngram_min_match_window_size": 0}, ["min-match-window-size", ">= 1"]),
+        (
+            {"speculative_ngram_min_match_window_size": 5, "speculative_ngram_max_match_window_size": 3},
+            ["(5) must not exceed", "(3)"],
+        ),
+    ],
+)
+def test_bad_speculative_flags_are_refused_in_one_line(flags, words):
+    with pytest.raises(ValueError) as e:
+        ServerArgs(**flags)
+    assert "\n" not in str(e.value)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_the_flags_parse_under_sglangs_names():
+    args = ServerArgs.parse(
+        [
+            "--speculative-algorithm", "NGRAM",
+            "--speculative-num-draft-tokens", "5",
+            "--speculative-ngram-min-match-window-size", "2",
+            "--speculative-ngram-max-match-window-size", "8",
+        ]
+    )  # fmt: skip
+    assert args.speculative_algorithm == "NGRAM"
+    assert (args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size) == (5, 2)
+    assert args.speculative_ngram_max_match_window_size == 8
+
+
+def test_drafts_per_step_follow_sglangs_counting():
+    """N positions a step, the verified token included, are N - 1 drafts; unset, N is the max match window."""
+    assert ServerArgs().speculative_drafts_per_step == 0  # off
+    spec = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    assert spec.speculative_drafts_per_step == 4
+    unset = ServerArgs(speculative_algorithm="NGRAM")
+    assert unset.speculative_drafts_per_step == NGRAM_MAX_MATCH_WINDOW_SIZE - 1

@@ -42,6 +42,9 @@ class ForwardBatch:
     logprob_targets: torch.Tensor | None = None  # int64 [num_rows]
     logprob_top_k: int = 0
     num_decode: int = 0  # MIXED: how many sequences at the end of the batch decode one token each
+    # Rows of this step's token array whose logits `ModelRunner.forward` returns, in this order (extend only);
+    # None: each sequence's last new token. A speculative verify step asks for every row it fed.
+    logit_rows: torch.Tensor | None = None  # int64 [rows]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

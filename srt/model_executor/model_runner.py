@@ -2,7 +2,7 @@
 
 It does not know who schedules it (no imports from srt.scheduler): the caller builds a `ForwardBatch`, having
 already written this step's KV slots into `req_to_token`, and gets back fp32 logits of the last new token
-of each sequence.
+of each sequence (or of the rows `ForwardBatch.logit_rows` names: a speculative verify step's every row).
 
 With tensor parallelism each rank runs its own ModelRunner over its share of the heads and of the MLP; its
 KV pool holds only its KV heads. Every rank must be given the same batches in the same order (the
@@ -359,9 +359,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits [batch_size, vocab] of each sequence's last token in this step. Returns once the
-        step has run on the device, so the caller's clock around it measures the step (the metrics'
-        forward time), not the launch."""
+        """fp32 logits [batch_size, vocab] of each sequence's last token in this step, or [rows, vocab] of
+        the rows `batch.logit_rows` names. Returns once the step has run on the device, so the caller's
+        clock around it measures the step (the metrics' forward time), not the launch."""
         if self.cuda_graph is not None and self.cuda_graph.can_run(batch):
             logits = self.cuda_graph.replay(batch)
         else:
@@ -372,7 +372,10 @@ class ModelRunner:
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """The step itself, launched kernel by kernel (also what the decode CUDA graphs record)."""
         self.model.attn_backend.init_forward_metadata(batch)
-        return self.model(batch.input_ids, batch.positions, batch)
+        if batch.logit_rows is None:
+            return self.model(batch.input_ids, batch.positions, batch)
+        hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logit_rows])
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (a no-op on the CPU, whose kernels run as they are called)."""

@@ -44,8 +44,9 @@ class PagedDriver:
             self.runner.token_to_kv_pool_allocator.free(slots)
         self.runner.req_to_token_pool.free(seq.row)
 
-    def extend(self, seqs: list[Seq], new_tokens: list[list[int]]) -> torch.Tensor:
-        return self._step(ForwardMode.EXTEND, seqs, new_tokens)
+    def extend(self, seqs: list[Seq], new_tokens: list[list[int]], every_row: bool = False) -> torch.Tensor:
+        """Logits of each sequence's last new token, or with `every_row` of every new token (a verify step)."""
+        return self._step(ForwardMode.EXTEND, seqs, new_tokens, every_row=every_row)
 
     def decode(self, seqs: list[Seq], tokens: list[int]) -> torch.Tensor:
         return self._step(ForwardMode.DECODE, seqs, [[t] for t in tokens])
@@ -59,7 +60,12 @@ class PagedDriver:
         )
 
     def _step(
-        self, mode: ForwardMode, seqs: list[Seq], new_tokens: list[list[int]], num_decode: int = 0
+        self,
+        mode: ForwardMode,
+        seqs: list[Seq],
+        new_tokens: list[list[int]],
+        num_decode: int = 0,
+        every_row: bool = False,
     ) -> torch.Tensor:
         counts = [len(t) for t in new_tokens]
         slots = self.runner.token_to_kv_pool_allocator.alloc(sum(counts))
@@ -86,6 +92,7 @@ class PagedDriver:
             extend_prefix_lens_cpu=None if mode is ForwardMode.DECODE else prefix_lens,
             extend_seq_lens_cpu=None if mode is ForwardMode.DECODE else counts,
             num_decode=num_decode,
+            logit_rows=torch.arange(sum(counts), **index) if every_row else None,
         )
         logits = self.runner.forward(batch)
         for seq, n in zip(seqs, counts, strict=True):

@@ -93,6 +93,19 @@ def test_extend_over_a_cached_prefix_equals_a_cold_extend(driver):
     torch.testing.assert_close(warm, cold, atol=ATOL, rtol=0)
 
 
+def test_an_extend_step_asking_for_every_row_returns_each_rows_logits(driver):
+    """A speculative verify step: sequences with cached prefixes each feed several tokens and get the logits
+    of every fed row, packed sequence after sequence, as one full forward gives them at those positions."""
+    a_ids, b_ids = tokens(16, seed=21), tokens(11, seed=22)
+    ref_a, ref_b = full_forward_logits(driver, a_ids), full_forward_logits(driver, b_ids)
+    a, b = driver.new_seq(), driver.new_seq()
+    driver.extend([a, b], [a_ids[:10], b_ids[:7]])
+    rows = driver.extend([a, b], [a_ids[10:], b_ids[7:]], every_row=True)
+    assert rows.shape == (6 + 4, driver.runner.vocab_size) and rows.dtype == torch.float32
+    torch.testing.assert_close(rows[:6], ref_a[10:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(rows[6:], ref_b[7:], atol=ATOL, rtol=0)
+
+
 def test_mixed_extend_batch_with_and_without_prefix(driver):
     """One extend step where one sequence reuses a cached prefix and another starts cold."""
     prefix, suffix, other = tokens(12, seed=6), tokens(5, seed=7), tokens(8, seed=8)

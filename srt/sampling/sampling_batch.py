@@ -46,11 +46,17 @@ class RandomRows:
     filters: TokenFilters
     groups: list[tuple[torch.Generator | None, torch.Tensor]]  # generator -> rows among the R
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """Next tokens of these rows from their (already penalized and masked) logits [R, vocab]."""
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """These rows' distributions [R, vocab] from their (already penalized and masked) logits: temperature,
+        then the filters; filtered tokens are 0 and the rest not renormalized. Speculative verification
+        judges drafts against them."""
         # +inf (a repetition penalty so small that the division overflows) becomes the largest float: the
         # row then samples among those tokens alone, the limit it stands for, instead of a softmax of NaN
-        probs = self.filters.apply((logits / self.temperature).clamp_(max=FLOAT32_MAX))
+        return self.filters.apply((logits / self.temperature).clamp_(max=FLOAT32_MAX))
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next tokens of these rows from their (already penalized and masked) logits [R, vocab]."""
+        probs = self.probs(logits)
         return sample_from_probs(probs, draw_uniforms(self.groups, probs.shape[0], probs.device))
 
 

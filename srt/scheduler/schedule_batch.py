@@ -13,6 +13,7 @@ import torch
 
 from srt.io_struct import BatchTokenIDOut, FinishReason
 from srt.sampling.sampling_params import SamplingParams
+from srt.speculative.stats import SpecRequestStats
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 
@@ -53,6 +54,7 @@ class Req:
         self.first_token_ts: float | None = None
         self.last_token_ts: float | None = None
         self.num_retractions = 0
+        self.spec_stats: SpecRequestStats | None = None  # its speculative figures, from its first verify step
 
         # Output not yet sent to the detokenizer, with the step stamp of each token.
         self.sent_len = 0

@@ -53,11 +53,13 @@ from srt.scheduler.schedule_policy import (
 )
 from srt.scheduler.scheduler_grammar import SchedulerGrammar
 from srt.scheduler.scheduler_tracing import SchedulerTracing
+from srt.scheduler.spec_step import SpecDecoder
 from srt.scheduler.step_builder import StepBuilder
 from srt.scheduler.step_hooks import NullReporter, SchedulerLoad, StepReporter
 from srt.scheduler.step_sampler import IsolatingSampler
-from srt.scheduler.token_append import append_tokens
+from srt.scheduler.token_append import append_token_runs, append_tokens
 from srt.server_args import ServerArgs
+from srt.speculative.stats import SpecRequestStats, SpecStepStats
 
 logger = logging.getLogger(__name__)
 # `--log-level debug`: every forward step's shape and time, for reading a workload step by step
@@ -119,6 +121,12 @@ class Scheduler:
         )
         self.builder = StepBuilder(self.req_to_token_pool, self.allocator, self.tree_cache)
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
+        # --speculative-algorithm: decode steps in which some request drafts become verify steps
+        self.spec = (
+            SpecDecoder(server_args, self.sampler.sampler, self.context_len)
+            if server_args.speculative_algorithm
+            else None
+        )
 
     # ---- inputs ----
     def handle(self, msg) -> FlushCacheReqOutput | None:
@@ -376,6 +384,11 @@ class Scheduler:
         reqs = self.running
         if not reqs:
             return []
+        if self.spec is not None:
+            spare = self.allocator.available_size() + self.tree_cache.evictable_size() - len(reqs)
+            drafts = self.spec.propose(reqs, spare)
+            if drafts is not None:
+                return self._run_verify(reqs, drafts)
         batch = self.builder.decode(reqs)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
@@ -386,6 +399,54 @@ class Scheduler:
         self._sample_and_append(logits, reqs)
         self._after_decode()
         self.reporter.on_decode(self.load(), num_tokens=len(reqs), forward_seconds=forward_seconds)
+        return reqs
+
+    def _run_verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
+        """A decode step in which some requests have drafts: one extend step feeds each of them its newest
+        token and its drafts, the others their newest token alone (sampled as in a decode step). A drafting
+        request appends its accepted drafts and one more token, stopping where a stop condition is met; the
+        KV slots of positions whose token it did not append go back to the allocator, so its KV still covers
+        exactly `kv_token_ids` and nothing rejected can reach the prefix cache."""
+        verifying = [r for r, d in zip(reqs, drafts, strict=True) if d]
+        runs = [d for d in drafts if d]
+        plain = [r for r, d in zip(reqs, drafts, strict=True) if not d]
+        batch = self.builder.verify(verifying, runs, plain)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        forward_seconds = time.perf_counter() - t0
+        self._observe_step(0, batch.num_tokens, forward_seconds)
+        verify_rows = batch.num_tokens - len(plain)
+        tokens, accepted = self.spec.verify(logits[:verify_rows], verifying, runs)
+        taken = append_token_runs(tokens, verifying, time.monotonic(), self.eos_token_ids, self.context_len)
+        rejected: list[int] = []
+        row = 0
+        for req, run, n in zip(verifying, runs, taken, strict=True):
+            rejected.extend(range(row + n, row + len(run) + 1))  # fed positions whose token was not kept
+            req.kv_len += n
+            row += len(run) + 1
+        if rejected:
+            self.allocator.free(
+                batch.out_cache_loc[torch.tensor(rejected, device=batch.out_cache_loc.device)]
+            )
+        # a draft counts as accepted once it is output: a stop inside an accepted run drops the rest
+        kept = [min(a, n) for a, n in zip(accepted, taken, strict=True)]
+        for req, run, a in zip(verifying, runs, kept, strict=True):
+            if req.spec_stats is None:
+                req.spec_stats = SpecRequestStats()
+            req.spec_stats.record(len(run), a)
+        self.reporter.on_verify(SpecStepStats.from_counts([len(r) for r in runs], kept))
+        for req in verifying:
+            if req.finished:
+                self._release(req)
+                self._report_finished(req)
+        for req in plain:
+            req.kv_len += 1
+        if plain:
+            self._sample_and_append(logits[verify_rows:], plain)
+        self._after_decode()
+        self.reporter.on_decode(
+            self.load(), num_tokens=sum(taken) + len(plain), forward_seconds=forward_seconds
+        )
         return reqs
 
     def _after_decode(self) -> None:
@@ -451,6 +512,8 @@ class Scheduler:
         for req in reqs:
             if req.finished and self.live.get(req.rid) is req:
                 del self.live[req.rid]
+                if self.spec is not None:
+                    self.spec.release(req.rid)
         out = build_token_output(reqs)
         self.tracing.on_output(out, reqs)
         return out

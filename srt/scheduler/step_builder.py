@@ -6,7 +6,10 @@ The scheduler decides *what* runs; this module decides *how it is laid out*:
 - mixed: an extend batch whose tail is the running batch's decode, one token per request with its whole
   prefix in the pool (SGLang builds mixed batches the same way), `num_decode` telling the backend where
   the tail starts;
-- decode: one token per running request.
+- decode: one token per running request;
+- verify (speculative decoding): an extend batch in which each drafting request feeds its newest token and
+  its k drafts over its cached prefix, followed by the step's other running requests with their newest
+  token alone; the model returns logits for every row (`ForwardBatch.logit_rows`).
 
 Every tensor of the batch lives on the device of the pools (the runner's): index lists are uploaded through
 `IndexUploader` (pinned staging and asynchronous copies on CUDA, plain tensors on the CPU), and the
@@ -28,6 +31,7 @@ class StepBuilder:
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.uploader = IndexUploader(allocator.device)
+        self._all_rows = torch.arange(0, dtype=torch.int64, device=allocator.device)  # grown on demand
 
     def alloc_kv(self, n: int) -> torch.Tensor:
         short = n - self.allocator.available_size()
@@ -105,6 +109,47 @@ class StepBuilder:
             req_pool_indices=pool_idx,
             seq_lens=positions + 1,
             seq_lens_cpu=seq_lens_cpu,
+        )
+        up.end_step()
+        return batch
+
+    def verify(self, reqs: list[Req], drafts: list[list[int]], plain: list[Req]) -> ForwardBatch:
+        """Each of `reqs` feeds its newest token and then its `drafts` (k_i + 1 rows from position kv_len),
+        then each of `plain` its newest token; every row's logits are returned, in this order."""
+        up = self.uploader
+        up.begin_step()
+        everyone = reqs + plain
+        new_lens = [len(d) + 1 for d in drafts] + [1] * len(plain)
+        num_rows = sum(new_lens)
+        loc = self.alloc_kv(num_rows)
+        input_ids: list[int] = []
+        for req, run in zip(reqs, drafts, strict=True):
+            input_ids.append(req.output_ids[-1])
+            input_ids.extend(run)
+        input_ids.extend(r.output_ids[-1] for r in plain)
+        positions: list[int] = []
+        table_rows: list[int] = []
+        for req, n in zip(everyone, new_lens, strict=True):
+            positions.extend(range(req.kv_len, req.kv_len + n))
+            table_rows.extend([req.req_pool_idx] * n)
+        positions_t = up.upload("positions", positions)
+        self.req_to_token_pool.req_to_token[up.upload("verify_rows", table_rows), positions_t] = loc
+        prefix_lens = [r.kv_len for r in everyone]
+        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens, strict=True)]
+        if self._all_rows.numel() < num_rows:
+            self._all_rows = torch.arange(2 * num_rows, dtype=torch.int64, device=self._all_rows.device)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            batch_size=len(everyone),
+            input_ids=up.upload("input_ids", input_ids),
+            positions=positions_t,
+            out_cache_loc=loc,
+            req_pool_indices=up.upload("req_pool_indices", [r.req_pool_idx for r in everyone]),
+            seq_lens=up.upload("seq_lens", seq_lens),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=new_lens,
+            logit_rows=self._all_rows[:num_rows],
         )
         up.end_step()
         return batch

@@ -10,6 +10,10 @@ without either.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from srt.speculative.stats import SpecStepStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,9 @@ class StepReporter:
         """A prefill step of `new_tokens`; a mixed one when `decode_tokens` rows decoded in the same forward."""
 
     def on_decode(self, load: SchedulerLoad, *, num_tokens: int, forward_seconds: float) -> None: ...
+
+    def on_verify(self, step: SpecStepStats) -> None:
+        """A speculative verify step's draft and acceptance totals (called before its `on_decode`)."""
 
     def on_retraction(self, n: int) -> None: ...
 

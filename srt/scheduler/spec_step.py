@@ -1,0 +1,121 @@
+"""Speculative decoding in the scheduler (`--speculative-algorithm NGRAM`, docs/speculative_decoding.md): which
+running requests draft in a decode step, how many drafts each may take, and judging the drafts against the
+target model's rows. The scheduler runs the verify step itself (`Scheduler._run_verify`); the model-free
+parts (proposers, lossless verification, the figures) live in `srt/speculative/`.
+
+Eligibility, decided every step: a request drafts unless it is constrained by a grammar, asks for logprobs,
+uses a penalty, or has not reached its `min_new_tokens` floor. Those per-token features would have to be
+replayed per draft position (a grammar advanced and rolled back, penalty counts updated mid-run, logprobs
+of each accepted token); such a request decodes plainly in the same forward step instead (one row, the
+ordinary sampler), so its output is exactly what it is without speculation.
+What an eligible request's rows go through before verification is what the sampler does for it:
+`logit_bias`, then temperature and top-k/top-p/min-p (`RandomRows.probs`); a greedy request takes the
+argmax of its biased logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt.sampling.penalties import uses_penalties
+from srt.sampling.sampling_batch import SamplingBatch
+from srt.speculative.ngram import NgramProposer
+from srt.speculative.proposer import draft_len_limit
+from srt.speculative.verify import DraftBatch, verify
+
+if TYPE_CHECKING:
+    from srt.sampling.sampler import Sampler
+    from srt.scheduler.schedule_batch import Req
+    from srt.server_args import ServerArgs
+
+
+def may_speculate(req: Req) -> bool:
+    """Whether the request may take drafts this step (see the module docstring)."""
+    p = req.sampling_params
+    return (
+        req.grammar is None
+        and p.logprobs is None
+        and not uses_penalties(p)
+        and len(req.output_ids) >= p.min_new_tokens
+    )
+
+
+class SpecDecoder:
+    def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int):
+        self.k = args.speculative_drafts_per_step
+        self.proposer = NgramProposer(
+            min_n=args.speculative_ngram_min_match_window_size,
+            max_n=args.speculative_ngram_max_match_window_size,
+            k=self.k,
+        )
+        self.sampler = sampler
+        self.context_len = context_len
+
+    def propose(self, reqs: Sequence[Req], spare_slots: int) -> list[list[int]] | None:
+        """Per request of `reqs`, its drafts for this step (empty: it decodes plainly), or None when no
+        request has one. A request never drafts past its max_new_tokens or the context (`draft_len_limit`),
+        and all drafts together take at most `spare_slots` KV slots (beyond the one per request a decode
+        step takes anyway): under memory pressure speculation shrinks instead of forcing a retraction."""
+        if spare_slots <= 0:
+            return None
+        chosen = [i for i, r in enumerate(reqs) if may_speculate(r)]
+        if not chosen:
+            return None
+        limits = [
+            draft_len_limit(
+                self.k,
+                min(
+                    reqs[i].remaining_new_tokens,
+                    self.context_len - len(reqs[i].origin_input_ids) - len(reqs[i].output_ids),
+                ),
+            )
+            for i in chosen
+        ]
+        drafts = self.proposer.propose([reqs[i] for i in chosen], limits)
+        if drafts.num_tokens == 0:
+            return None
+        out: list[list[int]] = [[] for _ in reqs]
+        for i, ids in zip(chosen, drafts.token_ids, strict=True):
+            out[i] = ids[:spare_slots]
+            spare_slots -= len(out[i])
+        return out
+
+    def verify(
+        self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]
+    ) -> tuple[list[list[int]], list[int]]:
+        """Judge each request's drafts (every one non-empty) against its k + 1 rows of `logits`, packed request
+        after request. Returns, per request, the tokens to append (its accepted drafts, then the bonus or
+        recovered token) and how many drafts were accepted."""
+        sampler = self.sampler
+        logits = logits[:, : sampler.vocab_size].float()
+        batch = DraftBatch.build(drafts, logits.device)
+        params = [r.sampling_params for r in reqs]
+        greedy = [p.is_greedy for p in params]
+        probs = None
+        if not all(greedy) or any(p.logit_bias for p in params):
+            rows = [r for r, ids in zip(reqs, drafts, strict=True) for _ in range(len(ids) + 1)]
+            per_row = SamplingBatch.build(
+                rows, sampler.vocab_size, sampler.eos_token_ids, sampler.penalty_pool, sampler.device
+            )
+            if per_row.bias is not None:
+                row_ids, tokens, values = per_row.bias
+                logits = logits.clone()
+                logits.index_put_((row_ids, tokens), values, accumulate=True)
+            if per_row.random is not None:
+                probs = torch.zeros_like(logits)
+                probs[per_row.random.rows] = per_row.random.probs(logits[per_row.random.rows])
+        result = verify(
+            batch,
+            logits,
+            probs,
+            torch.tensor(greedy, dtype=torch.bool, device=logits.device),
+            [r.generator for r in reqs],
+        )
+        return result.token_ids(), result.accepted.tolist()
+
+    def release(self, rid: str) -> None:
+        """The request left for good (finished or aborted; not retracted)."""
+        self.proposer.release(rid)

@@ -1,0 +1,356 @@
+"""Speculative decoding in the scheduler (docs/speculative_decoding.md), on a tiny random Llama with NGRAM
+drafts: greedy requests produce exactly the tokens they produce without speculation (alone, batched, mixed or
+not, under retraction, fp32 and int8) while drafts really are accepted; rejected drafts leave no KV slot
+behind and never reach the prefix cache; and stop conditions act at each accepted position."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from srt.io_struct import AbortReq
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.schedule_batch import Req
+from srt.scheduler.schedule_policy import MIN_NEW_TOKEN_RATIO
+from srt.scheduler.scheduler import Scheduler
+from srt.scheduler.spec_step import may_speculate
+from srt.scheduler.step_hooks import StepReporter
+from srt.scheduler.token_append import append_token_runs
+from srt.server_args import ServerArgs
+from srt.speculative.proposer import Drafts, Proposer
+from srt.speculative.stats import SpecStepStats
+from test.unit.scheduler_driver import drive, greedy, request
+from test.unit.test_scheduler import (  # noqa: F401 (private_int8_cache: the module's autouse fixture)
+    QUANTIZATIONS,
+    VOCAB_HIGH,
+    VOCAB_LOW,
+    assert_pool_whole,
+    private_int8_cache,
+    prompts,
+)
+
+# 5 positions per verify step: the fed token and up to 4 drafts
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
+DRAFTS_PER_STEP = 4
+MAX_NEW = 24
+
+
+class StepTotals(StepReporter):
+    """Keeps every verify step's totals, as the metrics collector receives them."""
+
+    def __init__(self) -> None:
+        self.steps: list[SpecStepStats] = []
+
+    def on_verify(self, step: SpecStepStats) -> None:
+        self.steps.append(step)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.num_accepted_tokens for s in self.steps)
+
+
+def make(model_dir: str, quant: str = "none", spec: bool = True, **overrides) -> tuple[Scheduler, StepTotals]:
+    args = ServerArgs(
+        **{
+            "max_total_tokens": 4096,
+            "max_running_requests": 16,
+            "quantization": quant,
+            **(SPEC if spec else {}),
+            **overrides,
+        }
+    )
+    runner = ModelRunner(
+        model_dir,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        quantization=args.quantization,
+    )
+    totals = StepTotals()
+    return Scheduler(args, runner, reporter=totals), totals
+
+
+def grounded_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase (a quoted or edited document): lookups find matches in them."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(4, 10))]
+        out.append(phrase * rng.randint(2, 4) + phrase[: rng.randint(0, len(phrase) - 1)])
+    return out
+
+
+WORKLOAD = grounded_prompts(8) + prompts(4, seed=1)
+RIDS = [f"r{i}" for i in range(len(WORKLOAD))]
+
+
+def requests(max_new: int = MAX_NEW, **kw):
+    return [request(rid, p, greedy(max_new, **kw)) for rid, p in zip(RIDS, WORKLOAD, strict=True)]
+
+
+def run_alone(sched: Scheduler, reqs) -> dict[str, list[int]]:
+    return {r.rid: drive(sched, {0: [r]})[r.rid].output_ids for r in reqs}
+
+
+def cached_paths(sched: Scheduler) -> list[list[int]]:
+    """Every root-to-leaf token path of the radix cache."""
+    paths = []
+
+    def walk(node, prefix: list[int]) -> None:
+        if not node.children:
+            paths.append(prefix)
+        for child in node.children.values():
+            walk(child, prefix + child.key)
+
+    walk(sched.tree_cache.root, [])
+    return paths
+
+
+def assert_cache_holds_only_output(sched: Scheduler, outputs: dict[str, list[int]]) -> None:
+    """A rejected draft differs from the token the request output at its position: a cached path holding one
+    would be a prefix of no request's tokens."""
+    sequences = [p + outputs[rid] for rid, p in zip(RIDS, WORKLOAD, strict=True)]
+    for path in cached_paths(sched):
+        assert any(seq[: len(path)] == path for seq in sequences), path
+
+
+def assert_every_slot_accounted(step: int, sched: Scheduler) -> None:
+    """After every step each KV slot is free, in the prefix cache, or one of a running request's own slots
+    (positions prefix_len..kv_len): a rejected draft's slot left allocated would be none of these."""
+    holders = [*sched.running, *([sched.chunked_req] if sched.chunked_req else [])]
+    own = sum(r.kv_len - r.prefix_len for r in holders)
+    cached = sched.tree_cache.evictable_size() + sched.tree_cache.protected_size()
+    assert sched.allocator.available_size() + cached + own == sched.allocator.size, step
+
+
+@pytest.fixture(scope="module", params=QUANTIZATIONS)
+def quant(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, quant) -> dict[str, list[int]]:
+    """Each request alone, without speculation."""
+    sched, _ = make(tiny_model_dir, quant, spec=False)
+    return run_alone(sched, requests())
+
+
+def test_greedy_output_is_the_same_with_ngram_speculation_alone(tiny_model_dir, quant, reference):
+    sched, totals = make(tiny_model_dir, quant)
+    assert run_alone(sched, requests()) == reference
+    assert totals.accepted > 0, "no draft was accepted: the equality above says nothing about verification"
+    assert_pool_whole(sched)
+    assert_cache_holds_only_output(sched, reference)
+    assert len(sched.spec.proposer.histories) == 0  # every finished request released its proposer state
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["unmixed", "mixed"])
+def test_greedy_output_is_the_same_with_ngram_speculation_batched(tiny_model_dir, quant, reference, mixed):
+    """Arrivals while others decode: with mixed steps those decode plainly next to the prefill, the steps
+    after verify several requests at once."""
+    sched, totals = make(
+        tiny_model_dir, quant, **({"enable_mixed_chunk": True} if mixed else {"disable_mixed_chunk": True})
+    )
+    reqs = requests()
+    res = drive(sched, {0: reqs[:6], 2: reqs[6:9], 5: reqs[9:]}, on_step=assert_every_slot_accounted)
+    assert {rid: c.output_ids for rid, c in res.items()} == reference
+    assert totals.accepted > 0
+    assert any(s.num_drafts > 1 for s in totals.steps), "no verify step judged several requests"
+    assert all(len(c.output_ids) == MAX_NEW and c.finish.type == "length" for c in res.values())
+    assert_pool_whole(sched)
+    assert_cache_holds_only_output(sched, reference)
+
+
+def test_retraction_with_speculation_resumes_with_identical_output(tiny_model_dir):
+    """8 requests of 30 prompt + 40 output tokens in a 300-slot pool, admitted under the least reservation
+    ratio (speculation needs fewer decode steps, so the ratio would not decay far enough to overcommit): requests
+    are retracted and resumed while verify steps take extra slots, and the tokens are those of each request
+    alone without speculation."""
+    ps = prompts(8, low=30, high=30, seed=7)
+    reqs = [request(f"q{i}", p, greedy(40)) for i, p in enumerate(ps)]
+    plain, _ = make(tiny_model_dir, spec=False)
+    refs = run_alone(plain, reqs)
+    sched, totals = make(tiny_model_dir, max_total_tokens=300)
+    sched.new_token_ratio = MIN_NEW_TOKEN_RATIO
+    res = drive(sched, {0: reqs[:4], 3: reqs[4:]}, on_step=assert_every_slot_accounted)
+    assert sum(c.num_retractions for c in res.values()) > 0
+    assert totals.accepted > 0
+    assert {rid: c.output_ids for rid, c in res.items()} == refs
+    assert_pool_whole(sched)
+
+
+def test_chunked_prefill_alternates_with_verify_steps(tiny_model_dir):
+    """Without mixed steps, a long prompt's chunks alternate with the running requests' verify steps; every
+    output is what it is alone without speculation."""
+    long_prompt = (grounded_prompts(1, seed=5)[0] * 40)[:150]
+    reqs = [request("long", long_prompt, greedy(MAX_NEW)), *requests()[:3]]
+    plain, _ = make(tiny_model_dir, spec=False)
+    refs = run_alone(plain, reqs)
+    sched, totals = make(tiny_model_dir, chunked_prefill_size=32, disable_mixed_chunk=True)
+    verified_mid_chunk = []  # per step: a verify step ran while the long prompt was part-way prefilled
+    verify_steps = [0]
+
+    def check(step: int, s: Scheduler) -> None:
+        assert_every_slot_accounted(step, s)
+        verified_mid_chunk.append(s.chunked_req is not None and len(totals.steps) > verify_steps[0])
+        verify_steps[0] = len(totals.steps)
+
+    res = drive(sched, {0: reqs[1:], 2: reqs[:1]}, on_step=check)
+    assert {rid: c.output_ids for rid, c in res.items()} == refs
+    assert any(verified_mid_chunk) and totals.accepted > 0
+    assert_pool_whole(sched)
+
+
+def test_aborts_during_speculation_free_everything(tiny_model_dir):
+    sched, totals = make(tiny_model_dir, max_running_requests=4)
+    for r in requests(max_new=60):
+        sched.add_request(r)
+    for _ in range(8):
+        sched.step()
+    assert totals.steps, "no verify step ran"
+    assert sched.running and sched.waiting
+    sched.abort_request(AbortReq(rid=sched.running[0].rid))
+    sched.step()
+    sched.abort_request(AbortReq(rid=""))
+    out = sched.step()
+    assert out is not None and all(f.type == "abort" for f in out.finished_reasons)
+    assert_pool_whole(sched)
+    assert len(sched.spec.proposer.histories) == 0
+
+
+def test_max_tokens_is_never_exceeded(tiny_model_dir, quant, reference):
+    """Short budgets with up to 4 drafts a step: a request drafts at most max_tokens - 1 - (its output) tokens,
+    so it ends with exactly max_tokens tokens, those of the run without speculation."""
+    sched, totals = make(tiny_model_dir, quant)
+    budgets = {rid: 2 + i % 7 for i, rid in enumerate(RIDS)}
+    reqs = [request(rid, p, greedy(budgets[rid])) for rid, p in zip(RIDS, WORKLOAD, strict=True)]
+    res = drive(sched, {0: reqs})
+    for rid, c in res.items():
+        assert c.output_ids == reference[rid][: budgets[rid]], rid
+        assert c.finish.type == "length"
+    assert totals.accepted > 0
+    assert_pool_whole(sched)
+    # every draft accepted: a verify step takes up to 5 tokens and leaves its request at least one (a step
+    # gives the accepted drafts plus one more), so a request whose prefill left 5m + 1 tokens ends on a plain
+    # decode step, every other one on a verify step that fills its budget exactly
+    sched, _ = make(tiny_model_dir, quant)
+    sched.spec.proposer = Oracle(reference)
+    seen = capture_runs(sched)
+    res = drive(sched, {0: reqs})
+    assert {rid: c.output_ids for rid, c in res.items()} == {
+        rid: reference[rid][: budgets[rid]] for rid in RIDS
+    }
+    assert all(start + len(run) <= budgets[rid] for rid, start, run in seen)
+    ended_on_budget = {rid for rid, start, run in seen if start + len(run) == budgets[rid]}
+    assert ended_on_budget == {rid for rid in RIDS if (budgets[rid] - 1) % (DRAFTS_PER_STEP + 1) != 1}
+    assert_pool_whole(sched)
+
+
+class Oracle(Proposer):
+    """Drafts the tokens each request produces without speculation: greedy verification accepts them all, so
+    every verify step outputs as many tokens as the request's limits allow."""
+
+    def __init__(self, outputs: dict[str, list[int]]):
+        self.outputs = outputs
+
+    def propose(self, requests, max_lens) -> Drafts:
+        return Drafts(
+            [
+                self.outputs[r.rid][len(r.output_ids) : len(r.output_ids) + n]
+                for r, n in zip(requests, max_lens, strict=True)
+            ]
+        )
+
+    def release(self, rid: str) -> None:
+        pass
+
+
+def capture_runs(sched: Scheduler) -> list[tuple[str, int, list[int]]]:
+    """Record (rid, output length before the step, tokens verification handed it) of each verify step."""
+    seen: list[tuple[str, int, list[int]]] = []
+    verify = sched.spec.verify
+
+    def recording(logits, reqs, drafts):
+        tokens, accepted = verify(logits, reqs, drafts)
+        seen.extend((r.rid, len(r.output_ids), t) for r, t in zip(reqs, tokens, strict=True))
+        return tokens, accepted
+
+    sched.spec.verify = recording
+    return seen
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(tiny_model_dir, quant, reference):
+    """Find a verify step that output token t, not last in its run and never before in that request's output
+    (drafts from an oracle, all accepted); with stop_token_ids=[t] the request must end right after t with the
+    tokens before it, though the same step's run continued past t, and the rest of the run's slots are freed."""
+    sched, _ = make(tiny_model_dir, quant)
+    sched.spec.proposer = Oracle(reference)
+    seen = capture_runs(sched)
+    run_alone(sched, requests())
+    candidates = [
+        (rid, start + j, token)
+        for rid, start, run in seen
+        for j, token in enumerate(run[:-1])
+        if token not in reference[rid][: start + j]
+    ]
+    assert candidates, "no accepted run holds a first occurrence before its last token"
+    rid, at, stop = candidates[0]
+    prompt = WORKLOAD[RIDS.index(rid)]
+    sched, _ = make(tiny_model_dir, quant)
+    sched.spec.proposer = Oracle(reference)
+    seen = capture_runs(sched)
+    res = drive(sched, {0: [request(rid, prompt, greedy(MAX_NEW, stop_token_ids=[stop]))]})[rid]
+    assert res.output_ids == reference[rid][: at + 1]
+    assert res.finish.type == "stop" and res.finish.matched == stop
+    last_rid, start, run = seen[-1]
+    assert last_rid == rid and start + run.index(stop) == at and run.index(stop) < len(run) - 1
+    assert_pool_whole(sched)
+
+
+def test_append_token_runs_stops_at_each_condition_inside_a_run():
+    def req(**kw) -> Req:
+        r = Req("r", [5, 6, 7], SamplingParams(temperature=0.0, **kw))
+        r.output_ids = [8]
+        return r
+
+    stop, eos, cut = (
+        req(max_new_tokens=20, stop_token_ids=[42]),
+        req(max_new_tokens=20),
+        req(max_new_tokens=3),
+    )
+    floor = req(max_new_tokens=20, stop_token_ids=[42], min_new_tokens=3)
+    runs = [[10, 42, 11, 12], [10, 11, 2, 13], [10, 11, 12, 13], [42, 42, 11]]
+    taken = append_token_runs(runs, [stop, eos, cut, floor], 1.0, frozenset({2}), context_len=1000)
+    assert taken == [2, 3, 2, 2]
+    assert stop.output_ids == [8, 10, 42] and stop.finished_reason.matched == 42
+    assert eos.output_ids == [8, 10, 11, 2] and eos.finished_reason.matched == 2
+    assert cut.output_ids == [8, 10, 11] and cut.finished_reason.type == "length"
+    # below min_new_tokens a stop token is output like any other; once the floor is reached it ends the run
+    assert floor.output_ids == [8, 42, 42] and floor.finished_reason.matched == 42
+    assert len(stop.pending_ts) == 2  # one stamp per token, the step's
+
+
+def test_requests_that_cannot_speculate_decode_plainly_with_their_output_unchanged(tiny_model_dir):
+    """A grammar, logprobs, penalties and a min_tokens floor not reached keep a request out of verification;
+    next to speculating requests, such requests get exactly their tokens without speculation (a grammar needs
+    a grammar backend: only the rule is checked here)."""
+    kinds = {
+        "logprobs": dict(logprobs=2),
+        "penalty": dict(frequency_penalty=0.5),
+        "floor": dict(min_new_tokens=MAX_NEW, stop_token_ids=[VOCAB_LOW]),
+    }
+    for kw in kinds.values():
+        assert not may_speculate(Req("x", [1], SamplingParams(**kw)))
+    constrained = Req("g", [1], SamplingParams())
+    constrained.grammar = object()  # structured output: its matcher
+    assert may_speculate(Req("g", [1], SamplingParams())) and not may_speculate(constrained)
+    reqs = [request(name, WORKLOAD[i], greedy(MAX_NEW, **kw)) for i, (name, kw) in enumerate(kinds.items())]
+    reqs += requests()[3:]
+    plain, _ = make(tiny_model_dir, spec=False)
+    refs = run_alone(plain, reqs)
+    sched, totals = make(tiny_model_dir)
+    res = drive(sched, {0: reqs})
+    assert {rid: c.output_ids for rid, c in res.items()} == refs
+    assert totals.accepted > 0
+    assert_pool_whole(sched)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from srt.sampling.sampling_params import SamplingParams
+from srt.speculative.stats import SpecRequestStats
 
 
 @dataclass
@@ -118,6 +119,9 @@ class BatchOutMeta:
     # (None for the prompt's first token, which nothing predicts), and its top alternatives (None likewise).
     input_token_logprobs: list[list[float | None] | None] | None = None
     input_top_logprobs: list[list[list[tuple[int, float]] | None] | None] | None = None
+    # Speculative decoding, present only when some request in the batch finished after a verify step: per
+    # request its figures (srt/speculative/stats.py) with its final message, else None.
+    spec_stats: list[SpecRequestStats | None] | None = None
 
 
 @dataclass

@@ -40,6 +40,7 @@ _OPTIONAL_FIELDS = (
     "output_top_logprobs",
     "input_token_logprobs",
     "input_top_logprobs",
+    "spec_stats",
 )
 
 

@@ -95,6 +95,8 @@ class GenerateHandler:
         }
         if c.stats is not None:  # finished: SGLang's timings, the values /metrics observed for it
             meta.update(c.stats.timings())
+        if c.spec_stats is not None:  # finished after verify steps (docs/speculative_decoding.md)
+            meta.update(c.spec_stats.sglang_meta_info())
         if logprob:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(c.token_logprobs, c.output_ids, strict=False)

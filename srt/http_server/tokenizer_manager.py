@@ -45,6 +45,7 @@ from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.sockets import get_zmq_socket
+from srt.speculative.stats import SpecRequestStats
 from srt.tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # With the final output: the request's finished record (its timings; srt/http_server/request_metrics.py).
     stats: FinishedRequestStats | None = None
+    # With the final output of a request that ran verify steps: its speculative decoding figures.
+    spec_stats: SpecRequestStats | None = None
 
 
 class TokenizerManager:
@@ -355,6 +358,7 @@ class TokenizerManager:
                         top_logprobs=b.output_top_logprobs[i] if b.output_top_logprobs else None,
                         **self._prompt_logprobs(st, b, i),
                         stats=stats,
+                        spec_stats=b.spec_stats[i] if b.spec_stats is not None else None,
                     )
                 )
             if reason is not None:

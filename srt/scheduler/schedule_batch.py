@@ -192,6 +192,7 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
     and the stamps the metrics need. Marks what it took as sent."""
     want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
     want_input = any(r.prompt_logprobs_done and not r.prompt_logprobs_sent for r in reqs)
+    want_spec = any(r.finished and r.spec_stats is not None for r in reqs)
     out = BatchTokenIDOut(
         rids=[],
         output_ids=[],
@@ -208,6 +209,7 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
         output_top_logprobs=[] if want_logprobs else None,
         input_token_logprobs=[] if want_input else None,
         input_top_logprobs=[] if want_input else None,
+        spec_stats=[] if want_spec else None,
     )
     for req in reqs:
         out.rids.append(req.rid)
@@ -234,6 +236,8 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
             if ready:
                 req.prompt_logprobs_sent = True
                 req.input_logprobs = req.input_top_logprobs = None
+        if want_spec:
+            out.spec_stats.append(req.spec_stats if req.finished else None)
         req.sent_len = len(req.output_ids)
         req.pending_ts = []
     return out

@@ -17,6 +17,7 @@ from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
+    from srt.speculative.stats import SpecStepStats
 
 logger = logging.getLogger("srt.scheduler")
 
@@ -25,10 +26,13 @@ FLUSH_PERIOD = 1.0
 
 
 class SchedulerReporter(StepReporter):
-    def __init__(self, args: ServerArgs, capacity: int, collector=None, residency_observer=None):
+    def __init__(
+        self, args: ServerArgs, capacity: int, collector=None, residency_observer=None, spec_metrics=None
+    ):
         self.args = args
         self.capacity = capacity
         self.collector = collector
+        self.spec_metrics = spec_metrics  # srt/metrics/spec_collector.py, with speculation and metrics on
         self.residency_observer = residency_observer
         self.summary = stat_logger.StatsSummaryLogger(args.log_stats_interval)
         self.decode_steps = 0
@@ -104,6 +108,10 @@ class SchedulerReporter(StepReporter):
         )
         return True
 
+    def on_verify(self, step: SpecStepStats) -> None:
+        if self.spec_metrics is not None:
+            self.spec_metrics.on_verify(step)
+
     def on_retraction(self, n: int) -> None:
         if self.collector is not None:
             self.collector.on_retraction(n)
@@ -133,6 +141,8 @@ class SchedulerReporter(StepReporter):
     # ---- prometheus ----
     def flush(self, load: SchedulerLoad) -> None:
         self.last_flush = time.monotonic()
+        if self.spec_metrics is not None:
+            self.spec_metrics.flush()
         if self.collector is None:
             return
         from srt.metrics.scheduler_collector import SchedulerStats
@@ -154,7 +164,7 @@ class SchedulerReporter(StepReporter):
 def build_reporter(
     args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float
 ) -> SchedulerReporter:
-    collector = observer = grammar_metrics = None
+    collector = observer = grammar_metrics = spec_metrics = None
     if args.metrics_enabled:
         from srt.metrics.collector import SchedulerMetricsCollector, start_process_metrics
         from srt.metrics.scheduler_collector import make_cache_config
@@ -184,6 +194,10 @@ def build_reporter(
             from srt.metrics.kv_residency import KVResidencyObserver
 
             observer = KVResidencyObserver(labels, args.kv_cache_metrics_sample)
-    reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer)
+        if args.speculative_algorithm is not None:
+            from srt.metrics.spec_collector import SpecDecodeMetricsCollector
+
+            spec_metrics = SpecDecodeMetricsCollector(labels, args.speculative_drafts_per_step)
+    reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer, spec_metrics)
     reporter.grammar_metrics = grammar_metrics
     return reporter

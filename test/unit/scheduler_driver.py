@@ -22,6 +22,7 @@ class Collected:
     scheduled_ts: float | None = None
     first_token_ts: float | None = None
     token_ts: list[float] = field(default_factory=list)
+    spec_stats: object = None  # its speculative figures (SpecRequestStats), with its final message
 
 
 def greedy(max_new_tokens: int, **kw) -> SamplingParams:
@@ -64,6 +65,8 @@ def drive(
                 assert len(out.token_ts[i]) == len(out.output_ids[i])
                 assert c.finish is None, f"{rid} reported after it finished"
                 c.finish = out.finished_reasons[i]
+                if out.spec_stats is not None:
+                    c.spec_stats = out.spec_stats[i]
         step += 1
         done = all(results.get(rid) is not None and results[rid].finish is not None for rid in expected)
         if done and step > max(arrivals, default=0):

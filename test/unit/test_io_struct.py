@@ -22,6 +22,7 @@ from srt.io_struct import (
     TraceContext,
 )
 from srt.sampling.sampling_params import SamplingParams
+from srt.speculative.stats import SpecRequestStats
 
 
 def _meta(**extra):
@@ -58,6 +59,7 @@ MESSAGES = [
     BatchTokenIDOut(**_meta(), skip_special_tokens=[True, False], stop_strs=[["x"], []]),
     BatchTokenIDOut(**_meta(), trace_contexts=[TraceContext("00-ab-cd-01", level=2), None]),
     BatchStrOut(**_meta(), output_strs=["hé", "🎉"]),
+    BatchStrOut(**_meta(spec_stats=[None, SpecRequestStats(2, 6, 5, [0, 0, 1, 1])]), output_strs=["a", "b"]),
 ]
 
 

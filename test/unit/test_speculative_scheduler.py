@@ -1,7 +1,8 @@
 """Speculative decoding in the scheduler (docs/speculative_decoding.md), on a tiny random Llama with NGRAM
 drafts: greedy requests produce exactly the tokens they produce without speculation (alone, batched, mixed or
 not, under retraction, fp32 and int8) while drafts really are accepted; rejected drafts leave no KV slot
-behind and never reach the prefix cache; and stop conditions act at each accepted position."""
+behind and never reach the prefix cache; stop conditions act at each accepted position; and the per-request
+figures add up to the step totals the counters are fed."""
 
 from __future__ import annotations
 
@@ -305,6 +306,8 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(tiny_model_d
     assert res.finish.type == "stop" and res.finish.matched == stop
     last_rid, start, run = seen[-1]
     assert last_rid == rid and start + run.index(stop) == at and run.index(stop) < len(run) - 1
+    # the drafts after the stop were accepted by verification but are not output, so not counted
+    assert res.spec_stats.accepted_tokens <= len(res.output_ids) - 1
     assert_pool_whole(sched)
 
 
@@ -352,5 +355,48 @@ def test_requests_that_cannot_speculate_decode_plainly_with_their_output_unchang
     sched, totals = make(tiny_model_dir)
     res = drive(sched, {0: reqs})
     assert {rid: c.output_ids for rid, c in res.items()} == refs
+    assert all(res[name].spec_stats is None for name in ("logprobs", "penalty"))
     assert totals.accepted > 0
+    assert_pool_whole(sched)
+
+
+def test_per_request_figures_add_up_to_the_step_totals(tiny_model_dir):
+    """Greedy and sampled requests (seeded and not), a small pool and an abort: the per-request
+    figures each final message carries sum to the totals every verify step handed the reporter."""
+    # near-greedy rows accept most drafts; top-k 5 at 0.7 rejects them (the recovered-token path)
+    sampled_kinds = [
+        dict(temperature=0.05),
+        dict(temperature=0.05, seed=11),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=0.7, top_k=5, seed=12),
+    ]
+    sampled = [
+        request(f"s{i}", p, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, **kw))
+        for i, (p, kw) in enumerate(zip(WORKLOAD[:4], sampled_kinds, strict=True))
+    ]
+    sched, totals = make(tiny_model_dir, max_total_tokens=400)
+    reqs = requests() + sampled
+    res = drive(
+        sched,
+        {0: reqs[:8], 2: reqs[8:]},
+        on_step=lambda step, s: step == 3 and s.abort_request(AbortReq(rid="r1")),
+    )
+    assert res["r1"].finish.type == "abort"
+    figures = [c.spec_stats for c in res.values() if c.spec_stats is not None]
+    assert sum(f.verify_steps for f in figures) == sum(s.num_drafts for s in totals.steps)
+    assert sum(f.draft_tokens for f in figures) == sum(s.num_draft_tokens for s in totals.steps)
+    assert sum(f.accepted_tokens for f in figures) == totals.accepted > 0
+    assert all(sum(f.accepted_histogram) == f.verify_steps for f in figures)
+    assert all(f.accepted_tokens <= f.draft_tokens for f in figures)
+    sampled_figures = [res[r.rid].spec_stats for r in sampled]
+    assert all(f is not None and f.verify_steps > 0 for f in sampled_figures)
+    assert sum(f.accepted_tokens for f in sampled_figures) > 0
+    per_position = [0] * DRAFTS_PER_STEP
+    for s in totals.steps:
+        assert len(s.accepted_per_position) <= DRAFTS_PER_STEP
+        for j, n in enumerate(s.accepted_per_position):
+            per_position[j] += n
+    assert per_position == sorted(per_position, reverse=True)
+    assert sum(per_position) == totals.accepted
+    assert per_position[0] <= sum(s.num_drafts for s in totals.steps)
     assert_pool_whole(sched)

@@ -17,6 +17,7 @@ from srt.http_server.openai.errors import SERVER_ERROR, SERVICE_UNAVAILABLE, Ope
 from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
 from srt.io_struct import FinishReason
 from srt.metrics.request_stats import FinishedRequestStats
+from srt.speculative.stats import SpecRequestStats
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class ChoiceAcc:
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     stats: FinishedRequestStats | None = None  # with the final output: the request's timings
+    spec_stats: SpecRequestStats | None = None  # with the final output, if it ran verify steps
 
     def add(self, out: ReqOutput) -> None:
         self.text += out.text
@@ -99,6 +101,7 @@ class ChoiceAcc:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         self.stats = out.stats or self.stats
+        self.spec_stats = out.spec_stats or self.spec_stats
         if out.input_token_logprobs is not None:
             self.input_token_ids = out.input_token_ids
             self.input_token_logprobs = out.input_token_logprobs

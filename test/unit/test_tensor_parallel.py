@@ -19,6 +19,7 @@ from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import cache_path
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.scheduler import Scheduler
+from srt.scheduler.step_hooks import StepReporter
 from srt.server_args import ServerArgs
 from test.unit.model_driver import PagedDriver
 from test.unit.scheduler_driver import greedy, request
@@ -40,9 +41,22 @@ def prompts() -> dict[str, list[int]]:
     }
 
 
-def scheduler_args(tp_size: int) -> ServerArgs:
+# NGRAM speculative decoding: every rank must propose, verify and free the same drafts in the same steps
+# (without mixed steps, whose running requests decode plainly, so that verify steps run while prompts arrive)
+SPECULATIVE = {
+    "speculative_algorithm": "NGRAM",
+    "speculative_num_draft_tokens": 4,
+    "disable_mixed_chunk": True,
+}
+
+
+def scheduler_args(tp_size: int, **extra) -> ServerArgs:
     return ServerArgs(
-        max_total_tokens=KV_TOKENS, max_running_requests=8, chunked_prefill_size=CHUNK, tp_size=tp_size
+        max_total_tokens=KV_TOKENS,
+        max_running_requests=8,
+        chunked_prefill_size=CHUNK,
+        tp_size=tp_size,
+        **extra,
     )
 
 
@@ -95,16 +109,33 @@ def biased_pair_output(tp: TensorParallelGroup) -> torch.Tensor:
 PAIR_SHAPES = {"col.weight": (12, 8), "col.bias": (12,), "row.weight": (3, 6), "row.bias": (3,), "x": (5, 8)}
 
 
-def lockstep_generate(runner: ModelRunner, tp_size: int) -> dict[str, list[int]]:
+class VerifySteps(StepReporter):
+    """Counts the requests' verify steps (speculative decoding)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_verify(self, step) -> None:
+        self.count += step.num_drafts
+
+
+def lockstep_generate(
+    runner: ModelRunner, tp_size: int, reporter: StepReporter | None = None, **extra
+) -> dict[str, list[int]]:
     """Scheduler outputs with inputs arriving over several steps; rank 0 broadcasts each step's messages and
-    every rank dispatches them and steps, as the server's loop does."""
-    sched = Scheduler(scheduler_args(tp_size), runner)
+    every rank dispatches them and steps, as the server's loop does. `extra`: more ServerArgs fields; with
+    speculation a request whose prompt repeats itself joins (its drafts are accepted)."""
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    sched = Scheduler(scheduler_args(tp_size, **extra), runner, reporter=reporter)
     ps = prompts()
     sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, ignore_eos=True)
     arrivals = {
         0: [request("short", ps["short"], greedy(8)), request("long", ps["long"], greedy(8))],
         2: [request("mid", ps["mid"], greedy(8)), request("sampled", ps["mid"], sampled)],
     }
+    if extra.get("speculative_algorithm"):
+        arrivals[0].append(request("repeat", ps["short"] * 4, greedy(16)))
     outputs: dict[str, list[int]] = {}
     for step in range(MAX_STEPS):
         msgs = runner.tp.broadcast_object(arrivals.get(step, []) if runner.tp.rank == 0 else None)
@@ -135,6 +166,9 @@ def rank_main(tp_rank: int, model_dir: str, init: str, cache_dir: str, results: 
         runner.req_to_token_pool.clear()
         runner.token_to_kv_pool_allocator.clear()
         report["generated"] = lockstep_generate(runner, TP)
+        verify_steps = VerifySteps()
+        report["generated_speculative"] = lockstep_generate(runner, TP, verify_steps, **SPECULATIVE)
+        report["verify_steps"] = verify_steps.count
         tp.destroy()
         # int8: each rank calibrates and quantizes its own shard (a fresh group: one per process at a time)
         os.environ["SRT_CACHE_DIR"] = cache_dir
@@ -188,7 +222,11 @@ def single_rank(tiny_model_dir) -> dict:
     logits = forward_trace(runner)
     runner.req_to_token_pool.clear()
     runner.token_to_kv_pool_allocator.clear()
-    return {"logits": logits, "generated": lockstep_generate(runner, 1)}
+    return {
+        "logits": logits,
+        "generated": lockstep_generate(runner, 1),
+        "generated_speculative": lockstep_generate(runner, 1, **SPECULATIVE),
+    }
 
 
 def test_each_rank_holds_half_the_kv_heads_and_the_same_capacity(rank_reports):
@@ -240,6 +278,17 @@ def test_lockstep_schedulers_generate_what_one_rank_generates(rank_reports, sing
     expected = {rid: ids for rid, ids in single_rank["generated"].items() if rid != "sampled"}
     assert {rid: ranks[0][rid] for rid in expected} == expected
     assert all(len(ids) == 8 for ids in ranks[0].values())
+
+
+def test_lockstep_schedulers_with_speculation_generate_what_one_rank_generates(rank_reports, single_rank):
+    """NGRAM verify steps on every rank: the ranks agree (the sampled request included), and the greedy
+    requests' tokens are those of one rank without speculation."""
+    ranks = [rank_reports[r]["generated_speculative"] for r in range(TP)]
+    assert rank_reports[0]["verify_steps"] == rank_reports[1]["verify_steps"] > 1
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == single_rank["generated_speculative"]
+    expected = {rid: ids for rid, ids in single_rank["generated"].items() if rid != "sampled"}
+    assert {rid: ranks[0][rid] for rid in expected} == expected
 
 
 def test_a_tp_size_that_does_not_divide_the_heads_is_rejected_before_loading(tiny_model_dir):

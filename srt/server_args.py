@@ -23,10 +23,10 @@ from srt.metrics.custom_labels import parse_allowed_custom_labels
 from srt.model_source import EMBEDDED_MODELS, embedded_model_name
 from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
 from srt.speculative.defaults import (
+    DRAFT_MODEL_ALGORITHM,
     NGRAM_MAX_MATCH_WINDOW_SIZE,
     NGRAM_MIN_MATCH_WINDOW_SIZE,
     SPECULATIVE_ALGORITHMS,
-    UNIMPLEMENTED_ALGORITHMS,
     drafts_per_step,
 )
 
@@ -168,13 +168,18 @@ class ServerArgs:
     speculative_algorithm: str | None = _f(
         None,
         "NGRAM drafts each running request's next tokens from its own prompt and output (prompt lookup); "
-        "default: no speculation",
+        "STANDALONE drafts them with a smaller model (--speculative-draft-model-path); default: no speculation",
         choices=SPECULATIVE_ALGORITHMS,
     )
     speculative_num_draft_tokens: int | None = _f(
         None,
         "positions a verify step feeds per request, the verified token included (N proposes N - 1 drafts); "
         "default: --speculative-ngram-max-match-window-size, as SGLang",
+    )
+    speculative_draft_model_path: str | None = _f(
+        None,
+        "STANDALONE's draft model (a directory, .gguf or embedded model name) sharing the served model's "
+        "tokenizer; it runs greedily on its own KV pool in the scheduler process",
     )
     speculative_ngram_min_match_window_size: int = _f(
         NGRAM_MIN_MATCH_WINDOW_SIZE, "shortest suffix of a request's tokens that may anchor an NGRAM lookup"
@@ -302,9 +307,20 @@ class ServerArgs:
         """`--speculative-*`: an algorithm srt runs, integers (a bool is not one) within their ranges."""
         problems = []
         algorithm = self.speculative_algorithm
-        if algorithm in UNIMPLEMENTED_ALGORITHMS:
-            problems.append(f"--speculative-algorithm {algorithm} is not implemented yet; use NGRAM")
-        elif algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+        wants_draft = algorithm == DRAFT_MODEL_ALGORITHM
+        if wants_draft and not self.speculative_draft_model_path:
+            problems.append(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
+        draft = self.speculative_draft_model_path
+        if draft and embedded_model_name(draft) is None and not os.path.exists(draft):
+            problems.append(
+                f"--speculative-draft-model-path {draft!r} does not exist: pass a Hugging Face model directory, "
+                f"a .gguf file or an embedded model's name ({', '.join(EMBEDDED_MODELS)})"
+            )
+        if self.speculative_draft_model_path and not wants_draft:
+            problems.append(
+                f"--speculative-draft-model-path is read only with --speculative-algorithm {DRAFT_MODEL_ALGORITHM}"
+            )
+        if algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             choices = ", ".join(SPECULATIVE_ALGORITHMS)
             problems.append(f"--speculative-algorithm must be one of {choices}, got {algorithm!r}")
         counted = " (it counts the verified token: N proposes N - 1 drafts)"

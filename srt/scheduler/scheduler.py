@@ -123,7 +123,7 @@ class Scheduler:
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
         # --speculative-algorithm: decode steps in which some request drafts become verify steps
         self.spec = (
-            SpecDecoder(server_args, self.sampler.sampler, self.context_len)
+            SpecDecoder(server_args, self.sampler.sampler, self.context_len, model_runner)
             if server_args.speculative_algorithm
             else None
         )

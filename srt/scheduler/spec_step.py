@@ -22,11 +22,13 @@ import torch
 
 from srt.sampling.penalties import uses_penalties
 from srt.sampling.sampling_batch import SamplingBatch
+from srt.speculative.defaults import DRAFT_MODEL_ALGORITHM
 from srt.speculative.ngram import NgramProposer
-from srt.speculative.proposer import draft_len_limit
+from srt.speculative.proposer import Proposer, draft_len_limit
 from srt.speculative.verify import DraftBatch, verify
 
 if TYPE_CHECKING:
+    from srt.model_executor.model_runner import ModelRunner
     from srt.sampling.sampler import Sampler
     from srt.scheduler.schedule_batch import Req
     from srt.server_args import ServerArgs
@@ -43,14 +45,42 @@ def may_speculate(req: Req) -> bool:
     )
 
 
-class SpecDecoder:
-    def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int):
-        self.k = args.speculative_drafts_per_step
-        self.proposer = NgramProposer(
+def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
+    """NGRAM's lookup, or STANDALONE's draft model on its own runner: the served model's device, dtype and
+    quantization, a KV pool as large as the target's (drafts are never longer than what it holds) and as
+    many request rows. A draft model whose vocabulary differs from the target's cannot share its tokenizer:
+    refused in one line at start-up."""
+    if args.speculative_algorithm != DRAFT_MODEL_ALGORITHM:
+        return NgramProposer(
             min_n=args.speculative_ngram_min_match_window_size,
             max_n=args.speculative_ngram_max_match_window_size,
-            k=self.k,
+            k=k,
         )
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.speculative.draft_model import DraftModelProposer
+
+    draft = ModelRunner(
+        args.speculative_draft_model_path,
+        dtype=str(target.dtype).removeprefix("torch."),
+        device=target.device,
+        max_total_tokens=target.max_total_num_tokens,
+        max_running_requests=target.max_running_requests,
+        context_length=target.context_len,
+        quantization=target.quantization,
+        random_seed=args.random_seed,
+    )
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--speculative-draft-model-path: the draft model's vocabulary ({draft.vocab_size} tokens) is not "
+            f"the served model's ({target.vocab_size}); a draft model must share its tokenizer"
+        )
+    return DraftModelProposer(draft, k)
+
+
+class SpecDecoder:
+    def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
+        self.k = args.speculative_drafts_per_step
+        self.proposer = build_proposer(args, self.k, target)
         self.sampler = sampler
         self.context_len = context_len
 

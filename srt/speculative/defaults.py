@@ -5,9 +5,10 @@ SGLang counts the verified root in `--speculative-num-draft-tokens`: a verify st
 token plus the drafts, so a chain of `num_draft_tokens` positions proposes `num_draft_tokens - 1` drafts.
 """
 
-# --speculative-algorithm's choices (SGLang's names); those not implemented yet are refused at start-up.
+# --speculative-algorithm's choices (SGLang's names)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-UNIMPLEMENTED_ALGORITHMS = ("STANDALONE",)
+# the algorithm whose drafts come from a second model (--speculative-draft-model-path)
+DRAFT_MODEL_ALGORITHM = "STANDALONE"
 # --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup (SGLang: 1).
 NGRAM_MIN_MATCH_WINDOW_SIZE = 1
 # --speculative-ngram-max-match-window-size: longest suffix compared (SGLang: 12).

@@ -1,5 +1,5 @@
 """`--speculative-*` flags (docs/speculative_decoding.md): SGLang's names and counting, and a bad value or an
-algorithm srt does not run yet refused at start-up in one line."""
+algorithm srt does not run refused at start-up in one line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from srt.speculative.defaults import NGRAM_MAX_MATCH_WINDOW_SIZE
 @pytest.mark.parametrize(
     "flags, words",
     [
-        ({"speculative_algorithm": "STANDALONE"}, ["STANDALONE", "not implemented"]),
+        ({"speculative_algorithm": "STANDALONE"}, ["STANDALONE needs --speculative-draft-model-path"]),
+        ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "."}, ["read only with"]),
+        (
+            {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/no/such/model"},
+            ["--speculative-draft-model-path '/no/such/model' does not exist"],
+        ),
+        ({"speculative_algorithm": "EAGLE"}, ["must be one of", "'EAGLE'"]),
         ({"speculative_num_draft_tokens": 1}, ["--speculative-num-draft-tokens", ">= 2"]),
         ({"speculative_num_draft_tokens": True}, ["--speculative-num-draft-tokens", "integer"]),
         ({"speculative_ngram_min_match_window_size": 0}, ["min-match-window-size", ">= 1"]),

@@ -400,3 +400,42 @@ def test_per_request_figures_add_up_to_the_step_totals(tiny_model_dir):
     assert sum(per_position) == totals.accepted
     assert per_position[0] <= sum(s.num_drafts for s in totals.steps)
     assert_pool_whole(sched)
+
+
+@pytest.fixture(scope="module")
+def other_random_model_dir(model_assets_dir, tmp_path_factory) -> str:
+    """The tiny Llama's shapes and tokenizer with other random weights: a draft model that guesses badly."""
+    from test.conftest import TINY_LLAMA, TINY_SEED, assets_config, save_random_llama
+
+    fields = dict(vocab_size=assets_config(model_assets_dir)["vocab_size"], **TINY_LLAMA)
+    return save_random_llama(tmp_path_factory.mktemp("other_llama"), model_assets_dir, TINY_SEED + 1, fields)
+
+
+@pytest.mark.parametrize("draft", ["itself", "other"])
+def test_greedy_output_is_the_same_with_a_draft_model(
+    tiny_model_dir, other_random_model_dir, reference, quant, draft
+):
+    """STANDALONE: the model drafting for itself has nearly every draft accepted; a model of other random
+    weights has nearly none accepted; either way the tokens are those without speculation, and the draft
+    model's own pool is whole at the end."""
+    path = tiny_model_dir if draft == "itself" else other_random_model_dir
+    sched, totals = make(
+        tiny_model_dir,
+        quant,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=path,
+        disable_mixed_chunk=True,
+    )
+    reqs = requests()
+    res = drive(sched, {0: reqs[:6], 3: reqs[6:]}, on_step=assert_every_slot_accounted)
+    assert {rid: c.output_ids for rid, c in res.items()} == reference
+    drafted = sum(s.num_draft_tokens for s in totals.steps)
+    rate = totals.accepted / drafted
+    if draft == "itself":
+        assert rate > 0.9, rate
+    else:
+        assert drafted > 0 and rate < 0.2, rate
+    assert_pool_whole(sched)
+    proposer = sched.spec.proposer
+    assert not proposer.seqs  # every finished request released its draft KV
+    assert proposer.runner.token_to_kv_pool_allocator.available_size() == proposer.runner.max_total_num_tokens

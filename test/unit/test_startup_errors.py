@@ -106,7 +106,7 @@ def test_missing_model_path(tmp_path):
         ("--max-request-bytes", "0"),
         ("--graceful-shutdown-timeout", "-1"),
         ("--max-concurrent-requests", "0"),
-        ("--speculative-algorithm", "STANDALONE"),
+        ("--speculative-algorithm", "STANDALONE"),  # without --speculative-draft-model-path
     ],
 )
 def test_bad_new_flags(flags):

@@ -56,6 +56,13 @@ class SpecDecodeMetricsCollector:
         self._accept_rate = gauge(
             "sglang:spec_accept_rate", "Accepted / proposed draft tokens since the last flush."
         )
+        self._draft_budget = gauge(
+            "sglang:spec_draft_tokens_per_request",
+            "Drafts a request may take per verify step at the latest decode step's batch size (the k in "
+            "effect: it shrinks as the batch grows, 0 where speculation steps aside).",
+        )
+        self._draft_budget.set(max_drafts)
+        self.draft_budget = max_drafts  # the scheduler's latest value, written at the next flush
         self._reset_pending()
 
     def _reset_pending(self) -> None:
@@ -74,6 +81,7 @@ class SpecDecodeMetricsCollector:
             self._p_per_pos[j] += n
 
     def flush(self) -> None:
+        self._draft_budget.set(self.draft_budget)
         if not self._p_calls:
             return
         for child, amount in (

@@ -387,6 +387,7 @@ class Scheduler:
         if self.spec is not None:
             spare = self.allocator.available_size() + self.tree_cache.evictable_size() - len(reqs)
             drafts = self.spec.propose(reqs, spare)
+            self.reporter.on_draft_budget(self.spec.k_in_effect)
             if drafts is not None:
                 return self._run_verify(reqs, drafts)
         batch = self.builder.decode(reqs)

@@ -22,7 +22,7 @@ import torch
 
 from srt.sampling.penalties import uses_penalties
 from srt.sampling.sampling_batch import SamplingBatch
-from srt.speculative.defaults import DRAFT_MODEL_ALGORITHM
+from srt.speculative.defaults import DRAFT_MODEL_ALGORITHM, drafts_for_batch
 from srt.speculative.ngram import NgramProposer
 from srt.speculative.proposer import Proposer, draft_len_limit
 from srt.speculative.verify import DraftBatch, verify
@@ -80,23 +80,26 @@ def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
 class SpecDecoder:
     def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
         self.k = args.speculative_drafts_per_step
+        self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
         self.proposer = build_proposer(args, self.k, target)
         self.sampler = sampler
         self.context_len = context_len
 
     def propose(self, reqs: Sequence[Req], spare_slots: int) -> list[list[int]] | None:
         """Per request of `reqs`, its drafts for this step (empty: it decodes plainly), or None when no
-        request has one. A request never drafts past its max_new_tokens or the context (`draft_len_limit`),
+        request has one. Each request takes at most `drafts_for_batch(k, len(reqs))`: fewer as the batch
+        grows, none past it (speculation steps aside where a verify step would cost more than it saves). A request never drafts past its max_new_tokens or the context (`draft_len_limit`),
         and all drafts together take at most `spare_slots` KV slots (beyond the one per request a decode
         step takes anyway): under memory pressure speculation shrinks instead of forcing a retraction."""
-        if spare_slots <= 0:
+        self.k_in_effect = drafts_for_batch(self.k, len(reqs))
+        if spare_slots <= 0 or self.k_in_effect == 0:
             return None
         chosen = [i for i, r in enumerate(reqs) if may_speculate(r)]
         if not chosen:
             return None
         limits = [
             draft_len_limit(
-                self.k,
+                self.k_in_effect,
                 min(
                     reqs[i].remaining_new_tokens,
                     self.context_len - len(reqs[i].origin_input_ids) - len(reqs[i].output_ids),

@@ -59,6 +59,9 @@ class StepReporter:
     def on_verify(self, step: SpecStepStats) -> None:
         """A speculative verify step's draft and acceptance totals (called before its `on_decode`)."""
 
+    def on_draft_budget(self, drafts_per_request: int) -> None:
+        """The drafts a request may take at this decode step's batch size (speculation on)."""
+
     def on_retraction(self, n: int) -> None: ...
 
     def on_finished(self, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None: ...

@@ -112,6 +112,10 @@ class SchedulerReporter(StepReporter):
         if self.spec_metrics is not None:
             self.spec_metrics.on_verify(step)
 
+    def on_draft_budget(self, drafts_per_request: int) -> None:
+        if self.spec_metrics is not None:
+            self.spec_metrics.draft_budget = drafts_per_request
+
     def on_retraction(self, n: int) -> None:
         if self.collector is not None:
             self.collector.on_retraction(n)

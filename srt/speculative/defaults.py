@@ -17,6 +17,23 @@ NGRAM_MAX_MATCH_WINDOW_SIZE = 12
 NUM_DRAFT_TOKENS = NGRAM_MAX_MATCH_WINDOW_SIZE
 
 
+# A verify step feeds each drafting request its newest token and its drafts, through the extend path; on the
+# CPU a step's cost grows with the tokens it feeds once they are more than a few dozen, while a decode step of
+# the same batch costs one token per request. So the drafts per request shrink as the batch grows, to keep a
+# verify step within this many fed tokens: all 11 drafts up to a batch of 5, 3 at 16, 1 at 32, none from 64
+# (speculation steps aside, the batch decodes plainly). A first estimate for a 2-core CPU, to be measured.
+VERIFY_STEP_TOKENS = 64
+
+
+def drafts_for_batch(k: int, batch_size: int, step_tokens: int = VERIFY_STEP_TOKENS) -> int:
+    """Drafts each request may take in a decode step of `batch_size` requests: `k`, fewer once the step's
+    fed tokens would pass `step_tokens`, 0 when even one draft each would (vLLM's rule turns speculation
+    off past a batch size; this one shrinks it first)."""
+    if batch_size <= 0:
+        return k
+    return max(min(k, step_tokens // batch_size - 1), 0)
+
+
 def drafts_per_step(num_draft_tokens: int) -> int:
     """Draft tokens a verify step may propose per request under SGLang's counting (the root is not a draft)."""
     return max(num_draft_tokens - 1, 0)

@@ -27,6 +27,7 @@ WRITER = """
     c.on_verify(SpecStepStats.from_counts([4, 2, 3], [4, 1, 0]))
     c.on_verify(SpecStepStats.from_counts([4], [2]))
     c.flush()
+    c.draft_budget = 2  # the batch grew: 2 drafts a request
     c.flush()  # nothing verified since: the gauges keep the last interval's values
     print(json.dumps({"before_flush": before}))
 """
@@ -64,3 +65,8 @@ def test_gauges_describe_the_last_interval_with_verify_steps(written):
     g = lambda name: select(samples, f"sglang:{name}")[0].value  # noqa: E731
     assert g("spec_accept_length") == pytest.approx(1 + 7 / 4)  # 7 accepted over 4 requests' spec steps
     assert g("spec_accept_rate") == pytest.approx(7 / 13)
+
+
+def test_the_draft_budget_gauge_shows_the_k_in_effect_at_the_latest_flush(written):
+    _, samples = written
+    assert select(samples, "sglang:spec_draft_tokens_per_request")[0].value == 2

@@ -57,3 +57,14 @@ def test_drafts_per_step_follow_sglangs_counting():
     assert spec.speculative_drafts_per_step == 4
     unset = ServerArgs(speculative_algorithm="NGRAM")
     assert unset.speculative_drafts_per_step == NGRAM_MAX_MATCH_WINDOW_SIZE - 1
+
+
+@pytest.mark.parametrize(
+    "batch, drafts", [(1, 11), (5, 11), (6, 9), (16, 3), (31, 1), (32, 1), (33, 0), (64, 0), (256, 0)]
+)
+def test_drafts_shrink_as_the_batch_grows_and_stop_past_it(batch, drafts):
+    """A verify step feeds at most VERIFY_STEP_TOKENS (64) tokens: batch x (1 + drafts)."""
+    from srt.speculative.defaults import VERIFY_STEP_TOKENS, drafts_for_batch
+
+    assert drafts_for_batch(11, batch) == drafts
+    assert batch * (1 + drafts) <= VERIFY_STEP_TOKENS or drafts == 0

@@ -39,13 +39,18 @@ MAX_NEW = 24
 
 
 class StepTotals(StepReporter):
-    """Keeps every verify step's totals, as the metrics collector receives them."""
+    """Keeps every verify step's totals, as the metrics collector receives them, and each decode step's draft
+    budget."""
 
     def __init__(self) -> None:
         self.steps: list[SpecStepStats] = []
+        self.budgets: list[int] = []
 
     def on_verify(self, step: SpecStepStats) -> None:
         self.steps.append(step)
+
+    def on_draft_budget(self, drafts_per_request: int) -> None:
+        self.budgets.append(drafts_per_request)
 
     @property
     def accepted(self) -> int:
@@ -439,3 +444,20 @@ def test_greedy_output_is_the_same_with_a_draft_model(
     proposer = sched.spec.proposer
     assert not proposer.seqs  # every finished request released its draft KV
     assert proposer.runner.token_to_kv_pool_allocator.available_size() == proposer.runner.max_total_num_tokens
+
+
+def test_a_large_batch_decodes_plainly_and_a_small_one_speculates(tiny_model_dir):
+    """40 requests decoding together: a verify step would feed over 64 tokens, so none runs (budget 0), and
+    the tokens are those without speculation; 4 requests take all their drafts."""
+    many = [request(f"m{i}", p, greedy(6)) for i, p in enumerate(grounded_prompts(40, seed=3))]
+    plain, _ = make(tiny_model_dir, spec=False, max_running_requests=48)
+    want = {rid: c.output_ids for rid, c in drive(plain, {0: many}).items()}
+    sched, totals = make(
+        tiny_model_dir, max_running_requests=48, speculative_num_draft_tokens=12, disable_mixed_chunk=True
+    )
+    got = drive(sched, {0: many})
+    assert {rid: c.output_ids for rid, c in got.items()} == want
+    assert totals.budgets and set(totals.budgets) == {0} and not totals.steps
+    few, few_totals = make(tiny_model_dir, speculative_num_draft_tokens=12, disable_mixed_chunk=True)
+    drive(few, {0: many[:4]})
+    assert few_totals.budgets[0] == 11 and few_totals.steps

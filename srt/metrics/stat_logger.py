@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 # Requests over which the summary's prefix-cache hit rate is computed (vLLM's window).
 HIT_RATE_WINDOW_REQUESTS = 1000
@@ -151,4 +152,48 @@ class StatsSummaryLogger:
         self._last = now
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        return line
+
+
+class SpecDecodingLogger:
+    """vLLM's "SpecDecoding metrics" line every `interval` seconds in which some step verified drafts: mean
+    acceptance length (1 + accepted / drafts), accepted and drafted tokens and their rates, the acceptance
+    rate of each draft position and overall. `add` is integer adds per verify step; the line is formatted
+    only when the interval has passed."""
+
+    def __init__(self, interval: float, max_drafts: int, now: float | None = None) -> None:
+        self._interval = interval
+        self._last = time.monotonic() if now is None else now
+        self._per_position = [0] * max_drafts
+        self._reset()
+
+    def _reset(self) -> None:
+        self._drafts = self._draft_tokens = self._accepted = 0
+        self._per_position = [0] * len(self._per_position)
+
+    def add(self, num_drafts: int, num_draft_tokens: int, accepted_per_position: Sequence[int]) -> None:
+        self._drafts += num_drafts
+        self._draft_tokens += num_draft_tokens
+        for j, n in enumerate(accepted_per_position):
+            self._per_position[j] += n
+            self._accepted += n
+
+    def maybe_line(self, now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last
+        if elapsed < self._interval:
+            return None
+        line = None
+        if self._drafts:
+            rates = ", ".join(f"{n / self._drafts:.3f}" for n in self._per_position)
+            line = (
+                f"SpecDecoding metrics: Mean acceptance length: {1 + self._accepted / self._drafts:.2f}, "
+                f"Accepted throughput: {self._accepted / elapsed:.2f} tokens/s, "
+                f"Drafted throughput: {self._draft_tokens / elapsed:.2f} tokens/s, "
+                f"Accepted: {self._accepted} tokens, Drafted: {self._draft_tokens} tokens, "
+                f"Per-position acceptance rate: {rates}, "
+                f"Avg Draft acceptance rate: {self._accepted / self._draft_tokens * _PERCENT:.1f}%"
+            )
+        self._last = now
+        self._reset()
         return line

@@ -35,6 +35,11 @@ class SchedulerReporter(StepReporter):
         self.spec_metrics = spec_metrics  # srt/metrics/spec_collector.py, with speculation and metrics on
         self.residency_observer = residency_observer
         self.summary = stat_logger.StatsSummaryLogger(args.log_stats_interval)
+        self.spec_log = (
+            stat_logger.SpecDecodingLogger(args.log_stats_interval, args.speculative_drafts_per_step)
+            if args.speculative_algorithm
+            else None
+        )
         self.decode_steps = 0
         self.throughput_meter = stat_logger.GenThroughputMeter()
         self.gen_throughput = 0.0
@@ -111,6 +116,8 @@ class SchedulerReporter(StepReporter):
     def on_verify(self, step: SpecStepStats) -> None:
         if self.spec_metrics is not None:
             self.spec_metrics.on_verify(step)
+        if self.spec_log is not None:
+            self.spec_log.add(step.num_drafts, step.num_draft_tokens, step.accepted_per_position)
 
     def on_draft_budget(self, drafts_per_request: int) -> None:
         if self.spec_metrics is not None:
@@ -141,6 +148,10 @@ class SchedulerReporter(StepReporter):
         )
         if line:
             logger.info(line)
+        if self.spec_log is not None:
+            spec_line = self.spec_log.maybe_line(now)
+            if spec_line:
+                logger.info(spec_line)
 
     # ---- prometheus ----
     def flush(self, load: SchedulerLoad) -> None:

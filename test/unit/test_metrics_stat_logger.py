@@ -9,6 +9,7 @@ import pytest
 from srt.metrics.stat_logger import (
     GenThroughputMeter,
     PrefixHitWindow,
+    SpecDecodingLogger,
     StatsSummaryLogger,
     format_decode_line,
     format_prefill_line,
@@ -112,3 +113,23 @@ def test_warnings_also_name_their_level_and_logger():
     assert re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d main\] WARNING srt\.launch_server: disk full$", out)
     record.levelno, record.levelname = logging.INFO, "INFO"
     assert ProcessLogFormatter("main").format(record).endswith("main] disk full")
+
+
+SPEC_RE = re.compile(
+    rf"^SpecDecoding metrics: Mean acceptance length: {F2}, Accepted throughput: {F2} tokens/s, "
+    rf"Drafted throughput: {F2} tokens/s, Accepted: {N} tokens, Drafted: {N} tokens, "
+    rf"Per-position acceptance rate: \d\.\d{{3}}(, \d\.\d{{3}})*, Avg Draft acceptance rate: \d+\.\d%$"
+)
+
+
+def test_spec_decoding_line_has_vllms_shape_once_per_interval_with_verify_steps():
+    spec = SpecDecodingLogger(10.0, max_drafts=3, now=0.0)
+    spec.add(2, 5, (2, 1))  # two requests drafted 5 tokens; 2 accepted at position 0, 1 at position 1
+    spec.add(1, 3, (1, 1, 1))
+    assert spec.maybe_line(now=5.0) is None  # the interval has not passed
+    line = spec.maybe_line(now=10.0)
+    assert SPEC_RE.match(line), line
+    assert "Mean acceptance length: 3.00" in line  # 1 + 6 accepted / 3 drafts
+    assert "Accepted: 6 tokens, Drafted: 8 tokens" in line and "Accepted throughput: 0.60 tokens/s" in line
+    assert "Per-position acceptance rate: 1.000, 0.667, 0.333" in line and "75.0%" in line
+    assert spec.maybe_line(now=20.0) is None  # nothing verified in this interval: no line

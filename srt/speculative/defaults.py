@@ -1,4 +1,4 @@
-"""The speculative flags' defaults, SGLang's values, in a module that imports nothing: `ServerArgs` reads it in
+"""The speculative flags' defaults (SGLang's, except two measured on the CPU, below), in a module that imports nothing: `ServerArgs` reads it in
 the HTTP process, which must not import torch.
 
 SGLang counts the verified root in `--speculative-num-draft-tokens`: a verify step feeds the last accepted
@@ -9,12 +9,16 @@ token plus the drafts, so a chain of `num_draft_tokens` positions proposes `num_
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # the algorithm whose drafts come from a second model (--speculative-draft-model-path)
 DRAFT_MODEL_ALGORITHM = "STANDALONE"
-# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup (SGLang: 1).
-NGRAM_MIN_MATCH_WINDOW_SIZE = 1
+# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup. SGLang's is 1; srt's 3,
+# measured (scripts/bench_spec.py, batch 1, 2-core AMD EPYC Zen 4, docs/benchmarks): a single matching token
+# drafts mostly rejected tokens in open chat (0.51x of no speculation at 1 and 11 drafts; 0.94x at 3 and 4).
+NGRAM_MIN_MATCH_WINDOW_SIZE = 3
 # --speculative-ngram-max-match-window-size: longest suffix compared (SGLang: 12).
 NGRAM_MAX_MATCH_WINDOW_SIZE = 12
-# --speculative-num-draft-tokens: SGLang leaves it unset and, for NGRAM, falls back to the max match window.
-NUM_DRAFT_TOKENS = NGRAM_MAX_MATCH_WINDOW_SIZE
+# --speculative-num-draft-tokens when unset: 5 positions (4 drafts). SGLang falls back to the max match window
+# (12: 11 drafts); on the CPU a verify step's cost grows with the tokens it feeds through the extend path, and
+# 11 drafts made grounded batch-1 decoding slower than none (0.92x) where 4 made it faster (1.39x).
+NUM_DRAFT_TOKENS = 5
 
 
 # A verify step feeds each drafting request its newest token and its drafts, through the extend path; on the

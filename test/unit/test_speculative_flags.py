@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from srt.server_args import ServerArgs
-from srt.speculative.defaults import NGRAM_MAX_MATCH_WINDOW_SIZE
+from srt.speculative.defaults import NUM_DRAFT_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_drafts_per_step_follow_sglangs_counting():
     spec = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
     assert spec.speculative_drafts_per_step == 4
     unset = ServerArgs(speculative_algorithm="NGRAM")
-    assert unset.speculative_drafts_per_step == NGRAM_MAX_MATCH_WINDOW_SIZE - 1
+    assert unset.speculative_drafts_per_step == NUM_DRAFT_TOKENS - 1
 
 
 @pytest.mark.parametrize(

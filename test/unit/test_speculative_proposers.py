@@ -209,10 +209,14 @@ def test_a_verify_step_never_takes_the_request_past_its_token_budget():
     assert draft_len_limit(5, tokens_left=0) == 0
 
 
-def test_defaults_are_sglangs_and_count_the_verified_root():
-    assert NGRAM_MAX_MATCH_WINDOW_SIZE == 12 and NUM_DRAFT_TOKENS == 12
-    assert drafts_per_step(NUM_DRAFT_TOKENS) == 11
-    assert NgramProposer().k == 11
+def test_the_proposer_and_the_server_share_the_defaults_and_count_the_verified_root():
+    from srt.server_args import ServerArgs
+
+    assert drafts_per_step(NUM_DRAFT_TOKENS) == NUM_DRAFT_TOKENS - 1 == NgramProposer().k
+    args = ServerArgs(speculative_algorithm="NGRAM")
+    assert args.speculative_drafts_per_step == NgramProposer().k
+    assert args.speculative_ngram_max_match_window_size == NGRAM_MAX_MATCH_WINDOW_SIZE == NgramProposer().max_n
+    assert args.speculative_ngram_min_match_window_size == NgramProposer().min_n
 
 
 def test_the_defaults_load_without_torch():

@@ -33,7 +33,13 @@ from test.unit.test_scheduler import (  # noqa: F401 (private_int8_cache: the mo
 )
 
 # 5 positions per verify step: the fed token and up to 4 drafts
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
+# a 1-token match anchors a lookup (SGLang's minimum; srt's default is 3): the random tiny model's sampled
+# continuations then draft too
+SPEC = {
+    "speculative_algorithm": "NGRAM",
+    "speculative_num_draft_tokens": 5,
+    "speculative_ngram_min_match_window_size": 1,
+}
 DRAFTS_PER_STEP = 4
 MAX_NEW = 24
 

@@ -16,6 +16,8 @@ from torch import nn
 from srt.model_executor.attention.base import AttentionLayer, KVLayout
 from srt.model_executor.forward_batch_info import ForwardBatch, last_token_rows
 from srt.model_executor.layers.cpu_kernels import CpuKernels
+from srt.model_executor.layers.linear import ReplicatedLinear
+from srt.model_executor.layers.linear_method import LayerMethods
 from srt.model_executor.models.cpu_decode import CpuDecodeStep
 
 # Checkpoint tensors recomputed instead of loaded.
@@ -54,6 +56,13 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[AttentionLayer]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def build_head(self, config, methods: LayerMethods, tie_by_default: bool) -> None:
+        """The output head, a linear layer with the model's method, reading the input embedding when the
+        config ties the two (`tie_by_default` where it does not say). Called once `model.embed_tokens` exists."""
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_by_default))
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, methods.linear(), tied)
 
     @property
     def input_embedding(self) -> nn.Embedding:

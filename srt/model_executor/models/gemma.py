@@ -23,7 +23,6 @@ from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.linear import (
     ColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     split_size,
 )
@@ -176,9 +175,7 @@ class GemmaForCausalLM(CausalLM):
         self.config = config
         self.kernels = methods.cpu_kernels  # norms, rotary embedding and attention; GeGLU has no fused form
         self.model = GemmaModel(config, self.ARCH_SWITCHES[arch], tp or TensorParallelGroup(), methods)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        tied = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, methods.linear(), tied)
+        self.build_head(config, methods, tie_by_default=True)
         self.final_logit_cap = getattr(config, "final_logit_softcapping", None) or None
         self.attn_backend: AttentionBackend | None = None
         # one RoPE table per layer type whose parameters differ (Gemma 3: a local and a global base)

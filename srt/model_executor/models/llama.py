@@ -26,7 +26,6 @@ from srt.model_executor.layers.activation import SiluAndMul
 from srt.model_executor.layers.layernorm import RMSNorm
 from srt.model_executor.layers.linear import (
     ColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     split_size,
 )
@@ -224,9 +223,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.kernels = methods.cpu_kernels
         self.model = LlamaModel(config, qkv_bias, qk_norm, tp or TensorParallelGroup(), methods)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        tied = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, methods.linear(), tied)
+        self.build_head(config, methods, tie_by_default=False)
         # set by the model runner once the KV pool exists (the pool is sized after the weights are loaded)
         self.attn_backend: AttentionBackend | None = None
         head_dim = self.model.layers[0].self_attn.head_dim

@@ -5,6 +5,7 @@ batch of sequences of different lengths, with an fp16 or an fp32 KV cache."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,6 +35,11 @@ def runner(request, tiny_model_dir, tmp_path_factory) -> ModelRunner:
     return runner
 
 
+def decode_step(bs: int) -> SimpleNamespace:
+    """What `CpuDecodeStep.takes` reads of a decode step of bs sequences."""
+    return SimpleNamespace(is_decode=True, num_tokens=bs)
+
+
 def run(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prefill the prompts, then decode them together (each step feeding its greedy tokens): every decode
     step's logits, and every layer's K and V pool rows of the sequences' slots at the end."""
@@ -55,7 +61,7 @@ def run(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def test_the_lean_decode_step_gives_the_module_paths_bits(runner):
     model = runner.model
     lean = model.cpu_decode
-    assert lean is not None and lean.takes(len(PROMPTS)), "the int8 CPU model decodes through the lean step"
+    assert lean is not None and lean.takes(decode_step(len(PROMPTS))), "the int8 CPU model decodes through it"
     lean_logits, lean_kv = run(runner)
     model.cpu_decode = None  # the module path: every op through its nn.Module and kernel wrapper
     try:
@@ -82,4 +88,62 @@ def test_the_lean_step_takes_a_batch_only_where_the_fused_kernel_takes_every_lin
         and kernels.takes_linear(batch, w.weight.shape[1], w.packed is not None)
         for w in weights
     )
-    assert runner.model.cpu_decode.takes(batch) == fused_everywhere
+    assert runner.model.cpu_decode.takes(decode_step(batch)) == fused_everywhere
+
+
+FED = [PROMPTS[0][-3:] + [7, 8], PROMPTS[1][-3:]]  # each sequence's newest token and drafts: 8 rows
+
+
+def verify(runner: ModelRunner, fused: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """A speculative verify step as the scheduler lays it out: two sequences with cached prompts, each
+    feeding several tokens at once with logits for every row; with `fused` off, through the modules. Also
+    how many times the lean step ran."""
+    model = runner.model
+    lean = model.cpu_decode
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    driver = PagedDriver(runner)
+    seqs = [driver.new_seq() for _ in FED]
+    driver.extend(seqs, [p[:-3] for p in PROMPTS[:2]])
+    calls = []
+    model.cpu_decode = lean if fused else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lean, "hidden_states", lambda *a: calls.append(1) or type(lean).hidden_states(lean, *a))
+        try:
+            logits = driver.extend(seqs, FED, every_row=True)
+        finally:
+            model.cpu_decode = lean
+    slots = torch.cat([seq.owned_slots[-1] for seq in seqs])
+    pool = runner.token_to_kv_pool
+    kv = [buf[slots].clone() for i in range(len(model.model.layers)) for buf in pool.get_kv_buffer(i)]
+    return logits, kv, len(calls)
+
+
+def one_token_at_a_time(runner: ModelRunner) -> torch.Tensor:
+    """The reference for a verify step's rows: each sequence decoding its fed tokens one step at a time."""
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    driver = PagedDriver(runner)
+    rows = []
+    for prompt, fed in zip(PROMPTS, FED):
+        seq = driver.new_seq()
+        driver.extend([seq], [prompt[:-3]])
+        rows.extend(driver.decode([seq], [token]) for token in fed)
+    return torch.cat(rows)
+
+
+def test_a_verify_step_of_a_few_tokens_runs_as_decode_rows_with_the_module_paths_bits(runner):
+    """A verify step (newest token + drafts over a cached prefix, logits for every row) of no more tokens
+    than the fused kernel takes runs through the lean step, each fed token a decode row attending to its
+    own sequence's slots up to itself: the extend path's bits and K/V, and each row what decoding the
+    tokens one by one gives (causal within the step)."""
+    lean = runner.model.cpu_decode
+    assert lean.takes(SimpleNamespace(is_decode=False, num_tokens=8))
+    assert not lean.takes(SimpleNamespace(is_decode=False, num_tokens=9))
+    fused_logits, fused_kv, fused_calls = verify(runner, fused=True)
+    module_logits, module_kv, module_calls = verify(runner, fused=False)
+    assert (fused_calls, module_calls) == (1, 0)
+    assert fused_logits.shape[0] == 8
+    assert torch.equal(fused_logits, module_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, module_kv, strict=True))
+    assert torch.equal(fused_logits, one_token_at_a_time(runner))

@@ -118,11 +118,24 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
             self._num_extend_tokens = batch.num_tokens - batch.num_decode
 
-    def decode_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This decode step's (slots int64 [bs, max_len], seq_lens int64 [bs]) as the CPU attention kernel
-        reads them (set by `init_forward_metadata`; with `cpu_kernels` only)."""
-        meta = self._decode
-        return meta.kv_indices, meta.seq_lens
+    def token_slots(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each fed token's (slots int64 [tokens, max_len], seq_lens int64 [tokens]) as the CPU decode
+        attention kernel reads them (with `cpu_kernels` only). A token at position p of a sequence attends to
+        that sequence's first p + 1 slots, all in `req_to_token` before the step runs (ForwardBatch's
+        invariant); so an extend step of a few tokens (a speculative verify step: newest token + drafts) is
+        as many decode rows sharing their sequence's table row, and attends causally with the same kernel
+        and order of operations as decode. Decode: the table `init_forward_metadata` built."""
+        if batch.is_decode:
+            return self._decode.kv_indices, self._decode.seq_lens
+        counts = batch.new_token_counts()
+        if len(counts) == 1:
+            rows = batch.req_pool_indices.expand(batch.num_tokens)
+        else:
+            rows = batch.req_pool_indices.repeat_interleave(
+                torch.tensor(counts, device=batch.req_pool_indices.device)
+            )
+        max_len = max(batch.seq_lens_cpu)
+        return self.req_to_token_pool.req_to_token[rows, :max_len], batch.positions + 1
 
     def _decode_metadata(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]

@@ -62,8 +62,8 @@ def _linear(qw: Int8Weight, bias: torch.Tensor | None) -> _Linear:
 
 
 class CpuDecodeStep:
-    """Built once the weights are quantized and the KV pool exists (`build`); `takes(bs)` says whether a
-    decode step of bs sequences may run here, `hidden_states` runs it."""
+    """Built once the weights are quantized and the KV pool exists (`build`); `takes(batch)` says whether a
+    step may run here, `hidden_states` runs it."""
 
     def __init__(self, model, kernels: CpuKernels):
         self.model = model
@@ -146,13 +146,20 @@ class CpuDecodeStep:
             return "a linear layer wider than the fused kernel takes"
         return None
 
-    def takes(self, bs: int) -> bool:
-        return self.max_batch is None or bs <= self.max_batch
+    def takes(self, batch: ForwardBatch) -> bool:
+        """Decode: the batch sizes the fused linear kernel takes. Any other step (a speculative verify step,
+        a short extend) runs here as one decode row per fed token (`token_slots`) up to the kernel's
+        few-token limit: beyond it the extend path's attention, which reads each key once for a sequence's
+        tokens, is the faster one."""
+        n = batch.num_tokens
+        if not batch.is_decode:
+            return n <= self.kernels.max_small_rows
+        return self.max_batch is None or n <= self.max_batch
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """As LlamaForCausalLM.hidden_states for a decode step: the last layer's output [bs, hidden]."""
+        """As LlamaForCausalLM.hidden_states for a step `takes` took: the last layer's output [tokens, hidden]."""
         w8a8_linear, rmsnorm, rope, store_kv, decode_attention, silu_mul = self._fns
         m = input_ids.shape[0]
         hidden = self.model.model.embed_tokens(input_ids)
@@ -168,7 +175,7 @@ class CpuDecodeStep:
             q, qscale = torch.empty((2 * m, self.max_k), dtype=torch.int8), torch.empty(2 * m)
         q_ptr, qs_ptr = (None, None) if q is None else (q.data_ptr(), qscale.data_ptr())
         h, nd, qk, at, de, gu, ac = (t.data_ptr() for t in (hidden, normed, qkv, attn, delta, gate_up, act))
-        slots, seq_lens = self.model.attn_backend.decode_slots()
+        slots, seq_lens = self.model.attn_backend.token_slots(batch)
         loc = batch.out_cache_loc
         if loc.dtype != torch.int64 or not loc.is_contiguous():
             loc = loc.to(torch.int64).contiguous()

@@ -232,7 +232,7 @@ class LlamaForCausalLM(CausalLM):
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        if batch.is_decode and self.cpu_decode is not None and self.cpu_decode.takes(batch.batch_size):
+        if self.cpu_decode is not None and self.cpu_decode.takes(batch):
             return self.cpu_decode.hidden_states(input_ids, positions, batch)
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.tables(positions)

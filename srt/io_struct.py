@@ -51,6 +51,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     input_text: str | None = None
     trace: TraceContext | None = None  # only when the request is traced at level >= 2
+    prediction_ids: list[int] | None = None  # OpenAI's Predicted Outputs: drafts for the verify step
 
 
 @dataclass

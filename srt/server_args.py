@@ -27,6 +27,7 @@ from srt.speculative.defaults import (
     NGRAM_MAX_MATCH_WINDOW_SIZE,
     NGRAM_MIN_MATCH_WINDOW_SIZE,
     NUM_DRAFT_TOKENS,
+    PER_REQUEST_SPEC_METRICS,
     SPECULATIVE_ALGORITHMS,
     drafts_per_step,
 )
@@ -188,6 +189,12 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = _f(
         NGRAM_MAX_MATCH_WINDOW_SIZE, "longest suffix of a request's tokens an NGRAM lookup compares"
     )
+    per_request_spec_decode_metrics: str | None = _f(
+        None,
+        "vLLM's flag: 'summary' adds a top-level `metrics.speculative_decoding` object to each OpenAI "
+        "response (acceptance length and rate, histogram, steps, drafted and accepted tokens)",
+        choices=PER_REQUEST_SPEC_METRICS,
+    )
     # Observability beyond metrics: request traces, KV cache events, per-request export, custom labels
     enable_trace: bool = _f(False, "export OpenTelemetry request traces (OTLP) at trace level 1")
     otlp_traces_endpoint: str = _f(
@@ -316,6 +323,12 @@ class ServerArgs:
             problems.append(
                 f"--speculative-draft-model-path {draft!r} does not exist: pass a Hugging Face model directory, "
                 f"a .gguf file or an embedded model's name ({', '.join(EMBEDDED_MODELS)})"
+            )
+        block = self.per_request_spec_decode_metrics
+        if block is not None and block not in PER_REQUEST_SPEC_METRICS:
+            problems.append(
+                f"--per-request-spec-decode-metrics must be one of {', '.join(PER_REQUEST_SPEC_METRICS)}, "
+                f"got {block!r}"
             )
         if self.speculative_draft_model_path and not wants_draft:
             problems.append(

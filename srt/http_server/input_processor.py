@@ -59,6 +59,8 @@ class GenerateInput:
     fill_max_new_tokens: bool = False
     input_texts: list[str | None] | None = None
     arrival_ts: float = field(default_factory=time.monotonic)
+    # OpenAI's Predicted Outputs, tokenized without special tokens: every sample drafts from it
+    prediction_ids: list[int] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -156,6 +158,18 @@ class InputProcessor:
         except Exception as e:  # a template may reject role orders (e.g. two system messages)
             raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
         return await self._tokenize(text, add_special_tokens=add_special_tokens)
+
+    async def encode_prediction(self, text: str) -> list[int] | None:
+        """A request's `prediction` as token ids (None when empty). It can never be longer than the context
+        allows an answer to be, so a longer one is a 400 rather than drafts that could never be used."""
+        ids = await self.encode(text, "prediction", add_special_tokens=False)
+        if len(ids) > self.context_len:
+            raise InvalidRequestError(
+                f"the prediction has {len(ids)} tokens, more than this server's {self.context_len}-token "
+                "context",
+                "prediction",
+            )
+        return ids or None
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):

@@ -212,7 +212,7 @@ class TokenizerManager:
             rank = self.router.route(rid)
             trace = traces[i] if traces else None
             self.send_socks[rank].send_pyobj(
-                TokenizedGenerateReqInput(rid, ids, params, obj.stream, text, trace)
+                TokenizedGenerateReqInput(rid, ids, params, obj.stream, text, trace, obj.prediction_ids)
             )
         return self._outputs(queue, rids, request, export)
 

@@ -1,5 +1,6 @@
 """Speculative decoding metrics (docs/metrics.md, "Speculative decoding"), written by each Scheduler process
-only when `--speculative-algorithm` is set.
+once speculation is on: from the start with `--speculative-algorithm`, else from the first verify step (a
+request's `prediction`).
 
 Names follow the naming rule: SGLang's prefix, vLLM's base name where SGLang has none
 (`spec_decode_num_*`), SGLang's own names for its verify-call counter and its two gauges. The scheduler's
@@ -49,6 +50,15 @@ class SpecDecodeMetricsCollector:
         )
         self._per_pos = [per_pos.labels(**labels, position=str(j)) for j in range(max_drafts)]
         self._verify_calls = counter("sglang:spec_verify_calls_total", "Forward steps that verified drafts.")
+        # OpenAI's usage fields summed over requests (`completion_tokens_details`), srt's names for them
+        self._accepted_prediction = counter(
+            "sglang:accepted_prediction_tokens_total",
+            "Tokens of requests' `prediction` that were drafted and accepted.",
+        )
+        self._rejected_prediction = counter(
+            "sglang:rejected_prediction_tokens_total",
+            "Tokens of requests' `prediction` that were drafted and rejected.",
+        )
         self._accept_length = gauge(
             "sglang:spec_accept_length",
             "Tokens output per request per verify step (1 + accepted / drafts) since the last flush.",
@@ -71,6 +81,8 @@ class SpecDecodeMetricsCollector:
         self._p_draft_tokens = 0
         self._p_accepted = 0
         self._p_per_pos = [0] * len(self._per_pos)
+        self._p_prediction_drafts = 0
+        self._p_prediction_accepted = 0
 
     def on_verify(self, step: SpecStepStats) -> None:
         self._p_calls += 1
@@ -79,6 +91,8 @@ class SpecDecodeMetricsCollector:
         self._p_accepted += step.num_accepted_tokens
         for j, n in enumerate(step.accepted_per_position):
             self._p_per_pos[j] += n
+        self._p_prediction_drafts += step.num_prediction_draft_tokens
+        self._p_prediction_accepted += step.num_accepted_prediction_tokens
 
     def flush(self) -> None:
         self._draft_budget.set(self.draft_budget)
@@ -89,6 +103,8 @@ class SpecDecodeMetricsCollector:
             (self._num_drafts, self._p_drafts),
             (self._num_draft_tokens, self._p_draft_tokens),
             (self._num_accepted, self._p_accepted),
+            (self._accepted_prediction, self._p_prediction_accepted),
+            (self._rejected_prediction, self._p_prediction_drafts - self._p_prediction_accepted),
             *zip(self._per_pos, self._p_per_pos, strict=True),
         ):
             if amount:

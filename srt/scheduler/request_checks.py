@@ -29,6 +29,11 @@ def refusal(req: Req, live: dict[str, Req], max_input_len: int, vocab_size: int)
         )
     if min(ids) < 0 or max(ids) >= vocab_size:
         return FinishReason("error", message=f"prompt token ids must be in [0, {vocab_size})")
+    predicted = req.prediction_ids
+    if predicted is not None and (
+        not predicted or any(type(t) is not int or not 0 <= t < vocab_size for t in predicted)
+    ):
+        return FinishReason("error", message=f"prediction token ids must be in [0, {vocab_size})")
     params.verify()
     for name in INTEGER_FIELDS:
         value = getattr(params, name)

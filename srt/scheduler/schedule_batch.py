@@ -55,6 +55,7 @@ class Req:
         self.last_token_ts: float | None = None
         self.num_retractions = 0
         self.spec_stats: SpecRequestStats | None = None  # its speculative figures, from its first verify step
+        self.prediction_ids: list[int] | None = None  # OpenAI's Predicted Outputs: its drafts come from these
 
         # Output not yet sent to the detokenizer, with the step stamp of each token.
         self.sent_len = 0

@@ -121,12 +121,9 @@ class Scheduler:
         )
         self.builder = StepBuilder(self.req_to_token_pool, self.allocator, self.tree_cache)
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
-        # --speculative-algorithm: decode steps in which some request drafts become verify steps
-        self.spec = (
-            SpecDecoder(server_args, self.sampler.sampler, self.context_len, model_runner)
-            if server_args.speculative_algorithm
-            else None
-        )
+        # decode steps in which some request drafts (--speculative-algorithm, or a request's `prediction`)
+        # become verify steps
+        self.spec = SpecDecoder(server_args, self.sampler.sampler, self.context_len, model_runner)
 
     # ---- inputs ----
     def handle(self, msg) -> FlushCacheReqOutput | None:
@@ -151,6 +148,7 @@ class Scheduler:
         params = recv.sampling_params
         try:
             req = Req(recv.rid, recv.input_ids, params, recv.stream)
+            req.prediction_ids = recv.prediction_ids
             self.tracing.attach(req, recv.trace)
             req.finished_reason = refusal(req, self.live, self.max_req_input_len, self.vocab_size)
             if not req.finished:
@@ -384,12 +382,11 @@ class Scheduler:
         reqs = self.running
         if not reqs:
             return []
-        if self.spec is not None:
-            spare = self.allocator.available_size() + self.tree_cache.evictable_size() - len(reqs)
-            drafts = self.spec.propose(reqs, spare)
-            self.reporter.on_draft_budget(self.spec.k_in_effect)
-            if drafts is not None:
-                return self._run_verify(reqs, drafts)
+        spare = self.allocator.available_size() + self.tree_cache.evictable_size() - len(reqs)
+        drafts = self.spec.propose(reqs, spare)
+        self.reporter.on_draft_budget(self.spec.k_in_effect)
+        if drafts is not None:
+            return self._run_verify(reqs, drafts)
         batch = self.builder.decode(reqs)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
@@ -435,7 +432,8 @@ class Scheduler:
             if req.spec_stats is None:
                 req.spec_stats = SpecRequestStats()
             req.spec_stats.record(len(run), a)
-        self.reporter.on_verify(SpecStepStats.from_counts([len(r) for r in runs], kept))
+        predicted = [bool(r.prediction_ids) for r in verifying]
+        self.reporter.on_verify(SpecStepStats.from_counts([len(r) for r in runs], kept, predicted))
         for req in verifying:
             if req.finished:
                 self._release(req)
@@ -513,8 +511,7 @@ class Scheduler:
         for req in reqs:
             if req.finished and self.live.get(req.rid) is req:
                 del self.live[req.rid]
-                if self.spec is not None:
-                    self.spec.release(req.rid)
+                self.spec.release(req.rid)
         out = build_token_output(reqs)
         self.tracing.on_output(out, reqs)
         return out

@@ -1,6 +1,9 @@
-"""Speculative decoding in the scheduler (`--speculative-algorithm NGRAM`, docs/speculative_decoding.md): which
-running requests draft in a decode step, how many drafts each may take, and judging the drafts against the
-target model's rows. The scheduler runs the verify step itself (`Scheduler._run_verify`); the model-free
+"""Speculative decoding in the scheduler (`--speculative-algorithm`, OpenAI's `prediction`;
+docs/speculative_decoding.md): which running requests draft in a decode step, how many drafts each may take,
+and judging the drafts against the target model's rows.
+
+Where drafts come from: a request that carries a prediction drafts from it alone (on every server: it is
+the request's own parameter); the others from `--speculative-algorithm`'s proposer, when the server has one. The scheduler runs the verify step itself (`Scheduler._run_verify`); the model-free
 parts (proposers, lossless verification, the figures) live in `srt/speculative/`.
 
 Eligibility, decided every step: a request drafts unless it is constrained by a grammar, asks for logprobs,
@@ -22,8 +25,13 @@ import torch
 
 from srt.sampling.penalties import uses_penalties
 from srt.sampling.sampling_batch import SamplingBatch
-from srt.speculative.defaults import DRAFT_MODEL_ALGORITHM, drafts_for_batch
+from srt.speculative.defaults import (
+    DRAFT_MODEL_ALGORITHM,
+    PREDICTION_DRAFTS_PER_STEP,
+    drafts_for_batch,
+)
 from srt.speculative.ngram import NgramProposer
+from srt.speculative.prediction import PredictionProposer
 from srt.speculative.proposer import Proposer, draft_len_limit
 from srt.speculative.verify import DraftBatch, verify
 
@@ -78,43 +86,61 @@ def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
 
 
 class SpecDecoder:
+    """Built for every scheduler: any request may carry a prediction. Without `--speculative-algorithm`
+    a decode step in which no running request has one costs one scan of the batch here."""
+
     def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
-        self.k = args.speculative_drafts_per_step
+        self.k = args.speculative_drafts_per_step  # 0 without --speculative-algorithm
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
-        self.proposer = build_proposer(args, self.k, target)
+        self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
+        self.predictions = PredictionProposer(
+            min_n=args.speculative_ngram_min_match_window_size,
+            max_n=args.speculative_ngram_max_match_window_size,
+            k=PREDICTION_DRAFTS_PER_STEP,
+        )
         self.sampler = sampler
         self.context_len = context_len
 
     def propose(self, reqs: Sequence[Req], spare_slots: int) -> list[list[int]] | None:
         """Per request of `reqs`, its drafts for this step (empty: it decodes plainly), or None when no
-        request has one. Each request takes at most `drafts_for_batch(k, len(reqs))`: fewer as the batch
-        grows, none past it (speculation steps aside where a verify step would cost more than it saves). A request never drafts past its max_new_tokens or the context (`draft_len_limit`),
-        and all drafts together take at most `spare_slots` KV slots (beyond the one per request a decode
-        step takes anyway): under memory pressure speculation shrinks instead of forcing a retraction."""
-        self.k_in_effect = drafts_for_batch(self.k, len(reqs))
-        if spare_slots <= 0 or self.k_in_effect == 0:
+        request has one. Each request takes at most `drafts_for_batch(k, len(reqs))` (k: the algorithm's,
+        or PREDICTION_DRAFTS_PER_STEP for a request with a prediction): fewer as the batch grows, none past
+        it (speculation steps aside where a verify step would cost more than it saves). A request never
+        drafts past its max_new_tokens or the context (`draft_len_limit`), and all drafts together take at
+        most `spare_slots` KV slots (beyond the one per request a decode step takes anyway): under memory
+        pressure speculation shrinks instead of forcing a retraction."""
+        bs = len(reqs)
+        # the gauge's k: the algorithm's, or on a server without one the predictions'
+        self.k_in_effect = drafts_for_batch(self.k or PREDICTION_DRAFTS_PER_STEP, bs)
+        if self.proposer is None and not any(r.prediction_ids for r in reqs):
+            return None
+        if spare_slots <= 0:
             return None
         chosen = [i for i, r in enumerate(reqs) if may_speculate(r)]
-        if not chosen:
-            return None
-        limits = [
-            draft_len_limit(
-                self.k_in_effect,
-                min(
-                    reqs[i].remaining_new_tokens,
-                    self.context_len - len(reqs[i].origin_input_ids) - len(reqs[i].output_ids),
-                ),
-            )
-            for i in chosen
-        ]
-        drafts = self.proposer.propose([reqs[i] for i in chosen], limits)
-        if drafts.num_tokens == 0:
-            return None
+        predicted = [i for i in chosen if reqs[i].prediction_ids]
+        guessed = [i for i in chosen if not reqs[i].prediction_ids] if self.proposer is not None else []
         out: list[list[int]] = [[] for _ in reqs]
-        for i, ids in zip(chosen, drafts.token_ids, strict=True):
-            out[i] = ids[:spare_slots]
-            spare_slots -= len(out[i])
-        return out
+        found = 0
+        for proposer, which, most in (
+            (self.predictions, predicted, PREDICTION_DRAFTS_PER_STEP),
+            (self.proposer, guessed, self.k),
+        ):
+            k = drafts_for_batch(most, bs) if which else 0
+            if k == 0:
+                continue
+            limits = [draft_len_limit(k, self._tokens_left(reqs[i])) for i in which]
+            drafts = proposer.propose([reqs[i] for i in which], limits)
+            for i, ids in zip(which, drafts.token_ids, strict=True):
+                out[i] = ids[: max(spare_slots, 0)]
+                spare_slots -= len(out[i])
+                found += len(out[i])
+        return out if found else None
+
+    def _tokens_left(self, req: Req) -> int:
+        """Tokens the request may still produce: its max_new_tokens left, and room left in the context."""
+        return min(
+            req.remaining_new_tokens, self.context_len - len(req.origin_input_ids) - len(req.output_ids)
+        )
 
     def verify(
         self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]
@@ -151,4 +177,6 @@ class SpecDecoder:
 
     def release(self, rid: str) -> None:
         """The request left for good (finished or aborted; not retracted)."""
-        self.proposer.release(rid)
+        self.predictions.release(rid)
+        if self.proposer is not None:
+            self.proposer.release(rid)

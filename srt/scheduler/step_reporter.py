@@ -7,13 +7,16 @@ every `FLUSH_PERIOD` seconds otherwise, and when the scheduler goes idle (so idl
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from srt.metrics import stat_logger
 from srt.scheduler.step_hooks import SchedulerLoad, StepReporter
 from srt.server_args import ServerArgs
+from srt.speculative.defaults import most_drafts_per_step
 
 if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
@@ -27,19 +30,25 @@ FLUSH_PERIOD = 1.0
 
 class SchedulerReporter(StepReporter):
     def __init__(
-        self, args: ServerArgs, capacity: int, collector=None, residency_observer=None, spec_metrics=None
+        self,
+        args: ServerArgs,
+        capacity: int,
+        collector=None,
+        residency_observer=None,
+        spec_metrics_factory: Callable[[int], Any] | None = None,
     ):
         self.args = args
         self.capacity = capacity
         self.collector = collector
-        self.spec_metrics = spec_metrics  # srt/metrics/spec_collector.py, with speculation and metrics on
         self.residency_observer = residency_observer
         self.summary = stat_logger.StatsSummaryLogger(args.log_stats_interval)
-        self.spec_log = (
-            stat_logger.SpecDecodingLogger(args.log_stats_interval, args.speculative_drafts_per_step)
-            if args.speculative_algorithm
-            else None
-        )
+        # srt/metrics/spec_collector.py (with metrics on) and the SpecDecoding log line: from the start with
+        # --speculative-algorithm, else from the first verify step (a request's prediction)
+        self._spec_metrics_factory = spec_metrics_factory
+        self.spec_metrics = None
+        self.spec_log: stat_logger.SpecDecodingLogger | None = None
+        if args.speculative_algorithm:
+            self._start_speculation()
         self.decode_steps = 0
         self.throughput_meter = stat_logger.GenThroughputMeter()
         self.gen_throughput = 0.0
@@ -113,11 +122,18 @@ class SchedulerReporter(StepReporter):
         )
         return True
 
+    def _start_speculation(self) -> None:
+        most = most_drafts_per_step(self.args.speculative_drafts_per_step)
+        self.spec_log = stat_logger.SpecDecodingLogger(self.args.log_stats_interval, most)
+        if self._spec_metrics_factory is not None:
+            self.spec_metrics = self._spec_metrics_factory(most)
+
     def on_verify(self, step: SpecStepStats) -> None:
+        if self.spec_log is None:
+            self._start_speculation()
         if self.spec_metrics is not None:
             self.spec_metrics.on_verify(step)
-        if self.spec_log is not None:
-            self.spec_log.add(step.num_drafts, step.num_draft_tokens, step.accepted_per_position)
+        self.spec_log.add(step.num_drafts, step.num_draft_tokens, step.accepted_per_position)
 
     def on_draft_budget(self, drafts_per_request: int) -> None:
         if self.spec_metrics is not None:
@@ -179,7 +195,7 @@ class SchedulerReporter(StepReporter):
 def build_reporter(
     args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float
 ) -> SchedulerReporter:
-    collector = observer = grammar_metrics = spec_metrics = None
+    collector = observer = grammar_metrics = spec_metrics_factory = None
     if args.metrics_enabled:
         from srt.metrics.collector import SchedulerMetricsCollector, start_process_metrics
         from srt.metrics.scheduler_collector import make_cache_config
@@ -209,10 +225,9 @@ def build_reporter(
             from srt.metrics.kv_residency import KVResidencyObserver
 
             observer = KVResidencyObserver(labels, args.kv_cache_metrics_sample)
-        if args.speculative_algorithm is not None:
-            from srt.metrics.spec_collector import SpecDecodeMetricsCollector
+        from srt.metrics.spec_collector import SpecDecodeMetricsCollector
 
-            spec_metrics = SpecDecodeMetricsCollector(labels, args.speculative_drafts_per_step)
-    reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer, spec_metrics)
+        spec_metrics_factory = functools.partial(SpecDecodeMetricsCollector, labels)
+    reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer, spec_metrics_factory)
     reporter.grammar_metrics = grammar_metrics
     return reporter

@@ -5,6 +5,8 @@ SGLang counts the verified root in `--speculative-num-draft-tokens`: a verify st
 token plus the drafts, so a chain of `num_draft_tokens` positions proposes `num_draft_tokens - 1` drafts.
 """
 
+# --per-request-spec-decode-metrics' choices (vLLM's; its `detailed` adds per-step lists srt does not keep)
+PER_REQUEST_SPEC_METRICS = ("summary",)
 # --speculative-algorithm's choices (SGLang's names)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # the algorithm whose drafts come from a second model (--speculative-draft-model-path)
@@ -27,6 +29,17 @@ NUM_DRAFT_TOKENS = 5
 # verify step within this many fed tokens: all 11 drafts up to a batch of 5, 3 at 16, 1 at 32, none from 64
 # (speculation steps aside, the batch decodes plainly). A first estimate for a 2-core CPU, to be measured.
 VERIFY_STEP_TOKENS = 64
+
+
+# Drafts a request with OpenAI's `prediction` may take per verify step (the batch-size rule below applies too):
+# its drafts are the client's own text, accepted far more often than n-gram guesses, and 7 drafts + the newest
+# token are the most rows the fused CPU verify step takes at once.
+PREDICTION_DRAFTS_PER_STEP = 7
+
+
+def most_drafts_per_step(drafts_per_step: int) -> int:
+    """The most drafts any request takes in one step: the algorithm's, or a prediction's."""
+    return max(drafts_per_step, PREDICTION_DRAFTS_PER_STEP)
 
 
 def drafts_for_batch(k: int, batch_size: int, step_tokens: int = VERIFY_STEP_TOKENS) -> int:

@@ -44,6 +44,17 @@ class SpecRequestStats:
             self.accepted_histogram.extend([0] * (num_accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[num_accepted] += 1
 
+    def add(self, other: SpecRequestStats) -> None:
+        """Add another request's figures (a response's choices, summed)."""
+        self.verify_steps += other.verify_steps
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        hist = other.accepted_histogram
+        if len(self.accepted_histogram) < len(hist):
+            self.accepted_histogram.extend([0] * (len(hist) - len(self.accepted_histogram)))
+        for a, count in enumerate(hist):
+            self.accepted_histogram[a] += count
+
     @property
     def accept_length(self) -> float | None:
         return 1 + self.accepted_tokens / self.verify_steps if self.verify_steps else None
@@ -92,18 +103,27 @@ class SpecStepStats:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_position: tuple[int, ...]  # entry j: requests that accepted draft j; never increases with j
+    # the part of the two token counts whose drafts came from requests' `prediction` (OpenAI's usage fields)
+    num_prediction_draft_tokens: int = 0
+    num_accepted_prediction_tokens: int = 0
 
     @classmethod
-    def from_counts(cls, draft_lens: Sequence[int], accepted: Sequence[int]) -> SpecStepStats:
+    def from_counts(
+        cls, draft_lens: Sequence[int], accepted: Sequence[int], predicted: Sequence[bool] | None = None
+    ) -> SpecStepStats:
+        """`predicted[i]`: request i drafted from its prediction (default: none did)."""
         per_position = [0] * max(draft_lens, default=0)
         for k, a in zip(draft_lens, accepted, strict=True):
             if not 0 <= a <= k:
                 raise ValueError(f"accepted {a} of {k} drafts")
             for j in range(a):
                 per_position[j] += 1
+        predicted = predicted or [False] * len(draft_lens)
         return cls(
             num_drafts=sum(1 for k in draft_lens if k > 0),
             num_draft_tokens=sum(draft_lens),
             num_accepted_tokens=sum(accepted),
             accepted_per_position=tuple(per_position),
+            num_prediction_draft_tokens=sum(k for k, p in zip(draft_lens, predicted, strict=True) if p),
+            num_accepted_prediction_tokens=sum(a for a, p in zip(accepted, predicted, strict=True) if p),
         )

@@ -106,6 +106,7 @@ class Out:
     logprob_sums: list[float] = field(default_factory=list)
     id: str = ""
     timings: list[dict | None] = field(default_factory=list)  # per choice: its `timing` object, if any
+    completion_details: dict | None = None  # usage.completion_tokens_details, if any
 
 
 class Refused(Exception):
@@ -151,6 +152,7 @@ class Api:
             if chunk.get("usage"):
                 out.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 out.completion_tokens = chunk["usage"]["completion_tokens"]
+                out.completion_details = chunk["usage"].get("completion_tokens_details")
             for c in chunk["choices"]:
                 i = c["index"]
                 while len(out.texts) <= i:
@@ -353,6 +355,27 @@ def check_return_timing(api: Api, stream: bool, name: str) -> None:
     assert timing["e2e_latency"] > 0 and timing["request_received_ts"] < timing["response_sent_to_client_ts"]
 
 
+def check_prediction(api: Api, stream: bool, name: str) -> None:
+    """A prediction changes how fast an answer comes, never the answer: the same text with the answer itself
+    (its tokens accepted), and with half of it then other words, as content parts (those drafts are
+    rejected); usage reports both counts.
+    A malformed one is a 400 naming it."""
+    ask = {"text": REPEAT, api.limit: 12, "ignore_eos": True}
+    base = api.call(stream, **ask)
+    assert base.completion_details is None  # no prediction, no prediction counts
+    exact = api.call(stream, **ask, prediction={"type": "content", "content": base.texts[0]})
+    assert exact.texts == base.texts
+    assert exact.completion_details["accepted_prediction_tokens"] > 0
+    half = len(base.texts[0]) // 2
+    parts = [{"type": "text", "text": base.texts[0][:half]}, {"type": "text", "text": " zebra quartz zebra"}]
+    edited = api.call(stream, **ask, prediction={"type": "content", "content": parts})
+    assert edited.texts == base.texts
+    assert edited.completion_details["rejected_prediction_tokens"] > 0
+    assert (
+        api.refused(stream, **ask, prediction={"type": "audio", "content": "x"})["param"] == "prediction.type"
+    )
+
+
 HONOURED = {
     "messages": check_prompt, "prompt": check_prompt, "model": check_model, "max_tokens": check_max_tokens,
     "max_completion_tokens": check_max_tokens, "max_new_tokens": check_max_tokens,
@@ -369,7 +392,7 @@ HONOURED = {
     "modalities": check_modalities, "ignore_eos": lambda a, s, n: check_min_tokens(a, s, n, ignore_eos=True),
     "skip_special_tokens": check_skip_special_tokens, "rid": check_rid,
     "tools": check_tools, "tool_choice": check_tools, "parallel_tool_calls": check_tools,
-    "return_timing": check_return_timing,
+    "return_timing": check_return_timing, "prediction": check_prediction,
 }  # fmt: skip
 
 

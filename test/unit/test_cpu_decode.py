@@ -125,7 +125,7 @@ def one_token_at_a_time(runner: ModelRunner) -> torch.Tensor:
     runner.token_to_kv_pool_allocator.clear()
     driver = PagedDriver(runner)
     rows = []
-    for prompt, fed in zip(PROMPTS, FED):
+    for prompt, fed in zip(PROMPTS[:2], FED, strict=True):
         seq = driver.new_seq()
         driver.extend([seq], [prompt[:-3]])
         rows.extend(driver.decode([seq], [token]) for token in fed)

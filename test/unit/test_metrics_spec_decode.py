@@ -26,6 +26,7 @@ WRITER = """
     c.flush()
     c.on_verify(SpecStepStats.from_counts([4, 2, 3], [4, 1, 0]))
     c.on_verify(SpecStepStats.from_counts([4], [2]))
+    c.on_verify(SpecStepStats.from_counts([5, 3, 2], [5, 1, 1], [True, False, True]))  # two predictions
     c.flush()
     c.draft_budget = 2  # the batch grew: 2 drafts a request
     c.flush()  # nothing verified since: the gauges keep the last interval's values
@@ -44,10 +45,18 @@ def test_counters_are_the_sums_of_the_verify_steps(written):
     out, samples = written
     assert json.loads(out)["before_flush"] == 0
     c = lambda name: total(samples, f"sglang:{name}")  # noqa: E731
-    assert c("spec_verify_calls_total") == 4
-    assert c("spec_decode_num_drafts_total") == 1 + 1 + 3 + 1  # requests with a draft, per step
-    assert c("spec_decode_num_draft_tokens_total") == 1 + 1 + 9 + 4
-    assert c("spec_decode_num_accepted_tokens_total") == 1 + 0 + 5 + 2
+    assert c("spec_verify_calls_total") == 5
+    assert c("spec_decode_num_drafts_total") == 1 + 1 + 3 + 1 + 3  # requests with a draft, per step
+    assert c("spec_decode_num_draft_tokens_total") == 1 + 1 + 9 + 4 + 10
+    assert c("spec_decode_num_accepted_tokens_total") == 1 + 0 + 5 + 2 + 7
+
+
+def test_prediction_counters_sum_only_the_drafts_that_came_from_predictions(written):
+    """OpenAI's usage fields, summed: drafts of the two requests with a prediction (5 + 2 drafted, 5 + 1
+    accepted), not the third request's n-gram drafts."""
+    _, samples = written
+    assert total(samples, "sglang:accepted_prediction_tokens_total") == 6
+    assert total(samples, "sglang:rejected_prediction_tokens_total") == 1
 
 
 def test_every_position_exists_and_counts_never_increase_with_it(written):
@@ -56,15 +65,15 @@ def test_every_position_exists_and_counts_never_increase_with_it(written):
         int(s.labels["position"]): s.value
         for s in select(samples, "sglang:spec_decode_num_accepted_tokens_per_pos_total")
     }
-    assert by_pos == {0: 4, 1: 2, 2: 1, 3: 1, 4: 0}
+    assert by_pos == {0: 7, 1: 3, 2: 2, 3: 2, 4: 1}
     assert sum(by_pos.values()) == total(samples, "sglang:spec_decode_num_accepted_tokens_total")
 
 
 def test_gauges_describe_the_last_interval_with_verify_steps(written):
     _, samples = written
     g = lambda name: select(samples, f"sglang:{name}")[0].value  # noqa: E731
-    assert g("spec_accept_length") == pytest.approx(1 + 7 / 4)  # 7 accepted over 4 requests' spec steps
-    assert g("spec_accept_rate") == pytest.approx(7 / 13)
+    assert g("spec_accept_length") == pytest.approx(1 + 14 / 7)  # 14 accepted over 7 requests' spec steps
+    assert g("spec_accept_rate") == pytest.approx(14 / 23)
 
 
 def test_the_draft_budget_gauge_shows_the_k_in_effect_at_the_latest_flush(written):

@@ -19,6 +19,10 @@ from srt.speculative.defaults import NUM_DRAFT_TOKENS
             ["--speculative-draft-model-path '/no/such/model' does not exist"],
         ),
         ({"speculative_algorithm": "EAGLE"}, ["must be one of", "'EAGLE'"]),
+        (
+            {"per_request_spec_decode_metrics": "detailed"},
+            ["--per-request-spec-decode-metrics", "'detailed'"],
+        ),
         ({"speculative_num_draft_tokens": 1}, ["--speculative-num-draft-tokens", ">= 2"]),
         ({"speculative_num_draft_tokens": True}, ["--speculative-num-draft-tokens", "integer"]),
         ({"speculative_ngram_min_match_window_size": 0}, ["min-match-window-size", ">= 1"]),

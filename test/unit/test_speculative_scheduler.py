@@ -467,3 +467,76 @@ def test_a_large_batch_decodes_plainly_and_a_small_one_speculates(tiny_model_dir
     few, few_totals = make(tiny_model_dir, speculative_num_draft_tokens=12, disable_mixed_chunk=True)
     drive(few, {0: many[:4]})
     assert few_totals.budgets[0] == 11 and few_totals.steps
+
+
+# ---- OpenAI's Predicted Outputs (a request's `prediction_ids`) ----
+
+
+def edited(tokens: list[int], seed: int) -> list[int]:
+    """A prediction that is the answer with a span replaced and a token dropped: drafting must resume after
+    each edit, and the tokens it drafts across an edit are rejected."""
+    rng = random.Random(seed)
+    out = list(tokens)
+    at = rng.randrange(2, len(out) - 6)
+    out[at : at + 3] = [VOCAB_LOW, VOCAB_LOW + 1, VOCAB_LOW + 2, VOCAB_LOW + 3]
+    del out[at + 8]
+    return out
+
+
+def predicted_requests(reference: dict[str, list[int]]):
+    """Every request of the workload, half with their exact answer as the prediction, half with an edited
+    one, one with none."""
+    reqs = requests()
+    for i, req in enumerate(reqs[:-1]):
+        answer = reference[req.rid]
+        req.prediction_ids = answer if i % 2 == 0 else edited(answer, i)
+    return reqs
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["no-algorithm", "ngram"])
+def test_greedy_output_is_the_same_with_predictions(tiny_model_dir, quant, reference, spec):
+    """A prediction drafts on any server, the server's algorithm or none; the output is the model's, not the
+    prediction's; every slot is accounted for after each step; the prediction's counts in the step totals
+    are the per-request figures of the requests that carried one."""
+    sched, totals = make(tiny_model_dir, quant, spec=spec)
+    reqs = predicted_requests(reference)
+    res = drive(sched, {0: reqs[:6], 3: reqs[6:]}, on_step=assert_every_slot_accounted)
+    assert {rid: c.output_ids for rid, c in res.items()} == reference
+    with_prediction = [res[r.rid].spec_stats for r in reqs if r.prediction_ids]
+    assert all(f is not None for f in with_prediction)
+    drafted = sum(s.num_prediction_draft_tokens for s in totals.steps)
+    accepted = sum(s.num_accepted_prediction_tokens for s in totals.steps)
+    assert drafted == sum(f.draft_tokens for f in with_prediction)
+    assert accepted == sum(f.accepted_tokens for f in with_prediction)
+    assert 0 < accepted < drafted, "edited predictions must have drafts rejected, exact ones accepted"
+    exact = [res[r.rid].spec_stats for r in reqs[:-1:2]]
+    assert all(f.accepted_tokens == f.draft_tokens for f in exact)  # an exact prediction is all accepted
+    unpredicted = res[reqs[-1].rid].spec_stats
+    assert (unpredicted is None) == (
+        not spec
+    )  # without an algorithm, a request without prediction never drafts
+    assert_pool_whole(sched)
+    assert_cache_holds_only_output(sched, reference)
+    assert not sched.spec.predictions.predictions  # released when each request finished
+
+
+def test_a_prediction_takes_more_drafts_a_step_than_ngram(tiny_model_dir, reference):
+    """A request's prediction drafts up to PREDICTION_DRAFTS_PER_STEP tokens a step (its text is accepted far
+    more often than an n-gram guess), the algorithm's requests up to their k."""
+    from srt.speculative.defaults import PREDICTION_DRAFTS_PER_STEP
+
+    sched, _ = make(tiny_model_dir)
+    reqs = requests()[:2]
+    reqs[0].prediction_ids = reference[reqs[0].rid]
+    longest = {r.rid: 0 for r in reqs}
+    verify = sched.spec.verify
+
+    def recording(logits, verifying, drafts):
+        for r, d in zip(verifying, drafts, strict=True):
+            longest[r.rid] = max(longest[r.rid], len(d))
+        return verify(logits, verifying, drafts)
+
+    sched.spec.verify = recording
+    drive(sched, {0: reqs})
+    assert longest[reqs[0].rid] == PREDICTION_DRAFTS_PER_STEP > DRAFTS_PER_STEP
+    assert 0 < longest[reqs[1].rid] <= DRAFTS_PER_STEP

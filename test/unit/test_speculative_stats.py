@@ -68,3 +68,38 @@ def test_step_totals_count_requests_with_drafts_and_acceptances_per_position():
     assert step.num_draft_tokens == 8
     assert step.num_accepted_tokens == 4
     assert step.accepted_per_position == (2, 1, 1)
+
+
+def test_a_responses_choices_add_up_field_by_field():
+    a, b = SpecRequestStats(), SpecRequestStats()
+    for k, acc in ((4, 4), (4, 1)):
+        a.record(k, acc)
+    b.record(7, 7)
+    total = SpecRequestStats()
+    total.add(a)
+    total.add(b)
+    assert (total.verify_steps, total.draft_tokens, total.accepted_tokens) == (3, 15, 12)
+    assert total.accepted_histogram == [0, 1, 0, 0, 1, 0, 0, 1]
+    assert sum(total.accepted_histogram) == total.verify_steps
+
+
+def test_openai_usage_reports_prediction_tokens_only_for_a_request_with_a_prediction():
+    """`completion_tokens_details` sums every choice's accepted and rejected prediction tokens (n samples all
+    draft from the one prediction); without a prediction it is absent, as OpenAI leaves it."""
+    from srt.http_server.openai.serving_common import ChoiceAcc, spec_metrics_block, usage
+    from srt.server_args import ServerArgs
+    from srt.speculative.defaults import PREDICTION_DRAFTS_PER_STEP
+
+    choices = [ChoiceAcc(completion_tokens=9), ChoiceAcc(completion_tokens=5), ChoiceAcc(completion_tokens=3)]
+    for c, (k, acc) in zip(choices[:2], ((7, 5), (6, 6)), strict=True):
+        c.spec_stats = SpecRequestStats()
+        c.spec_stats.record(k, acc)
+    assert "completion_tokens_details" not in usage(choices, 3)
+    details = usage(choices, 3, predicted=True)["completion_tokens_details"]
+    assert details == {"accepted_prediction_tokens": 11, "rejected_prediction_tokens": 2}
+    assert spec_metrics_block(ServerArgs(), choices, predicted=True) is None  # vLLM's block is opt-in
+    block = spec_metrics_block(ServerArgs(per_request_spec_decode_metrics="summary"), choices, True)
+    sd = block["speculative_decoding"]
+    assert (sd["num_spec_steps"], sd["num_draft_tokens"], sd["num_accepted_draft_tokens"]) == (2, 13, 11)
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + 11 / 2)
+    assert sd["num_spec_tokens"] == PREDICTION_DRAFTS_PER_STEP

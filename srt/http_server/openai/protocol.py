@@ -78,7 +78,6 @@ Modalities = Annotated[list[str], AfterValidator(_text_only)]
 # OpenAI parameters of features srt does not have, with the reason; any value but null is a 400 naming them.
 CHAT_REFUSED = {
     "audio": "srt generates text, not audio",
-    "prediction": "srt has no predicted-output (client-drafted speculative) decoding",
     "web_search_options": "srt has no web search",
     "functions": "the deprecated functions API is not served: use `tools`",
     "function_call": "the deprecated functions API is not served: use `tool_choice`",
@@ -87,6 +86,27 @@ CHAT_REFUSED = {
     "moderation": "srt runs no moderation model",
 }
 COMPLETIONS_REFUSED = {"suffix": "srt has no fill-in-the-middle prompt format"}
+
+
+class ContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+def joined_text(content: str | list[ContentPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+class Prediction(StrictModel):
+    """OpenAI's Predicted Outputs: text much of the answer is expected to repeat (a file being edited).
+    srt drafts from it and verifies every draft with the model (docs/speculative_decoding.md): the answer
+    is what it would be without a prediction; a good prediction only makes it faster."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return joined_text(self.content)
 
 
 class SamplingFields(OpenAIConstraintFields, RequestBody):
@@ -139,6 +159,7 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
     rid: Rid | None = None
     # srt's: per-request timings in each choice (`timing`), docs/observability.md, "Per-request timings".
     return_timing: bool | None = None
+    prediction: Prediction | None = None
 
     @property
     def num_samples(self) -> int:
@@ -174,11 +195,6 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
         )
 
 
-class ContentPart(StrictModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -195,9 +211,7 @@ class ChatMessage(StrictModel):
         return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+        return joined_text(self.content or "")
 
 
 def _tool_results_answer_calls(messages: list[ChatMessage]) -> list[ChatMessage]:

@@ -16,6 +16,7 @@ from srt.http_server.openai.serving_common import (
     ChoiceAcc,
     check_model,
     collect_response,
+    spec_metrics_block,
     stream_chunk,
     stream_with_errors,
     timing,
@@ -84,6 +85,9 @@ class ChatHandler:
             stream=req.streaming,
             rid=req.rid or uuid.uuid4().hex,
             fill_max_new_tokens=max_new is None,
+            prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
+            if req.prediction
+            else None,
         )
         await self.tm.inputs.judge_constraint(
             params, forced_tools=req.forced_tools is not None, schema_param=req.schema_param
@@ -117,14 +121,18 @@ class ChatHandler:
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             if with_timing:
                 out[-1]["timing"] = timing(c.stats)
-        return {
+        body = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
             "choices": out,
-            "usage": usage(choices, req.num_samples),
+            "usage": usage(choices, req.num_samples, req.prediction is not None),
         }
+        metrics = spec_metrics_block(self.tm.server_args, choices, req.prediction is not None)
+        if metrics is not None:
+            body["metrics"] = metrics
+        return body
 
     def _stream(self, req: ChatCompletionRequest, outputs: AsyncIterator[ReqOutput], rid: str, created: int):
         n = req.num_samples
@@ -171,6 +179,15 @@ class ChatHandler:
         def on_end() -> list[str]:
             if not req.include_usage:
                 return []
-            return [usage_chunk(rid, "chat.completion.chunk", created, self.model_name, usage(accs, n))]
+            return [
+                usage_chunk(
+                    rid,
+                    "chat.completion.chunk",
+                    created,
+                    self.model_name,
+                    usage(accs, n, req.prediction is not None),
+                    spec_metrics_block(self.tm.server_args, accs, req.prediction is not None),
+                )
+            ]
 
         return stream_with_errors(self.tm, outputs, on_output, on_end)

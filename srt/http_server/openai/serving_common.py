@@ -17,6 +17,8 @@ from srt.http_server.openai.errors import SERVER_ERROR, SERVICE_UNAVAILABLE, Ope
 from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
 from srt.io_struct import FinishReason
 from srt.metrics.request_stats import FinishedRequestStats
+from srt.server_args import ServerArgs
+from srt.speculative.defaults import PREDICTION_DRAFTS_PER_STEP
 from srt.speculative.stats import SpecRequestStats
 
 logger = logging.getLogger(__name__)
@@ -119,21 +121,48 @@ def timing(stats: FinishedRequestStats | None) -> dict | None:
     return None if stats is None else stats.timings()
 
 
-def usage(choices: list[ChoiceAcc], n: int) -> dict:
+def usage(choices: list[ChoiceAcc], n: int, predicted: bool = False) -> dict:
     """OpenAI usage. Each prompt counts once, however many samples (`n`) it has, in `prompt_tokens` and in
     `cached_tokens` alike: a prompt's cached tokens are those of its first sample (choice index `p * n`), so
     cached never exceeds prompt. Completion tokens are summed over every sample. `/metrics`' token counters
-    follow the same rule (RequestMetricsRecorder)."""
+    follow the same rule (RequestMetricsRecorder). With a `prediction` (`predicted`), OpenAI's
+    `completion_tokens_details`: the prediction's tokens accepted and rejected, summed over every sample
+    (each drafted from it), as `sglang:{accepted,rejected}_prediction_tokens_total` count them."""
     firsts = choices[::n]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices)
     cached = sum(c.cached_tokens for c in firsts)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if predicted:
+        merged = merged_spec_stats(choices)
+        out["completion_tokens_details"] = merged.prediction_usage()
+    return out
+
+
+def merged_spec_stats(choices: list[ChoiceAcc]) -> SpecRequestStats:
+    """The choices' speculative figures added up (a choice without verify steps adds nothing)."""
+    total = SpecRequestStats()
+    for c in choices:
+        if c.spec_stats is not None:
+            total.add(c.spec_stats)
+    return total
+
+
+def spec_metrics_block(args: ServerArgs, choices: list[ChoiceAcc], predicted: bool) -> dict | None:
+    """vLLM's top-level `metrics` object with its per-request speculative decoding block (its
+    `--per-request-spec-decode-metrics summary`), over every choice of the response; None when the
+    server was not started with it. `num_spec_tokens`: the most drafts a step gave a choice (a
+    prediction's, or the algorithm's)."""
+    if not args.per_request_spec_decode_metrics:
+        return None
+    block = merged_spec_stats(choices).vllm_block()
+    block["num_spec_tokens"] = PREDICTION_DRAFTS_PER_STEP if predicted else args.speculative_drafts_per_step
+    return {"speculative_decoding": block}
 
 
 async def collect(
@@ -168,11 +197,15 @@ def stream_chunk(rid: str, kind: str, created: int, model: str, choice: dict, ex
     return sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], **extra})
 
 
-def usage_chunk(rid: str, kind: str, created: int, model: str, usage_dict: dict) -> str:
-    """The closing chunk of `stream_options.include_usage`: no choices, the whole request's usage."""
-    return sse(
-        {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage_dict}
-    )
+def usage_chunk(
+    rid: str, kind: str, created: int, model: str, usage_dict: dict, metrics: dict | None = None
+) -> str:
+    """The closing chunk of `stream_options.include_usage`: no choices, the whole request's usage (and
+    vLLM's `metrics` object where the server adds it)."""
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage_dict}
+    if metrics is not None:
+        body["metrics"] = metrics
+    return sse(body)
 
 
 async def stream_with_errors(

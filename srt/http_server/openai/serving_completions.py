@@ -15,6 +15,7 @@ from srt.http_server.openai.serving_common import (
     ChoiceAcc,
     check_model,
     collect_response,
+    spec_metrics_block,
     stream_chunk,
     stream_with_errors,
     timing,
@@ -102,6 +103,9 @@ class CompletionHandler:
             stream=req.streaming,
             rid=req.rid or uuid.uuid4().hex,
             input_texts=texts,
+            prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
+            if req.prediction
+            else None,
         )
         await self.tm.inputs.judge_constraint(obj.sampling_params, schema_param=req.schema_param)
         return obj, texts, self.tm.generate(obj, request)
@@ -149,14 +153,18 @@ class CompletionHandler:
             )
             if with_timing:
                 out[-1]["timing"] = timing(c.stats)
-        return {
+        body = {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": self.model_name,
             "choices": out,
-            "usage": usage(samples, req.num_generated),
+            "usage": usage(samples, req.num_generated, req.prediction is not None),
         }
+        metrics = spec_metrics_block(self.tm.server_args, samples, req.prediction is not None)
+        if metrics is not None:
+            body["metrics"] = metrics
+        return body
 
     def _stream(
         self,
@@ -203,7 +211,14 @@ class CompletionHandler:
             if not req.include_usage:
                 return []
             return [
-                usage_chunk(rid, "text_completion", created, self.model_name, usage(accs, req.num_samples))
+                usage_chunk(
+                    rid,
+                    "text_completion",
+                    created,
+                    self.model_name,
+                    usage(accs, req.num_samples, req.prediction is not None),
+                    spec_metrics_block(self.tm.server_args, accs, req.prediction is not None),
+                )
             ]
 
         return stream_with_errors(self.tm, outputs, on_output, on_end)

@@ -8,6 +8,9 @@ from enum import Enum
 
 import torch
 
+# A sequence's entry in `ForwardBatch.lora_slots` when it runs on the base model alone.
+NO_ADAPTER = -1
+
 
 class ForwardMode(Enum):
     EXTEND = 1  # prefill: any number of new tokens per sequence, possibly after a cached prefix
@@ -45,10 +48,18 @@ class ForwardBatch:
     # Rows of this step's token array whose logits `ModelRunner.forward` returns, in this order (extend only);
     # None: each sequence's last new token. A speculative verify step asks for every row it fed.
     logit_rows: torch.Tensor | None = None  # int64 [rows]
+    # Multi-LoRA (srt/lora/): each sequence's adapter slot in the runner's weight pool, NO_ADAPTER for the base;
+    # None: every sequence runs on the base.
+    lora_slots: list[int] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.logprob_rows is not None and not self.is_decode
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether some sequence of the step runs with a LoRA adapter."""
+        return self.lora_slots is not None and max(self.lora_slots, default=NO_ADAPTER) != NO_ADAPTER
 
     @property
     def is_decode(self) -> bool:

@@ -22,6 +22,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
 from srt.heap import release_free_heap
+from srt.lora import LoRAConfig, LoRAManager
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
@@ -179,9 +180,11 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         cuda_graph_max_bs: int = 0,
         dp_rank: int = 0,
+        lora: LoRAConfig | None = None,
     ):
         """`cuda_graph_max_bs`: record decode CUDA graphs up to this batch size (0: none; CUDA only, with a
-        backend whose decode is graph-safe, without tensor parallelism)."""
+        backend whose decode is graph-safe, without tensor parallelism). `lora`: serve LoRA adapters
+        (`self.lora`, srt/lora/; None: the base model alone)."""
         torch.manual_seed(random_seed)
         # on a CPU the ranks share the cores: oversubscribed threads would only contend
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
@@ -230,6 +233,8 @@ class ModelRunner:
         if mapped_embedding is not None:
             self.model.input_embedding.weight = torch.nn.Parameter(mapped_embedding, requires_grad=False)
         self.load_weights_seconds = time.monotonic() - start
+        # wraps the layers' methods before int8 installs its weights through them
+        self.lora = None if lora is None else LoRAManager(self.model, lora, self.tp, self.dtype, self.device)
 
         layout = self.model.kv_layout
         self.kv_cache_dtype = resolve_kv_cache_dtype(
@@ -362,7 +367,7 @@ class ModelRunner:
         """fp32 logits [batch_size, vocab] of each sequence's last token in this step, or [rows, vocab] of
         the rows `batch.logit_rows` names. Returns once the step has run on the device, so the caller's
         clock around it measures the step (the metrics' forward time), not the launch."""
-        if self.cuda_graph is not None and self.cuda_graph.can_run(batch):
+        if self.cuda_graph is not None and not batch.has_adapters and self.cuda_graph.can_run(batch):
             logits = self.cuda_graph.replay(batch)
         else:
             logits = self._forward_eager(batch)
@@ -371,11 +376,17 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """The step itself, launched kernel by kernel (also what the decode CUDA graphs record)."""
-        self.model.attn_backend.init_forward_metadata(batch)
+        self._begin_step(batch)
         if batch.logit_rows is None:
             return self.model(batch.input_ids, batch.positions, batch)
         hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logit_rows])
+
+    def _begin_step(self, batch: ForwardBatch) -> None:
+        """What the attention backend and the adapted layers derive from the batch, once per step."""
+        self.model.attn_backend.init_forward_metadata(batch)
+        if self.lora is not None:
+            self.lora.begin_step(batch)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (a no-op on the CPU, whose kernels run as they are called)."""
@@ -410,7 +421,7 @@ class ModelRunner:
                     extend_prefix_lens_cpu=[0],
                     extend_seq_lens_cpu=[n],
                 )
-                model.attn_backend.init_forward_metadata(batch)
+                self._begin_step(batch)
                 hidden = model.hidden_states(batch.input_ids, batch.positions, batch)
                 yield model.compute_logits(hidden), torch.tensor(chunk, dtype=torch.int64)
             finally:
@@ -422,7 +433,7 @@ class ModelRunner:
         sequences ask for prompt logprobs; the model's raw distribution, before any sampling parameter).
         The rows are scored PROMPT_LOGPROB_BLOCK_ROWS at a time and only each block's chosen-token and top-k
         values kept, so however long the prompt, one block's full-vocabulary scores are alive at a time."""
-        self.model.attn_backend.init_forward_metadata(batch)
+        self._begin_step(batch)
         hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch)
         logits = self.model.compute_logits(hidden[last_token_rows(batch.new_token_counts(), hidden.device)])
         rows, k = batch.logprob_rows.to(hidden.device), batch.logprob_top_k

@@ -16,6 +16,7 @@ class Seq:
     row: int  # req_to_token row
     kv_len: int = 0  # tokens whose KV is in the pool
     owned_slots: list[torch.Tensor] = field(default_factory=list)  # slots this sequence allocated
+    adapter: str | None = None  # the LoRA adapter it runs with (the runner's `lora` must have it loaded)
 
 
 @dataclass
@@ -28,10 +29,10 @@ class PagedDriver:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def new_seq(self) -> Seq:
+    def new_seq(self, adapter: str | None = None) -> Seq:
         rows = self.runner.req_to_token_pool.alloc(1)
         assert rows is not None, "no free request rows"
-        return Seq(row=rows[0])
+        return Seq(row=rows[0], adapter=adapter)
 
     def share_prefix(self, dst: Seq, src: Seq, length: int) -> None:
         """Point dst's first `length` tokens at src's KV slots, as a radix-cache hit does."""
@@ -93,6 +94,7 @@ class PagedDriver:
             extend_seq_lens_cpu=None if mode is ForwardMode.DECODE else counts,
             num_decode=num_decode,
             logit_rows=torch.arange(sum(counts), **index) if every_row else None,
+            lora_slots=self.runner.lora.prepare_step([s.adapter for s in seqs]) if self.runner.lora else None,
         )
         logits = self.runner.forward(batch)
         for seq, n in zip(seqs, counts, strict=True):

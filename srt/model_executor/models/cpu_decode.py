@@ -7,8 +7,8 @@ as the module path, so it gives the same bits; the test suite compares the two t
 
 It takes a step only where every kernel would have been used by the module path too: one tensor-parallel
 rank, no per-head q/k norm (Qwen3), every linear layer's plain int8 weight read by the fused kernel at this
-batch size, and the attention backend reading the pool through the CPU kernels. Anything else goes through
-the modules.
+batch size, the attention backend reading the pool through the CPU kernels, and no LoRA adapter in the step.
+Anything else goes through the modules.
 """
 
 from __future__ import annotations
@@ -150,7 +150,10 @@ class CpuDecodeStep:
         """Decode: the batch sizes the fused linear kernel takes. Any other step (a speculative verify step,
         a short extend) runs here as one decode row per fed token (`token_slots`) up to the kernel's
         few-token limit: beyond it the extend path's attention, which reads each key once for a sequence's
-        tokens, is the faster one."""
+        tokens, is the faster one. A step with LoRA adapter rows goes through the modules, whose linear
+        methods add the adapters' products (the fused kernels know only the base weights)."""
+        if batch.has_adapters:
+            return False
         n = batch.num_tokens
         if not batch.is_decode:
             return n <= self.kernels.max_small_rows

@@ -1,0 +1,57 @@
+"""Which rows of a step run with which adapter, worked out once per step for every adapted layer.
+
+The step's token rows come in the scheduler's order, sequences of different adapters interleaved. Every
+layer multiplies the adapted rows as a few dense segments instead: `order` lists the adapted rows grouped
+by adapter slot, and each `Segment` is one adapter's run of it. A layer gathers `x[order]` once, does one
+shrink and one expand per segment, and adds the deltas back at `order`: no Python loop over sequences, and
+rows on the base (NO_ADAPTER) are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from srt.model_executor.forward_batch_info import NO_ADAPTER
+
+
+@dataclass(frozen=True)
+class Segment:
+    slot: int  # the adapter's slot in the weight pool
+    rank: int  # the adapter's own rank: the pool's padding beyond it is never multiplied
+    start: int  # its rows are order[start:end]
+    end: int
+
+
+@dataclass(frozen=True)
+class LoRABatchInfo:
+    order: torch.Tensor  # int64 [adapted rows] on the model's device: step rows grouped by slot
+    segments: tuple[Segment, ...]
+
+    @staticmethod
+    def build(
+        seq_slots: Sequence[int], new_token_counts: Sequence[int], slot_ranks: Sequence[int], device
+    ) -> LoRABatchInfo | None:
+        """From each sequence's slot and its number of rows in the step; None when no row has an adapter."""
+        slots = torch.tensor(seq_slots, dtype=torch.int64)
+        row_slots = slots.repeat_interleave(torch.tensor(new_token_counts, dtype=torch.int64))
+        adapted = torch.nonzero(row_slots != NO_ADAPTER).flatten()
+        if adapted.numel() == 0:
+            return None
+        grouped, within = torch.sort(row_slots[adapted], stable=True)
+        distinct, lengths = torch.unique_consecutive(grouped, return_counts=True)
+        segments, start = [], 0
+        for slot, length in zip(distinct.tolist(), lengths.tolist(), strict=True):
+            segments.append(Segment(slot, slot_ranks[slot], start, start + length))
+            start += length
+        return LoRABatchInfo(adapted[within].to(device), tuple(segments))
+
+
+class LoRAStep:
+    """The current step's `LoRABatchInfo`, shared by every adapted layer. The runner is its only writer, once
+    per step before the forward pass (`ModelRunner` through `LoRAManager.begin_step`); layers only read it."""
+
+    def __init__(self):
+        self.info: LoRABatchInfo | None = None

@@ -1,0 +1,118 @@
+"""A linear layer's adapter slots, and the linear method that adds their products to the base layer's.
+
+`LoRALinearMethod` wraps the layer's own method (unquantized or int8) on the linear-method seam: the base
+output first, then, for the step's adapted rows only, each adapter's segment shrink (x A^T, at the
+adapter's rank) and expand (times B^T, the scaling folded into B when the slot was written). A fused layer
+stacks its sub-modules' A (q, k, v's rows one after another) for one shrink, and expands each sub-module
+into its own columns of the output. The adapter matmuls run in the pool's dtype (fp32 on the CPU, also
+under the int8 base).
+
+Tensor parallelism is exact with no extra communication: a column-parallel layer's slots hold this rank's
+rows of B (its slice of each sub-module's outputs) and all of A; a row-parallel layer's slots hold this
+rank's columns of A and all of B, so each rank's delta is a partial sum that the layer's own all-reduce
+completes, as it completes the base product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srt.lora.adapter import LoRAAdapter
+from srt.lora.batch_info import LoRABatchInfo, LoRAStep
+from srt.model_executor.layers.linear_method import WEIGHT, LinearMethod, LinearWeights
+
+
+@dataclass(frozen=True)
+class SubModule:
+    """One checkpoint module inside an adapted layer (q_proj of qkv_proj, or o_proj alone)."""
+
+    path: str  # PEFT's module path, e.g. model.layers.0.self_attn.q_proj
+    index: int  # its place in the layer's stack of A rows
+    out_offset: int  # its columns of this rank's output
+    out_size: int
+    fan_in: int  # the checkpoint's shapes, over all ranks
+    fan_out: int
+
+
+class LayerLoRAWeights:
+    """The pool's slots for one layer: A [slots, sub-modules x max rank, in] (an adapter of rank r keeps its
+    sub-modules' A at rows i*r..(i+1)*r, so a shrink reads one contiguous block) and B [slots, out, max rank],
+    this rank's part of each. A slot never written, or cleared, is zeros."""
+
+    def __init__(
+        self,
+        subs: tuple[SubModule, ...],
+        in_local: int,
+        out_local: int,
+        in_offset: int | None,
+        tp_rank: int,
+        slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: str,
+    ):
+        self.subs = subs
+        self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
+        self.tp_rank = tp_rank
+        self.a = torch.zeros((slots, len(subs) * max_rank, in_local), dtype=dtype, device=device)
+        self.b = torch.zeros((slots, out_local, max_rank), dtype=dtype, device=device)
+        # a layer adapted on some of its sub-modules only leaves the other outputs' delta at zero
+        self.covers_output = sum(s.out_size for s in subs) == out_local
+
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.clear(slot)
+        r, in_local = adapter.rank, self.a.shape[2]
+        for sub in self.subs:
+            if sub.path not in adapter.weights:
+                continue
+            a, b = adapter.weights[sub.path]
+            if self.in_offset is not None:
+                a = a[:, self.in_offset : self.in_offset + in_local]
+            if sub.out_size != sub.fan_out:  # column-parallel: this rank's rows of the sub-module's output
+                b = b[self.tp_rank * sub.out_size : (self.tp_rank + 1) * sub.out_size]
+            self.a[slot, sub.index * r : (sub.index + 1) * r].copy_(a)
+            self.b[slot, sub.out_offset : sub.out_offset + sub.out_size, :r].copy_(b * adapter.scaling)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+        """`out` (the base product of `x`) plus each adapted row's delta, in place."""
+        xs = x.index_select(0, info.order).to(self.a.dtype)
+        shape = (xs.shape[0], out.shape[1])
+        delta = torch.empty(shape, dtype=self.a.dtype, device=out.device)
+        if not self.covers_output:
+            delta.zero_()
+        stacked = len(self.subs)
+        for seg in info.segments:
+            r, rows = seg.rank, delta[seg.start : seg.end]
+            shrunk = xs[seg.start : seg.end] @ self.a[seg.slot, : stacked * r].T
+            for sub in self.subs:
+                cols = slice(sub.out_offset, sub.out_offset + sub.out_size)
+                rows[:, cols] = shrunk[:, sub.index * r : (sub.index + 1) * r] @ self.b[seg.slot, cols, :r].T
+        return out.index_add_(0, info.order, delta.to(out.dtype))
+
+
+class LoRALinearMethod(LinearMethod):
+    """The layer's base method plus the step's adapters. Only the layer's plain weight is adapted (an expert's
+    keys pass through); the int8 form and its installation are the base method's."""
+
+    def __init__(self, base: LinearMethod, weights: LayerLoRAWeights, step: LoRAStep):
+        self.base, self.weights, self.step = base, weights, step
+        self.name = base.name
+
+    def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None, key: str = WEIGHT):
+        out = self.base.apply(layer, x, bias, key)
+        info = self.step.info
+        if info is None or key != WEIGHT:
+            return out
+        return self.weights.add_delta(out, x, info)
+
+    def int8_weight(self, key: str = WEIGHT):
+        return self.base.int8_weight(key)
+
+    def install(self, layer: LinearWeights, weights) -> None:
+        self.base.install(layer, weights)

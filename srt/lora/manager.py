@@ -1,0 +1,158 @@
+"""The runner's LoRA side: the loaded adapters, the weight pool, and the per-step slot assignment.
+
+Built by `ModelRunner` from a `LoRAConfig` once the model's weights are loaded (before any int8
+quantization, whose methods it wraps): it finds the model's adaptable layers by their checkpoint module
+names (the model's declarative `STACKED_PARAMS` says which sub-modules a fused layer stacks), gives each a
+`LoRALinearMethod` around its own method and its slots in the pool, and from then on changes only weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from srt.lora.adapter import AdapterError, LoRAAdapter, read_adapter
+from srt.lora.batch_info import LoRABatchInfo, LoRAStep
+from srt.lora.config import LORA_TARGET_MODULES, LoRAConfig
+from srt.lora.lora_linear import LayerLoRAWeights, LoRALinearMethod, SubModule
+from srt.lora.slots import SlotTable
+from srt.model_executor.forward_batch_info import NO_ADAPTER, ForwardBatch
+from srt.model_executor.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from srt.model_executor.parallel_state import TensorParallelGroup
+
+# A decoder layer's module path, as PEFT names it too (model.layers.3.self_attn.qkv_proj)
+DECODER_MODULE = re.compile(r"^model\.layers\.\d+\.\w+\.(?P<leaf>\w+)$")
+
+
+class LoRAManager:
+    """Every tensor-parallel rank holds one and must be given the same calls in the same order (the slot
+    assignment is deterministic, so every rank puts an adapter in the same slot)."""
+
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, tp: TensorParallelGroup, dtype: torch.dtype, device: str
+    ):
+        self.config = config
+        self.step = LoRAStep()
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.slots = SlotTable(config.max_loras_per_batch)
+        self._slot_ranks = [0] * config.max_loras_per_batch
+        self.layers: list[LayerLoRAWeights] = []
+        self.shapes: dict[str, tuple[int, int]] = {}  # PEFT module path -> (in, out) over all ranks
+        stacked: dict[str, list[tuple[str, str]]] = {}
+        for fused, part, shard in getattr(model, "STACKED_PARAMS", ()):
+            stacked.setdefault(fused, []).append((part, shard))
+        for name, module in model.named_modules():
+            m = DECODER_MODULE.match(name)
+            if m is None or not isinstance(module, LinearBase):
+                continue
+            leaf = m["leaf"]
+            parts = stacked.get(leaf) or ([(leaf, None)] if leaf in LORA_TARGET_MODULES else [])
+            parts = [(part, shard) for part, shard in parts if part in config.target_modules]
+            if parts:
+                weights = self._layer_weights(name, module, parts, tp, dtype, device)
+                module.method = LoRALinearMethod(module.method, weights, self.step)
+                self.layers.append(weights)
+
+    def _layer_weights(self, name, module, parts, tp, dtype, device) -> LayerLoRAWeights:
+        parent = name.rsplit(".", 1)[0]
+        out_local, in_full = module.dense_weight("weight").shape
+        in_local, in_offset = in_full, None
+        if isinstance(module, RowParallelLinear):
+            in_local, in_offset, in_full = (
+                module.in_local,
+                tp.rank * module.in_local,
+                module.in_local * tp.size,
+            )
+        subs = []
+        for i, (part, shard) in enumerate(parts):
+            offset, size, fan_out = 0, out_local, out_local
+            if isinstance(module, ColumnParallelLinear):
+                offset, size = module.shard_offsets[shard or next(iter(module.shard_offsets))]
+                fan_out = size * tp.size
+            subs.append(SubModule(f"{parent}.{part}", i, offset, size, in_full, fan_out))
+            self.shapes[subs[-1].path] = (in_full, fan_out)
+        cfg = self.config
+        return LayerLoRAWeights(
+            tuple(subs), in_local, out_local, in_offset, tp.rank, cfg.max_loras_per_batch, cfg.max_lora_rank,
+            dtype, device,
+        )  # fmt: skip
+
+    # ---- adapters ----
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter at `path`, checked against this model (AdapterError otherwise). Touches no state of
+        the manager: a scheduler may run it on a worker thread, then `add` the result on its loop."""
+        return read_adapter(name, path, self.shapes, self.config.target_modules, self.config.max_lora_rank)
+
+    def add(self, adapter: LoRAAdapter, pinned: bool = False) -> None:
+        """Make a read adapter servable under its name; a pinned one takes a slot now and keeps it."""
+        name, limit = adapter.name, self.config.max_loaded_loras
+        if name in self.adapters:
+            raise AdapterError(name, "an adapter of this name is already loaded")
+        if limit is not None and len(self.adapters) >= limit:
+            raise AdapterError(name, f"{limit} adapters are loaded (--max-loaded-loras); unload one first")
+        if pinned and not self.slots.can_pin():
+            raise AdapterError(
+                name, f"pinning it would leave none of the {self.slots.num_slots} slots to unpinned adapters"
+            )
+        self.adapters[name] = adapter
+        if pinned:
+            slot, _ = self.slots.pin(name)
+            self._write(slot, adapter)
+
+    def load(self, name: str, path: str, pinned: bool = False) -> None:
+        self.add(self.read(name, path), pinned)
+
+    def unload(self, name: str) -> None:
+        """Forget the adapter and free its slot. The caller first lets the requests using it finish."""
+        if self.adapters.pop(name, None) is None:
+            raise AdapterError(name, "no adapter of this name is loaded")
+        slot = self.slots.release(name)
+        if slot is not None:
+            self._clear(slot)
+
+    @property
+    def loaded(self) -> list[str]:
+        return list(self.adapters)
+
+    def is_pinned(self, name: str) -> bool:
+        return name in self.slots.pinned
+
+    # ---- steps ----
+    def fits(self, names: Sequence[str | None]) -> bool:
+        """Whether one step can serve these requests' adapters together (None: the base; admission's test)."""
+        return self.slots.fits(n for n in names if n is not None)
+
+    def prepare_step(self, names: Sequence[str | None]) -> list[int]:
+        """Each request's slot (NO_ADAPTER for None) for `ForwardBatch.lora_slots`, loading missing adapters
+        into slots (evicting the least recently used unpinned ones the step does not use). Every name must be
+        loaded (KeyError otherwise) and the step must fit (`fits`, ValueError otherwise)."""
+        distinct = list(dict.fromkeys(n for n in names if n is not None))
+        for name in distinct:
+            if name not in self.adapters:
+                raise KeyError(f"LoRA adapter {name!r} is not loaded")
+        for name, slot, _evicted in self.slots.place(distinct):
+            self._write(slot, self.adapters[name])
+        return [NO_ADAPTER if n is None else self.slots.slot_of[n] for n in names]
+
+    def begin_step(self, batch: ForwardBatch) -> None:
+        """Called by the runner before each forward pass: which rows every adapted layer adapts, with what."""
+        self.step.info = (
+            LoRABatchInfo.build(
+                batch.lora_slots, batch.new_token_counts(), self._slot_ranks, batch.input_ids.device
+            )
+            if batch.has_adapters
+            else None
+        )
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        for layer in self.layers:
+            layer.write(slot, adapter)
+        self._slot_ranks[slot] = adapter.rank
+
+    def _clear(self, slot: int) -> None:
+        for layer in self.layers:
+            layer.clear(slot)
+        self._slot_ranks[slot] = 0

@@ -1,0 +1,113 @@
+"""One batch, many adapters, exact against PEFT: on the tiny Llama in fp32, a step mixing base rows with rows of
+three adapters (ranks 8 and 16 on all seven target modules, one with rsLoRA's scaling, one on q_proj and
+v_proj only) gives every row the logits transformers + PEFT give that sequence with its own adapter (the
+base rows: the plain model's), in extend, decode and mixed steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from srt.lora import LoRAConfig
+from srt.lora.adapter import lora_scaling
+from srt.model_executor.model_runner import ModelRunner
+from test.unit.lora_adapters import peft_logits, save_peft_adapter
+from test.unit.model_driver import PagedDriver
+
+ATOL = 1e-4  # fp32 on both sides: only the summation order differs (observed: ~3e-6)
+# an adapter must move the logits far beyond ATOL, or agreeing with PEFT would say nothing
+MIN_ADAPTER_EFFECT = 0.5
+DECODE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("lora_peft")
+    return {
+        "r8": save_peft_adapter(tiny_model_dir, out / "r8", rank=8, seed=1),
+        "r16_rslora": save_peft_adapter(
+            tiny_model_dir, out / "r16", rank=16, seed=2, alpha=16, use_rslora=True
+        ),
+        "r8_qv": save_peft_adapter(tiny_model_dir, out / "qv", rank=8, seed=3, targets=("q_proj", "v_proj")),
+    }
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir, adapters) -> ModelRunner:
+    runner = ModelRunner(
+        tiny_model_dir,
+        max_total_tokens=2048,
+        max_running_requests=8,
+        quantization="none",
+        lora=LoRAConfig(max_loras_per_batch=3, max_lora_rank=16),
+    )
+    for name, path in adapters.items():
+        runner.lora.load(name, path)
+    return runner
+
+
+@pytest.fixture
+def driver(runner) -> PagedDriver:
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    return PagedDriver(runner)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 5000) for _ in range(n)]
+
+
+def reference(tiny_model_dir, adapters, adapter: str | None, ids: list[int]) -> torch.Tensor:
+    return peft_logits(tiny_model_dir, None if adapter is None else adapters[adapter], ids)
+
+
+def test_a_batch_of_the_base_and_three_adapters_gives_each_row_its_peft_logits(
+    tiny_model_dir, adapters, driver
+):
+    # adapters interleaved with the base and with each other, so the step's rows must be regrouped
+    names = [None, "r8", "r16_rslora", "r8", None, "r8_qv", "r16_rslora"]
+    prompts = [tokens(4 + 2 * i, seed=i) for i in range(len(names))]
+    fed = [tokens(DECODE_STEPS, seed=100 + i) for i in range(len(names))]
+    seqs = [driver.new_seq(name) for name in names]
+    steps = [driver.extend(seqs, prompts)]
+    for j in range(DECODE_STEPS):
+        steps.append(driver.decode(seqs, [f[j] for f in fed]))
+    for i, name in enumerate(names):
+        want = reference(tiny_model_dir, adapters, name, prompts[i] + fed[i])
+        got = torch.stack([step[i] for step in steps])
+        torch.testing.assert_close(got, want[len(prompts[i]) - 1 :], atol=ATOL, rtol=0)
+        if name is not None:
+            base = reference(tiny_model_dir, adapters, None, prompts[i] + fed[i])
+            assert (want - base).abs().max() > MIN_ADAPTER_EFFECT
+
+
+def test_a_mixed_step_adapts_its_prefill_and_decode_rows_alike(tiny_model_dir, adapters, driver):
+    """A prefill chunk of one adapter riding along with the decode rows of others (and of the base)."""
+    decoding = [None, "r16_rslora", "r8"]
+    prompts = [tokens(6, seed=20 + i) for i in range(len(decoding))]
+    seqs = [driver.new_seq(name) for name in decoding]
+    driver.extend(seqs, prompts)
+    newcomer, new_prompt, fed = driver.new_seq("r8_qv"), tokens(9, seed=30), tokens(3, seed=31)
+    logits = driver.mixed([newcomer], [new_prompt], seqs, fed)
+    torch.testing.assert_close(
+        logits[0], reference(tiny_model_dir, adapters, "r8_qv", new_prompt)[-1], atol=ATOL, rtol=0
+    )
+    for i, name in enumerate(decoding):
+        want = reference(tiny_model_dir, adapters, name, prompts[i] + [fed[i]])[-1]
+        torch.testing.assert_close(logits[1 + i], want, atol=ATOL, rtol=0)
+
+
+def test_a_step_of_the_base_alone_is_the_plain_model(tiny_model_dir, driver):
+    ids = tokens(12, seed=40)
+    logits = driver.extend([driver.new_seq()], [ids])
+    torch.testing.assert_close(logits[0], peft_logits(tiny_model_dir, None, ids)[-1], atol=ATOL, rtol=0)
+
+
+def test_scaling_is_alpha_over_rank_or_over_its_square_root_with_rslora(runner):
+    assert lora_scaling({"r": 16, "lora_alpha": 16}) == 1.0
+    assert lora_scaling({"r": 16, "lora_alpha": 16, "use_rslora": True}) == 4.0
+    assert runner.lora.adapters["r8"].scaling == 2.0  # PEFT-made with lora_alpha = 2 r
+    assert runner.lora.adapters["r16_rslora"].scaling == 4.0

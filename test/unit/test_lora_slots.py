@@ -1,0 +1,133 @@
+"""The weight pool's slots: free slots first, then the least recently used unpinned adapter that the step does
+not use is evicted; pinned adapters keep their slot; a step never needs more slots than there are. Through the
+runner: an evicted and reloaded adapter computes what it computed before, unloading frees and zeroes its
+slot, and the host holds at most `max_loaded_loras` adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt.lora import AdapterError, LoRAConfig
+from srt.lora.slots import SlotTable
+from srt.model_executor.forward_batch_info import NO_ADAPTER
+from srt.model_executor.model_runner import ModelRunner
+from test.unit.lora_adapters import write_adapter
+from test.unit.model_driver import PagedDriver
+
+SLOTS = 2
+MAX_LOADED = 4
+PROMPT = [101, 202, 303, 404, 505, 606]
+
+
+# ---- the slot table alone ----
+def placed(table: SlotTable, names: list[str]) -> dict[str, tuple[int, str | None]]:
+    return {name: (slot, evicted) for name, slot, evicted in table.place(names)}
+
+
+def test_free_slots_go_first_then_the_least_recently_used_adapter_is_evicted():
+    table = SlotTable(2)
+    assert placed(table, ["a"]) == {"a": (0, None)}
+    assert placed(table, ["b"]) == {"b": (1, None)}
+    assert placed(table, ["a"]) == {}  # resident: nothing to write; a is now the most recent
+    assert placed(table, ["c"]) == {"c": (1, "b")}
+    assert table.slot_of == {"a": 0, "c": 1}
+
+
+def test_an_adapter_of_the_same_step_is_never_evicted():
+    table = SlotTable(2)
+    table.place(["a", "b"])
+    table.place(["b"])  # a is now the least recent, but the next step uses it
+    assert placed(table, ["a", "c"]) == {"c": (1, "b")}
+
+
+def test_a_pinned_adapter_keeps_its_slot_and_one_slot_stays_unpinned():
+    table = SlotTable(3)
+    table.place(["a"])
+    assert table.pin("p") == (1, None)
+    assert table.can_pin()
+    table.pin("q")
+    assert not table.can_pin()  # a third pin would leave unpinned adapters no slot
+    for name in ["x", "y", "z", "a"]:
+        table.place([name, "p"])
+    assert table.slot_of["p"] == 1 and table.slot_of["q"] == 2
+
+
+def test_a_step_fits_when_its_unpinned_adapters_fit_the_unpinned_slots():
+    table = SlotTable(3)
+    table.pin("p")
+    assert table.fits(["p", "a", "b"])
+    assert not table.fits(["a", "b", "c"])
+    with pytest.raises(ValueError, match="does not fit 3 slots"):
+        table.place(["a", "b", "c"])
+
+
+def test_releasing_an_adapter_frees_its_slot():
+    table = SlotTable(2)
+    table.place(["a", "b"])
+    assert table.release("a") == 0 and table.used == 1
+    assert placed(table, ["c"]) == {"c": (0, None)}
+
+
+# ---- through the runner ----
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir) -> ModelRunner:
+    config = LoRAConfig(max_loras_per_batch=SLOTS, max_loaded_loras=MAX_LOADED, max_lora_rank=8)
+    return ModelRunner(
+        tiny_model_dir, max_total_tokens=512, max_running_requests=4, quantization="none", lora=config
+    )
+
+
+@pytest.fixture(scope="module")
+def adapters(runner, tmp_path_factory) -> list[str]:
+    out = tmp_path_factory.mktemp("lora_slots")
+    names = ["x", "y", "z"]
+    for i, name in enumerate(names):
+        torch.manual_seed(i)
+        runner.lora.load(name, str(write_adapter(out / name, runner.lora.shapes, rank=4 + 2 * i)))
+    return names
+
+
+def alone(runner: ModelRunner, adapter: str | None) -> torch.Tensor:
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    driver = PagedDriver(runner)
+    return driver.extend([driver.new_seq(adapter)], [PROMPT])[0]
+
+
+def test_an_evicted_adapter_computes_the_same_once_back_in_a_slot(runner, adapters):
+    first = alone(runner, "x")
+    alone(runner, "y")
+    alone(runner, "z")  # x was the least recently used: evicted
+    assert "x" not in runner.lora.slots.slot_of
+    torch.testing.assert_close(alone(runner, "x"), first, atol=1e-6, rtol=0)
+    assert not torch.allclose(alone(runner, "z"), first, atol=0.5)  # another adapter: other logits
+
+
+def test_prepare_step_gives_each_request_its_slot_and_refuses_what_cannot_run(runner, adapters):
+    slots = runner.lora.prepare_step([None, "y", "x", "y"])
+    assert slots[0] == NO_ADAPTER and slots[1] == slots[3] == runner.lora.slots.slot_of["y"] != slots[2]
+    assert runner.lora.fits(["x", None, "y"]) and not runner.lora.fits(["x", "y", "z"])
+    with pytest.raises(ValueError, match="does not fit"):
+        runner.lora.prepare_step(["x", "y", "z"])
+    with pytest.raises(KeyError, match="'nope' is not loaded"):
+        runner.lora.prepare_step(["nope"])
+
+
+def test_the_host_holds_at_most_max_loaded_loras_and_unloading_frees_the_slot(runner, adapters, tmp_path):
+    runner.lora.load("w", str(write_adapter(tmp_path / "w", runner.lora.shapes)), pinned=True)
+    try:
+        assert len(runner.lora.loaded) == MAX_LOADED and runner.lora.is_pinned("w")
+        with pytest.raises(AdapterError, match=f"{MAX_LOADED} adapters are loaded"):
+            runner.lora.load("v", str(tmp_path / "w"))
+        runner.lora.unload("x")  # room on the host, but a second pin would leave no slot to the others
+        with pytest.raises(AdapterError, match="pinning it would leave none"):
+            runner.lora.load("x2", str(tmp_path / "w"), pinned=True)
+        slot = runner.lora.slots.slot_of["w"]
+        for name in ["y", "z", "y"]:  # unpinned adapters cycle through the one unpinned slot
+            runner.lora.prepare_step([name, "w"])
+            assert runner.lora.slots.slot_of["w"] == slot
+    finally:
+        runner.lora.unload("w")
+    assert "w" not in runner.lora.slots.slot_of
+    assert all(not layer.a[slot].any() and not layer.b[slot].any() for layer in runner.lora.layers)

@@ -105,6 +105,7 @@ class RequestMetricsRecorder:
             rid=st.rid,
             params=exported_params(st.params) if self.exporter is not None and st.params else None,
             labels=labels,
+            spec=b.spec_stats[i] if b.spec_stats is not None else None,
         )
 
     def on_finish(self, st: ReqState, stats: FinishedRequestStats) -> None:

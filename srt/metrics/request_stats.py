@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import pairwise
 
+from srt.speculative.stats import SpecRequestStats
+
 
 @dataclass(slots=True)
 class TokenStamps:
@@ -65,6 +67,8 @@ class FinishedRequestStats:
     rid: str = ""
     params: dict | None = None
     labels: dict[str, str] | None = None
+    # its speculative figures (srt/speculative/stats.py) when it ran verify steps
+    spec: SpecRequestStats | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -144,6 +148,7 @@ class FinishedRequestStats:
             "params": self.params or {},
             "labels": self.labels or {},
             **self.timings(),
+            **({"spec_decoding": self.spec.vllm_block()} if self.spec is not None else {}),
         }
 
 

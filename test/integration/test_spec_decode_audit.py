@@ -1,0 +1,177 @@
+"""The speculative decoding figures reconciled through a real server (docs/speculative_decoding.md,
+docs/metrics.md): after a mixed workload (greedy and sampled requests, n = 1 and n > 1, predictions, clients
+that disconnect mid-answer, a KV pool small enough that decoding retracts requests) the per-request figures
+(the request export, which holds every finished request, aborted ones too; the responses' own blocks) add up
+to the counters exactly, and the metrics audit of every request holds with speculation on."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from srt.metrics.text_format import Sample, parse_metrics_text, select, total
+from test.integration.conftest import ServerHandle, launch_server
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 300.0
+# small enough that the concurrent answers below outgrow it and decoding retracts some of them
+KV_TOKENS = 1000
+PASSAGE = (
+    "The river bends twice before it reaches the mill, and the old stone bridge stands where the second "
+    "bend meets the road. Travellers rest there in summer, watching the water turn the wheel."
+)
+REPEAT = {"role": "user", "content": f"Repeat this text exactly, twice:\n\n{PASSAGE}"}
+EDIT = PASSAGE.replace("twice", "three times").replace("summer", "winter")
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("spec-export")
+
+
+@pytest.fixture(scope="module")
+def server(export_dir):
+    flags = ("--speculative-algorithm", "NGRAM", "--per-request-spec-decode-metrics", "summary",
+             "--export-metrics-to-file", "--export-metrics-to-file-dir", str(export_dir),
+             "--max-total-tokens", str(KV_TOKENS), "--disable-radix-cache")  # fmt: skip
+    handle = launch_server(*flags, timeout=TIMEOUT)
+    yield handle
+    handle.stop()
+    handle.log_path.unlink(missing_ok=True)
+
+
+def scrape(server: ServerHandle) -> list[Sample]:
+    return parse_metrics_text(httpx.get(f"{server.base_url}/metrics", timeout=10).text)
+
+
+def exported(export_dir: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(export_dir.glob("requests-*.jsonl")) for line in f.open()]
+
+
+def disconnect_midway(server: ServerHandle) -> None:
+    """A streamed answer whose client leaves after a few chunks: the server aborts it."""
+    body = {"messages": [REPEAT], "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c, \
+            c.stream("POST", "/v1/chat/completions", json=body) as r:  # fmt: skip
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                seen += 1
+                if seen >= 6:
+                    break
+
+
+@pytest.fixture(scope="module")
+def run(server, export_dir):
+    http = httpx.Client(base_url=server.base_url, timeout=TIMEOUT)
+
+    def chat(**body) -> dict:
+        body = {"messages": [REPEAT], "max_tokens": 80, "ignore_eos": True, **body}
+        r = http.post("/v1/chat/completions", json=body)
+        r.raise_for_status()
+        return r.json()
+
+    jobs = [
+        *(lambda: chat(temperature=0) for _ in range(4)),
+        lambda: chat(temperature=0.8, n=3),
+        lambda: chat(temperature=0.5, seed=3),
+        lambda: chat(temperature=0, prediction={"type": "content", "content": f"{PASSAGE}\n\n{PASSAGE}"}),
+        lambda: chat(temperature=0, n=2, prediction={"type": "content", "content": f"{EDIT}\n\n{EDIT}"}),
+        lambda: disconnect_midway(server),
+        lambda: disconnect_midway(server),
+    ]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        answers = [r for r in pool.map(lambda job: job(), jobs) if r is not None]
+    sequences = sum(len(a["choices"]) for a in answers) + 2  # and the two aborted ones
+    deadline = time.monotonic() + 60
+    while len(exported(export_dir)) < sequences or total(scrape(server), "sglang:num_running_reqs") > 0:
+        assert time.monotonic() < deadline, "the server did not finish the workload"
+        time.sleep(0.2)
+    time.sleep(1.5)  # the scheduler flushes its counters at least once a second
+    return {"answers": answers, "records": exported(export_dir), "samples": scrape(server)}
+
+
+def test_the_workload_retracted_aborted_and_speculated(run):
+    """The audit has power: the server retracted requests, aborted two, and verified drafts."""
+    s, records = run["samples"], run["records"]
+    assert total(s, "sglang:num_retracted_requests_total") > 0
+    assert sum(r["finish_reason"] == "abort" for r in records) == 2
+    assert total(s, "sglang:spec_decode_num_accepted_tokens_total") > 0
+
+
+def test_the_exported_figures_of_every_request_add_up_to_the_counters(run):
+    """Every finished request, aborted and retracted ones included, is in the export with its figures."""
+    s = run["samples"]
+    blocks = [r["spec_decoding"] for r in run["records"] if "spec_decoding" in r]
+    assert sum(b["num_spec_steps"] for b in blocks) == total(s, "sglang:spec_decode_num_drafts_total")
+    assert sum(b["num_draft_tokens"] for b in blocks) == total(s, "sglang:spec_decode_num_draft_tokens_total")
+    accepted = total(s, "sglang:spec_decode_num_accepted_tokens_total")
+    assert sum(b["num_accepted_draft_tokens"] for b in blocks) == accepted
+    assert all(b["num_accepted_draft_tokens"] <= b["num_draft_tokens"] for b in blocks)
+    assert all(sum(b["acceptance_histogram"]) == b["num_spec_steps"] for b in blocks)
+
+
+def test_per_position_counts_never_increase_and_sum_to_the_accepted_drafts(run):
+    s = run["samples"]
+    by_pos = {
+        int(x.labels["position"]): x.value
+        for x in select(s, "sglang:spec_decode_num_accepted_tokens_per_pos_total")
+    }
+    counts = [by_pos[j] for j in sorted(by_pos)]
+    assert counts == sorted(counts, reverse=True)
+    assert sum(counts) == total(s, "sglang:spec_decode_num_accepted_tokens_total")
+    assert counts[0] <= total(s, "sglang:spec_decode_num_drafts_total")
+
+
+def test_each_response_block_is_the_sum_of_its_choices_exports(run):
+    """vLLM's per-response block, and for predictions OpenAI's usage details, are the exported figures of
+    the response's choices added up; the prediction counters are the usage details summed."""
+    by_rid = {r["rid"]: r for r in run["records"]}
+    predicted_usage = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    for answer in run["answers"]:
+        group = answer["id"].removeprefix("chatcmpl-")
+        n = len(answer["choices"])
+        rids = [group] if n == 1 else [f"{group}-{i}" for i in range(n)]
+        blocks = [by_rid[rid].get("spec_decoding") for rid in rids]
+        block = answer["metrics"]["speculative_decoding"]
+        for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"):
+            assert block[key] == sum(b[key] for b in blocks if b), key
+        details = answer["usage"].get("completion_tokens_details")
+        if details is not None:
+            assert details["accepted_prediction_tokens"] == block["num_accepted_draft_tokens"]
+            assert (
+                details["rejected_prediction_tokens"]
+                == block["num_draft_tokens"] - block["num_accepted_draft_tokens"]
+            )
+            for key in predicted_usage:
+                predicted_usage[key] += details[key]
+    s = run["samples"]
+    assert predicted_usage["accepted_prediction_tokens"] > 0
+    assert (
+        total(s, "sglang:accepted_prediction_tokens_total") == predicted_usage["accepted_prediction_tokens"]
+    )
+    assert (
+        total(s, "sglang:rejected_prediction_tokens_total") == predicted_usage["rejected_prediction_tokens"]
+    )
+
+
+def test_the_metrics_audit_holds_with_speculation(run):
+    """Exact token counts, one observation per request in each request histogram, and the documented ITL
+    rule: one inter-token latency per output token after the first (tokens of one verify step share its
+    stamp, so their latencies after the first are 0)."""
+    s, records = run["samples"], run["records"]
+    assert total(s, "sglang:generation_tokens_total") == sum(r["completion_tokens"] for r in records)
+    assert total(s, "sglang:num_requests_total") == len(records)
+    assert total(s, "sglang:e2e_request_latency_seconds_count") == len(records)
+    itl = total(s, "sglang:inter_token_latency_seconds_count")
+    assert itl == sum(max(r["completion_tokens"] - 1, 0) for r in records)
+    answered = [r for r in records if r["finish_reason"] != "abort"]
+    assert sum(r["completion_tokens"] for r in answered) == sum(
+        a["usage"]["completion_tokens"] for a in run["answers"]
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from srt.io_struct import AbortReq
 from srt.model_executor.model_runner import ModelRunner
@@ -540,3 +541,57 @@ def test_a_prediction_takes_more_drafts_a_step_than_ngram(tiny_model_dir, refere
     drive(sched, {0: reqs})
     assert longest[reqs[0].rid] == PREDICTION_DRAFTS_PER_STEP > DRAFTS_PER_STEP
     assert 0 < longest[reqs[1].rid] <= DRAFTS_PER_STEP
+
+
+# ---- sampled requests: the output distribution through the scheduler ----
+SAMPLED_RUNS = 800
+# a p-value below this rejects "same distribution": a correct scheduler fails about once in 10,000 runs
+FALSE_ALARM = 1e-4
+
+
+def sampled_joint_counts(sched: Scheduler, first_seed: int) -> dict[tuple[int, ...], int]:
+    """How often each 3-token answer came out of SAMPLED_RUNS seeded requests (top-3 at temperature 1: a
+    small joint support, so each cell has counts chi-square can judge)."""
+    params = [
+        SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, ignore_eos=True, seed=first_seed + i)
+        for i in range(SAMPLED_RUNS)
+    ]
+    prompt = WORKLOAD[0]
+    reqs = [request(f"x{i}", prompt, p) for i, p in enumerate(params)]
+    res = drive(sched, {0: reqs})
+    counts: dict[tuple[int, ...], int] = {}
+    for c in res.values():
+        key = tuple(c.output_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def two_sample_p_value(a: dict, b: dict) -> float:
+    """P(chi-square >= observed) that two samples of categories come from one distribution (a 2 x C table,
+    df = C - 1)."""
+    cells = sorted(set(a) | set(b))
+    table = torch.tensor([[a.get(c, 0) for c in cells], [b.get(c, 0) for c in cells]], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), stat / 2))
+
+
+def test_sampled_answers_are_distributed_as_without_speculation(tiny_model_dir):
+    """Seeded sampled requests (top-3, temperature 1) through a scheduler without speculation and one whose
+    model drafts greedily for itself (its drafts are the argmax, accepted with probability p(argmax) and
+    otherwise replaced by the recovered token): the joint distribution of the 3-token answers is the same
+    (two-sample chi-square over disjoint seeds), with both paths taken."""
+    plain, _ = make(tiny_model_dir, spec=False, max_running_requests=32)
+    spec, totals = make(
+        tiny_model_dir,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=tiny_model_dir,
+        max_running_requests=32,
+        disable_mixed_chunk=True,
+    )
+    reference = sampled_joint_counts(plain, first_seed=0)
+    speculated = sampled_joint_counts(spec, first_seed=SAMPLED_RUNS)
+    drafted = sum(s.num_draft_tokens for s in totals.steps)
+    assert 0 < totals.accepted < drafted, "the accept and the recovered-token paths must both run"
+    assert len(reference) > 3  # the answers vary: the comparison has categories to compare
+    assert two_sample_p_value(reference, speculated) > FALSE_ALARM

@@ -15,8 +15,9 @@ The contract, for the scheduler:
   `ForwardBatch.lora_slots`. The runner does the rest (`begin_step`) in `forward`.
 - Gauges read `runner.lora.slots.used`, `.num_slots`, `runner.lora.loaded` and `is_pinned(name)`.
 
-A step with adapter rows never runs the fused int8 CPU decode step (`CpuDecodeStep.takes`) nor a recorded
-CUDA graph: both were built for the base model's kernels alone.
+The fused int8 CPU decode step runs adapter steps too, adding each layer's adapter products after its
+kernel (`LinearMethod.add_adapters`). A step with adapter rows never replays a recorded decode CUDA graph
+(recorded for the base alone); base-only steps still do.
 """
 
 from srt.lora.adapter import AdapterError, LoRAAdapter

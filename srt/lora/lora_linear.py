@@ -105,7 +105,9 @@ class LoRALinearMethod(LinearMethod):
         self.name = base.name
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None, key: str = WEIGHT):
-        out = self.base.apply(layer, x, bias, key)
+        return self.add_adapters(self.base.apply(layer, x, bias, key), x, key)
+
+    def add_adapters(self, out: torch.Tensor, x: torch.Tensor, key: str = WEIGHT) -> torch.Tensor:
         info = self.step.info
         if info is None or key != WEIGHT:
             return out

@@ -37,7 +37,7 @@ def runner(request, tiny_model_dir, tmp_path_factory) -> ModelRunner:
 
 def decode_step(bs: int) -> SimpleNamespace:
     """What `CpuDecodeStep.takes` reads of a decode step of bs sequences."""
-    return SimpleNamespace(is_decode=True, num_tokens=bs, has_adapters=False)
+    return SimpleNamespace(is_decode=True, num_tokens=bs)
 
 
 def run(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -138,8 +138,8 @@ def test_a_verify_step_of_a_few_tokens_runs_as_decode_rows_with_the_module_paths
     own sequence's slots up to itself: the extend path's bits and K/V, and each row what decoding the
     tokens one by one gives (causal within the step)."""
     lean = runner.model.cpu_decode
-    assert lean.takes(SimpleNamespace(is_decode=False, num_tokens=8, has_adapters=False))
-    assert not lean.takes(SimpleNamespace(is_decode=False, num_tokens=9, has_adapters=False))
+    assert lean.takes(SimpleNamespace(is_decode=False, num_tokens=8))
+    assert not lean.takes(SimpleNamespace(is_decode=False, num_tokens=9))
     fused_logits, fused_kv, fused_calls = verify(runner, fused=True)
     module_logits, module_kv, module_calls = verify(runner, fused=False)
     assert (fused_calls, module_calls) == (1, 0)

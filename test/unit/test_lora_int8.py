@@ -1,6 +1,7 @@
-"""Adapters on the int8 CPU base: a step with adapter rows never runs the fused decode step (its kernels know
-only the base weights), base-only steps still do, and the int8 base with fp32 adapter matmuls stays as close
-to transformers + PEFT in fp32 as the int8 base alone stays to transformers."""
+"""Adapters on the int8 CPU base: the fused decode step runs steps with adapter rows too, adding each layer's
+adapter products after its kernel, with the bits of the module path (whose linear methods add them); and the
+int8 base with fp32 adapter matmuls stays as close to transformers + PEFT in fp32 as the int8 base alone
+stays to transformers."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def runner(tiny_model_dir, tmp_path_factory) -> ModelRunner:
             tiny_model_dir,
             max_total_tokens=1024,
             max_running_requests=8,
+            device="cpu",
             quantization="w8a8_int8",
             lora=LoRAConfig(max_loras_per_batch=2, max_lora_rank=16),
         )
@@ -68,14 +70,31 @@ def fused_step_calls(runner: ModelRunner, step) -> int:
     return len(calls)
 
 
-def test_the_fused_decode_step_declines_steps_with_adapter_rows_and_keeps_base_steps(runner, driver):
-    assert runner.model.cpu_decode is not None, "the int8 CPU model has a fused decode step"
-    base = [driver.new_seq(), driver.new_seq()]
-    mixed = [driver.new_seq(), driver.new_seq("r8")]
-    driver.extend(base + mixed, [[11, 12, 13]] * 4)
-    assert fused_step_calls(runner, lambda: driver.decode(base, [14, 14])) == 1
-    assert fused_step_calls(runner, lambda: driver.decode(mixed, [14, 14])) == 0
-    assert fused_step_calls(runner, lambda: driver.decode(base, [15, 15])) == 1  # nothing left behind
+def decode_and_verify(runner: ModelRunner) -> list[torch.Tensor]:
+    """Logits of a batch of the base and two adapters: a prefill, two decode steps, then a speculative verify
+    step (three fed tokens a sequence, every row's logits)."""
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    driver = PagedDriver(runner)
+    seqs = [driver.new_seq(name) for name in NAMES[:3]]
+    steps = [driver.extend(seqs, prompts()[:3])]
+    for _ in range(2):
+        steps.append(driver.decode(seqs, steps[-1].argmax(-1).tolist()))
+    steps.append(driver.extend(seqs[:2], [[21, 22, 23], [31, 32, 33]], every_row=True))
+    return steps
+
+
+def test_the_fused_decode_step_adds_the_adapters_with_the_module_paths_bits(runner):
+    fused = runner.model.cpu_decode
+    assert fused is not None, "the int8 CPU model has a fused decode step"
+    steps: list[torch.Tensor] = []
+    assert fused_step_calls(runner, lambda: steps.extend(decode_and_verify(runner))) == 3
+    runner.model.cpu_decode = None  # the module path: each linear layer's method applies its adapters
+    try:
+        module_steps = decode_and_verify(runner)
+    finally:
+        runner.model.cpu_decode = fused
+    assert all(torch.equal(a, b) for a, b in zip(steps, module_steps, strict=True))
 
 
 def test_the_int8_base_with_fp32_adapters_stays_within_int8_error_of_peft(tiny_model_dir, runner, driver):

@@ -40,6 +40,7 @@ def runner(tiny_model_dir, adapters) -> ModelRunner:
         tiny_model_dir,
         max_total_tokens=2048,
         max_running_requests=8,
+        device="cpu",
         quantization="none",
         lora=LoRAConfig(max_loras_per_batch=3, max_lora_rank=16),
     )

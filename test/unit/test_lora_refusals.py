@@ -26,7 +26,12 @@ NAME = "bad-adapter"
 def runner(tiny_model_dir) -> ModelRunner:
     config = LoRAConfig(max_loras_per_batch=2, max_lora_rank=MAX_RANK, target_modules=ENABLED)
     return ModelRunner(
-        tiny_model_dir, max_total_tokens=512, max_running_requests=2, quantization="none", lora=config
+        tiny_model_dir,
+        max_total_tokens=512,
+        max_running_requests=2,
+        device="cpu",
+        quantization="none",
+        lora=config,
     )
 
 

@@ -74,7 +74,12 @@ def test_releasing_an_adapter_frees_its_slot():
 def runner(tiny_model_dir) -> ModelRunner:
     config = LoRAConfig(max_loras_per_batch=SLOTS, max_loaded_loras=MAX_LOADED, max_lora_rank=8)
     return ModelRunner(
-        tiny_model_dir, max_total_tokens=512, max_running_requests=4, quantization="none", lora=config
+        tiny_model_dir,
+        max_total_tokens=512,
+        max_running_requests=4,
+        device="cpu",
+        quantization="none",
+        lora=config,
     )
 
 

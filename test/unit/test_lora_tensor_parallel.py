@@ -35,6 +35,7 @@ def rank_main(tp_rank: int, model_dir: str, init: str, adapters: dict, results: 
             tp_rank=tp_rank,
             tp_size=TP,
             dist_init_method=init,
+            device="cpu",
             quantization="none",
             lora=LoRAConfig(max_loras_per_batch=2, max_lora_rank=16),
         )
@@ -66,7 +67,9 @@ def rank_logits(tiny_model_dir, adapters, tmp_path_factory) -> dict[int, torch.T
     init = f"file://{tmp_path_factory.mktemp('lora_tp_init') / 'init'}"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, tiny_model_dir, init, adapters, results)) for r in range(TP)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, tiny_model_dir, init, adapters, results)) for r in range(TP)
+    ]
     for p in procs:
         p.start()
     logits = {}

@@ -46,6 +46,12 @@ class LinearMethod:
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None, key: str = WEIGHT):
         return F.linear(x, layer.dense_weight(key), bias)
 
+    def add_adapters(self, out: torch.Tensor, x: torch.Tensor, key: str = WEIGHT) -> torch.Tensor:
+        """`out`, the base product of `x`, plus what this step's adapters add to it, in place (a method
+        without adapters adds nothing). `apply` includes it; the fused CPU decode step, which runs the
+        base product in its own kernel, calls it after."""
+        return out
+
     def int8_weight(self, key: str = WEIGHT) -> Int8Weight | None:
         """The int8 form of weight `key` (None: this method multiplies unquantized weights)."""
         return None

@@ -7,8 +7,9 @@ as the module path, so it gives the same bits; the test suite compares the two t
 
 It takes a step only where every kernel would have been used by the module path too: one tensor-parallel
 rank, no per-head q/k norm (Qwen3), every linear layer's plain int8 weight read by the fused kernel at this
-batch size, the attention backend reading the pool through the CPU kernels, and no LoRA adapter in the step.
-Anything else goes through the modules.
+batch size, and the attention backend reading the pool through the CPU kernels. Anything else goes through
+the modules. A step with LoRA adapter rows runs here too: after each linear kernel, the layer's method adds
+the adapters' products to its output (`LinearMethod.add_adapters`), as the module path's `apply` does.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class CpuDecodeStep:
         pool = backend.token_to_kv_pool
         self.half = int(pool.get_kv_buffer(0)[0].dtype == torch.float16)
         self.layers = []
+        # each layer's qkv, o, gate_up and down methods, which add a step's adapter products
+        self.methods = [tuple(p.method for p in _projections(layer)) for layer in model.model.layers]
         for i, layer in enumerate(model.model.layers):
             k_buf, v_buf = pool.get_kv_buffer(i)
             self.layers.append(
@@ -150,10 +153,7 @@ class CpuDecodeStep:
         """Decode: the batch sizes the fused linear kernel takes. Any other step (a speculative verify step,
         a short extend) runs here as one decode row per fed token (`token_slots`) up to the kernel's
         few-token limit: beyond it the extend path's attention, which reads each key once for a sequence's
-        tokens, is the faster one. A step with LoRA adapter rows goes through the modules, whose linear
-        methods add the adapters' products (the fused kernels know only the base weights)."""
-        if batch.has_adapters:
-            return False
+        tokens, is the faster one."""
         n = batch.num_tokens
         if not batch.is_decode:
             return n <= self.kernels.max_small_rows
@@ -183,15 +183,19 @@ class CpuDecodeStep:
         if loc.dtype != torch.int64 or not loc.is_contiguous():
             loc = loc.to(torch.int64).contiguous()
         heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]
+        adapted = batch.has_adapters
 
         def linear(lin: _Linear, x: int, out: int) -> None:
             w8a8_linear(
                 x, m, lin.k, lin.k, lin.weight, lin.scale, lin.wsum, lin.bias, lin.n, out, q_ptr, qs_ptr
             )
 
-        for layer in self.layers:
+        for layer, methods in zip(self.layers, self.methods, strict=True):
+            qkv_method, o_method, gate_up_method, down_method = methods
             rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
             linear(layer.qkv, nd, qk)
+            if adapted:
+                qkv_method.add_adapters(qkv, normed)
             rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
             store_kv(
                 qk, m, width, self.q_size, self.q_size + self.kv_size, self.kv_size, loc.data_ptr(),
@@ -203,11 +207,17 @@ class CpuDecodeStep:
             ):  # fmt: skip
                 raise MemoryError("decode_attention: no memory for the scores scratch")
             linear(layer.o, at, de)
+            if adapted:
+                o_method.add_adapters(delta, attn)
             hidden.add_(delta)
             rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
             linear(layer.gate_up, nd, gu)
+            if adapted:
+                gate_up_method.add_adapters(gate_up, normed)
             silu_mul(gu, m, self.inter, 2 * self.inter, ac)
             linear(layer.down, ac, de)
+            if adapted:
+                down_method.add_adapters(delta, act)
             hidden.add_(delta)
         return hidden
 

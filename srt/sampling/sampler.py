@@ -66,7 +66,7 @@ class Sampler:
             return SampleOutput(greedy_ids(logits).tolist(), None, None)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.logprob_ks is not None else None
-        top_logprobs = _top_logprobs(raw_logprobs, batch.logprob_ks) if raw_logprobs is not None else None
+        tops = top_logprobs(raw_logprobs, batch.logprob_ks) if raw_logprobs is not None else None
         if batch.penalties is not None or batch.bias is not None or min_new_rows or masked:
             logits = logits.clone()  # the caller's tensor stays as the model produced it
         if batch.penalties is not None:
@@ -93,7 +93,7 @@ class Sampler:
         if raw_logprobs is None:
             return SampleOutput(next_ids.tolist(), None, None)
         token_logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
-        return SampleOutput(next_ids.tolist(), token_logprobs, top_logprobs)
+        return SampleOutput(next_ids.tolist(), token_logprobs, tops)
 
     def release(self, row: PenalizedRow) -> None:
         """The request left the running batch: give back its penalty row (it rebuilds one if it resumes)."""
@@ -102,7 +102,7 @@ class Sampler:
             row.penalty_row = None
 
 
-def _top_logprobs(raw_logprobs: torch.Tensor, ks: list[int]) -> list[list[tuple[int, float]]]:
+def top_logprobs(raw_logprobs: torch.Tensor, ks: list[int]) -> list[list[tuple[int, float]]]:
     """Per row, its `params.logprobs` best (id, logprob) pairs."""
     max_k = max(ks)
     if max_k == 0:

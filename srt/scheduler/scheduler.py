@@ -415,7 +415,10 @@ class Scheduler:
         self._observe_step(0, batch.num_tokens, forward_seconds)
         verify_rows = batch.num_tokens - len(plain)
         tokens, accepted = self.spec.verify(logits[:verify_rows], verifying, runs)
-        taken = append_token_runs(tokens, verifying, time.monotonic(), self.eos_token_ids, self.context_len)
+        logprobs = self.spec.run_logprobs(logits[:verify_rows], verifying, runs, tokens)
+        taken = append_token_runs(
+            tokens, verifying, time.monotonic(), self.eos_token_ids, self.context_len, logprobs
+        )
         rejected: list[int] = []
         row = 0
         for req, run, n in zip(verifying, runs, taken, strict=True):

@@ -6,11 +6,12 @@ Where drafts come from: a request that carries a prediction drafts from it alone
 the request's own parameter); the others from `--speculative-algorithm`'s proposer, when the server has one. The scheduler runs the verify step itself (`Scheduler._run_verify`); the model-free
 parts (proposers, lossless verification, the figures) live in `srt/speculative/`.
 
-Eligibility, decided every step: a request drafts unless it is constrained by a grammar, asks for logprobs,
-uses a penalty, or has not reached its `min_new_tokens` floor. Those per-token features would have to be
-replayed per draft position (a grammar advanced and rolled back, penalty counts updated mid-run, logprobs
-of each accepted token); such a request decodes plainly in the same forward step instead (one row, the
-ordinary sampler), so its output is exactly what it is without speculation.
+Eligibility, decided every step: a request drafts unless it is constrained by a grammar, uses a penalty, or
+has not reached its `min_new_tokens` floor. Those per-token features would have to be replayed per draft
+position (a grammar advanced and rolled back, penalty counts updated mid-run, the end-of-sequence ban
+lifted mid-run); such a request decodes plainly in the same forward step instead (one row, the ordinary
+sampler), so its output is exactly what it is without speculation. Logprobs need no replay: each
+appended token's logprob and alternatives are read off the row it was chosen from (`run_logprobs`).
 What an eligible request's rows go through before verification is what the sampler does for it:
 `logit_bias`, then temperature and top-k/top-p/min-p (`RandomRows.probs`); a greedy request takes the
 argmax of its biased logits.
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.sampling.penalties import uses_penalties
+from srt.sampling.sampler import top_logprobs
 from srt.sampling.sampling_batch import SamplingBatch
 from srt.speculative.defaults import (
     DRAFT_MODEL_ALGORITHM,
@@ -39,18 +41,14 @@ if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
     from srt.sampling.sampler import Sampler
     from srt.scheduler.schedule_batch import Req
+    from srt.scheduler.token_append import RunLogprobs
     from srt.server_args import ServerArgs
 
 
 def may_speculate(req: Req) -> bool:
     """Whether the request may take drafts this step (see the module docstring)."""
     p = req.sampling_params
-    return (
-        req.grammar is None
-        and p.logprobs is None
-        and not uses_penalties(p)
-        and len(req.output_ids) >= p.min_new_tokens
-    )
+    return req.grammar is None and not uses_penalties(p) and len(req.output_ids) >= p.min_new_tokens
 
 
 def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
@@ -174,6 +172,36 @@ class SpecDecoder:
             [r.generator for r in reqs],
         )
         return result.token_ids(), result.accepted.tolist()
+
+    def run_logprobs(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Req],
+        drafts: Sequence[list[int]],
+        tokens: Sequence[list[int]],
+    ) -> list[RunLogprobs | None] | None:
+        """For each request that asks for logprobs, its run's tokens' logprobs and top alternatives, read off
+        its verify rows as a decode step reads them off its one row (log_softmax of the raw logits): row j of
+        a request is the distribution its j-th token of the step was chosen from. None when none asks."""
+        asking = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        if not asking:
+            return None
+        starts = [0]
+        for d in drafts[:-1]:
+            starts.append(starts[-1] + len(d) + 1)
+        rows = [starts[i] + j for i in asking for j in range(len(tokens[i]))]
+        raw = torch.log_softmax(logits[rows, : self.sampler.vocab_size].float(), dim=-1)
+        chosen = torch.tensor([t for i in asking for t in tokens[i]], device=raw.device)
+        values = raw.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        ks = [reqs[i].sampling_params.logprobs for i in asking for _ in tokens[i]]
+        tops = top_logprobs(raw, ks)
+        out: list[RunLogprobs | None] = [None] * len(reqs)
+        at = 0
+        for i in asking:
+            n = len(tokens[i])
+            out[i] = (values[at : at + n], tops[at : at + n])
+            at += n
+        return out
 
     def release(self, rid: str) -> None:
         """The request left for good (finished or aborted; not retracted)."""

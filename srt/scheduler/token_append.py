@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from srt.sampling.sampler import SampleOutput
     from srt.scheduler.schedule_batch import Req
 
+# one request's run: each token's logprob, and each token's top alternatives ((id, logprob) pairs)
+RunLogprobs = tuple[list[float], list[list[tuple[int, float]]]]
+
 
 def _each_isolated(reqs: list[Req], append: Callable[[int, Req], None]) -> None:
     """`append(i, req)` for each unfinished request. One try covers the batch: when a request's call raises,
@@ -50,16 +53,23 @@ def append_tokens(
 
 
 def append_token_runs(
-    runs: list[list[int]], reqs: list[Req], step_ts: float, eos_token_ids: frozenset[int], context_len: int
+    runs: list[list[int]],
+    reqs: list[Req],
+    step_ts: float,
+    eos_token_ids: frozenset[int],
+    context_len: int,
+    logprobs: list[RunLogprobs | None] | None = None,
 ) -> list[int]:
     """Give each request its run of tokens (a verify step's accepted drafts and the token after) one at a
     time, checking the stop conditions after each: a stop token, EOS or max_tokens inside the run ends the
-    request there and the rest of the run is dropped. Returns how many tokens each request took."""
+    request there and the rest of the run is dropped. `logprobs[i]`: request i's logprob and top
+    alternatives of each token of its run, when it asks for them. Returns how many tokens each request took."""
     taken = [0] * len(reqs)
 
     def append(i: int, req: Req) -> None:
-        for token in runs[i]:
-            req.append_token(token, step_ts, None, None)
+        lps = logprobs[i] if logprobs is not None else None
+        for j, token in enumerate(runs[i]):
+            req.append_token(token, step_ts, *((lps[0][j], lps[1][j]) if lps is not None else (None, None)))
             taken[i] += 1
             req.check_finished(eos_token_ids, context_len)
             if req.finished:

@@ -23,6 +23,8 @@ class Collected:
     first_token_ts: float | None = None
     token_ts: list[float] = field(default_factory=list)
     spec_stats: object = None  # its speculative figures (SpecRequestStats), with its final message
+    token_logprobs: list[float] = field(default_factory=list)  # when it asks for logprobs
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def greedy(max_new_tokens: int, **kw) -> SamplingParams:
@@ -67,6 +69,9 @@ def drive(
                 c.finish = out.finished_reasons[i]
                 if out.spec_stats is not None:
                     c.spec_stats = out.spec_stats[i]
+                if out.output_token_logprobs is not None:
+                    c.token_logprobs.extend(out.output_token_logprobs[i])
+                    c.top_logprobs.extend(out.output_top_logprobs[i])
         step += 1
         done = all(results.get(rid) is not None and results[rid].finish is not None for rid in expected)
         if done and step > max(arrivals, default=0):

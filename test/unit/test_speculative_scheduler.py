@@ -347,11 +347,10 @@ def test_append_token_runs_stops_at_each_condition_inside_a_run():
 
 
 def test_requests_that_cannot_speculate_decode_plainly_with_their_output_unchanged(tiny_model_dir):
-    """A grammar, logprobs, penalties and a min_tokens floor not reached keep a request out of verification;
+    """A grammar, penalties and a min_tokens floor not reached keep a request out of verification;
     next to speculating requests, such requests get exactly their tokens without speculation (a grammar needs
     a grammar backend: only the rule is checked here)."""
     kinds = {
-        "logprobs": dict(logprobs=2),
         "penalty": dict(frequency_penalty=0.5),
         "floor": dict(min_new_tokens=MAX_NEW, stop_token_ids=[VOCAB_LOW]),
     }
@@ -367,7 +366,7 @@ def test_requests_that_cannot_speculate_decode_plainly_with_their_output_unchang
     sched, totals = make(tiny_model_dir)
     res = drive(sched, {0: reqs})
     assert {rid: c.output_ids for rid, c in res.items()} == refs
-    assert all(res[name].spec_stats is None for name in ("logprobs", "penalty"))
+    assert res["penalty"].spec_stats is None
     assert totals.accepted > 0
     assert_pool_whole(sched)
 
@@ -595,3 +594,27 @@ def test_sampled_answers_are_distributed_as_without_speculation(tiny_model_dir):
     assert 0 < totals.accepted < drafted, "the accept and the recovered-token paths must both run"
     assert len(reference) > 3  # the answers vary: the comparison has categories to compare
     assert two_sample_p_value(reference, speculated) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_requests_with_logprobs_speculate_and_report_each_tokens_logprobs(
+    tiny_model_dir, quant, reference, top
+):
+    """A request asking for logprobs drafts like any other; each token it outputs comes with the logprob and
+    alternatives of the row it was chosen from: what it reports without speculation (the same ids; values
+    equal to float rounding, since a verify row and a decode row may run different kernels)."""
+    reqs = requests(logprobs=top)
+    plain, _ = make(tiny_model_dir, quant, spec=False)
+    want = drive(plain, {0: reqs})
+    sched, totals = make(tiny_model_dir, quant)
+    got = drive(sched, {0: reqs})
+    assert totals.accepted > 0 and all(got[r.rid].spec_stats is not None for r in reqs[:8])
+    for rid, c in got.items():
+        w = want[rid]
+        assert c.output_ids == w.output_ids == reference[rid]
+        assert len(c.token_logprobs) == len(c.output_ids) == len(c.top_logprobs)
+        assert c.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-4)
+        assert [[t for t, _ in row] for row in c.top_logprobs] == [
+            [t for t, _ in row] for row in w.top_logprobs
+        ]
+        assert all(len(row) == top for row in c.top_logprobs)

@@ -29,6 +29,13 @@ class PagedDriver:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
+    @classmethod
+    def on_empty_pools(cls, runner: ModelRunner) -> PagedDriver:
+        """A driver over the runner's pools emptied of what earlier steps left (no sequence, no KV slot held)."""
+        runner.req_to_token_pool.clear()
+        runner.token_to_kv_pool_allocator.clear()
+        return cls(runner)
+
     def new_seq(self, adapter: str | None = None) -> Seq:
         rows = self.runner.req_to_token_pool.alloc(1)
         assert rows is not None, "no free request rows"

@@ -51,9 +51,7 @@ def runner(tiny_model_dir, tmp_path_factory) -> ModelRunner:
 
 @pytest.fixture
 def driver(runner) -> PagedDriver:
-    runner.req_to_token_pool.clear()
-    runner.token_to_kv_pool_allocator.clear()
-    return PagedDriver(runner)
+    return PagedDriver.on_empty_pools(runner)
 
 
 def prompts() -> list[list[int]]:
@@ -73,9 +71,7 @@ def fused_step_calls(runner: ModelRunner, step) -> int:
 def decode_and_verify(runner: ModelRunner) -> list[torch.Tensor]:
     """Logits of a batch of the base and two adapters: a prefill, two decode steps, then a speculative verify
     step (three fed tokens a sequence, every row's logits)."""
-    runner.req_to_token_pool.clear()
-    runner.token_to_kv_pool_allocator.clear()
-    driver = PagedDriver(runner)
+    driver = PagedDriver.on_empty_pools(runner)
     seqs = [driver.new_seq(name) for name in NAMES[:3]]
     steps = [driver.extend(seqs, prompts()[:3])]
     for _ in range(2):

@@ -51,9 +51,7 @@ def runner(tiny_model_dir, adapters) -> ModelRunner:
 
 @pytest.fixture
 def driver(runner) -> PagedDriver:
-    runner.req_to_token_pool.clear()
-    runner.token_to_kv_pool_allocator.clear()
-    return PagedDriver(runner)
+    return PagedDriver.on_empty_pools(runner)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -94,9 +94,7 @@ def adapters(runner, tmp_path_factory) -> list[str]:
 
 
 def alone(runner: ModelRunner, adapter: str | None) -> torch.Tensor:
-    runner.req_to_token_pool.clear()
-    runner.token_to_kv_pool_allocator.clear()
-    driver = PagedDriver(runner)
+    driver = PagedDriver.on_empty_pools(runner)
     return driver.extend([driver.new_seq(adapter)], [PROMPT])[0]
 
 

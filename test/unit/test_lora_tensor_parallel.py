@@ -5,11 +5,6 @@ logits on every rank."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import pickle
-import queue
-import traceback
-
 import pytest
 import torch
 
@@ -17,40 +12,36 @@ from srt.lora import LoRAConfig
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.lora_adapters import peft_logits, save_peft_adapter
 from test.unit.model_driver import PagedDriver
+from test.unit.tp_ranks import run_ranks
 
 TP = 2
 ATOL = 1e-4  # fp32: the all-reduce only changes the summation order
-RANK_TIMEOUT_SECONDS = 240  # spawning, importing torch and loading on a busy 2-core machine
 NAMES = [None, "r8", "r16", "r8"]
 PROMPTS = [[11, 12, 13, 14], [21, 22, 23, 24, 25, 26], [31, 32, 33], [41, 42, 43, 44, 45]]
 FED = [[51, 52], [61, 62], [71, 72], [81, 82]]  # tokens fed by two decode steps
 
 
-def rank_main(tp_rank: int, model_dir: str, init: str, adapters: dict, results: mp.Queue) -> None:
-    try:
-        runner = ModelRunner(
-            model_dir,
-            max_total_tokens=512,
-            max_running_requests=4,
-            tp_rank=tp_rank,
-            tp_size=TP,
-            dist_init_method=init,
-            device="cpu",
-            quantization="none",
-            lora=LoRAConfig(max_loras_per_batch=2, max_lora_rank=16),
-        )
-        for name, path in adapters.items():
-            runner.lora.load(name, path)
-        driver = PagedDriver(runner)
-        seqs = [driver.new_seq(name) for name in NAMES]
-        steps = [driver.extend(seqs, PROMPTS)]
-        for j in range(len(FED[0])):
-            steps.append(driver.decode(seqs, [fed[j] for fed in FED]))
-        report = {"rank": tp_rank, "logits": torch.stack(steps, dim=1)}  # [seq, step, vocab]
-        runner.tp.destroy()
-    except BaseException:
-        report = {"rank": tp_rank, "error": traceback.format_exc()}
-    results.put(pickle.dumps(report))
+def rank_logits_of(tp_rank: int, model_dir: str, init: str, adapters: dict) -> dict:
+    runner = ModelRunner(
+        model_dir,
+        max_total_tokens=512,
+        max_running_requests=4,
+        tp_rank=tp_rank,
+        tp_size=TP,
+        dist_init_method=init,
+        device="cpu",
+        quantization="none",
+        lora=LoRAConfig(max_loras_per_batch=2, max_lora_rank=16),
+    )
+    for name, path in adapters.items():
+        runner.lora.load(name, path)
+    driver = PagedDriver(runner)
+    seqs = [driver.new_seq(name) for name in NAMES]
+    steps = [driver.extend(seqs, PROMPTS)]
+    for j in range(len(FED[0])):
+        steps.append(driver.decode(seqs, [fed[j] for fed in FED]))
+    runner.tp.destroy()
+    return {"logits": torch.stack(steps, dim=1)}  # [seq, step, vocab]
 
 
 @pytest.fixture(scope="module")
@@ -65,27 +56,8 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def rank_logits(tiny_model_dir, adapters, tmp_path_factory) -> dict[int, torch.Tensor]:
     init = f"file://{tmp_path_factory.mktemp('lora_tp_init') / 'init'}"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, tiny_model_dir, init, adapters, results)) for r in range(TP)
-    ]
-    for p in procs:
-        p.start()
-    logits = {}
-    try:
-        for _ in range(TP):
-            report = pickle.loads(results.get(timeout=RANK_TIMEOUT_SECONDS))
-            assert "error" not in report, f"rank {report['rank']} failed:\n{report['error']}"
-            logits[report["rank"]] = report["logits"]
-    except queue.Empty:
-        pytest.fail(f"tensor-parallel ranks did not finish in {RANK_TIMEOUT_SECONDS} s")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return logits
+    reports = run_ranks(rank_logits_of, TP, tiny_model_dir, init, adapters)
+    return {rank: report["logits"] for rank, report in reports.items()}
 
 
 def test_sharded_adapters_give_peft_logits_on_every_rank(tiny_model_dir, adapters, rank_logits):

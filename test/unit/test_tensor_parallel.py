@@ -4,11 +4,7 @@ in lockstep produce the tokens a single-rank scheduler produces."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import pickle
-import queue
-import traceback
 
 import pytest
 import torch
@@ -23,10 +19,10 @@ from srt.scheduler.step_hooks import StepReporter
 from srt.server_args import ServerArgs
 from test.unit.model_driver import PagedDriver
 from test.unit.scheduler_driver import greedy, request
+from test.unit.tp_ranks import run_ranks
 
 TP = 2
 ATOL = 1e-4  # fp32: the all-reduce only changes the summation order
-RANK_TIMEOUT_SECONDS = 240  # spawning, importing torch and loading on a busy 2-core machine
 MAX_STEPS = 500
 KV_TOKENS = 1024
 CHUNK = 16  # smaller than the long prompt below, so it is prefilled in pieces
@@ -149,71 +145,46 @@ def lockstep_generate(
     raise AssertionError("the scheduler did not finish")
 
 
-def rank_main(tp_rank: int, model_dir: str, init: str, cache_dir: str, results: mp.Queue) -> None:
-    try:
-        runner = make_runner(model_dir, tp_rank, TP, init)
-        tp = runner.tp
-        k_buf, _ = runner.token_to_kv_pool.get_kv_buffer(0)
-        report = {
-            "rank": tp_rank,
-            "kv_heads": k_buf.shape[1],
-            "capacity": runner.max_total_num_tokens,
-            "gathered": tp.all_gather(torch.full((1, 2), float(tp_rank))),
-            "min": tp.min_across_ranks(10 + tp_rank),
-            "pair": biased_pair_output(tp),
-            "logits": forward_trace(runner),
-        }
-        runner.req_to_token_pool.clear()
-        runner.token_to_kv_pool_allocator.clear()
-        report["generated"] = lockstep_generate(runner, TP)
-        verify_steps = VerifySteps()
-        report["generated_speculative"] = lockstep_generate(runner, TP, verify_steps, **SPECULATIVE)
-        report["verify_steps"] = verify_steps.count
-        tp.destroy()
-        # int8: each rank calibrates and quantizes its own shard (a fresh group: one per process at a time)
-        os.environ["SRT_CACHE_DIR"] = cache_dir
-        int8 = make_runner(model_dir, tp_rank, TP, f"{init}-int8", quantization="w8a8_int8")
-        report["int8_logits"] = forward_trace(int8)
-        int8.tp.destroy()
-        # a start cut short after rank 0 saved its file: rank 1 finds none, so both must calibrate again
-        # (rank 0 alone loading its file would leave rank 1's calibration waiting on its collectives)
-        if tp_rank == 1:
-            os.unlink(cache_path(int8.model_dir, tp_rank, TP))
-        again = make_runner(model_dir, tp_rank, TP, f"{init}-int8-again", quantization="w8a8_int8")
-        report["int8_again_logits"] = forward_trace(again)
-        report["int8_cache_restored"] = os.path.isfile(cache_path(again.model_dir, tp_rank, TP))
-        again.tp.destroy()
-    except BaseException:
-        report = {"rank": tp_rank, "error": traceback.format_exc()}
-    # plain pickle copies tensor data (a Queue would share it through this soon-gone process)
-    results.put(pickle.dumps(report))
+def rank_report(tp_rank: int, model_dir: str, init: str, cache_dir: str) -> dict:
+    runner = make_runner(model_dir, tp_rank, TP, init)
+    tp = runner.tp
+    k_buf, _ = runner.token_to_kv_pool.get_kv_buffer(0)
+    report = {
+        "kv_heads": k_buf.shape[1],
+        "capacity": runner.max_total_num_tokens,
+        "gathered": tp.all_gather(torch.full((1, 2), float(tp_rank))),
+        "min": tp.min_across_ranks(10 + tp_rank),
+        "pair": biased_pair_output(tp),
+        "logits": forward_trace(runner),
+    }
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    report["generated"] = lockstep_generate(runner, TP)
+    verify_steps = VerifySteps()
+    report["generated_speculative"] = lockstep_generate(runner, TP, verify_steps, **SPECULATIVE)
+    report["verify_steps"] = verify_steps.count
+    tp.destroy()
+    # int8: each rank calibrates and quantizes its own shard (a fresh group: one per process at a time)
+    os.environ["SRT_CACHE_DIR"] = cache_dir
+    int8 = make_runner(model_dir, tp_rank, TP, f"{init}-int8", quantization="w8a8_int8")
+    report["int8_logits"] = forward_trace(int8)
+    int8.tp.destroy()
+    # a start cut short after rank 0 saved its file: rank 1 finds none, so both must calibrate again
+    # (rank 0 alone loading its file would leave rank 1's calibration waiting on its collectives)
+    if tp_rank == 1:
+        os.unlink(cache_path(int8.model_dir, tp_rank, TP))
+    again = make_runner(model_dir, tp_rank, TP, f"{init}-int8-again", quantization="w8a8_int8")
+    report["int8_again_logits"] = forward_trace(again)
+    report["int8_cache_restored"] = os.path.isfile(cache_path(again.model_dir, tp_rank, TP))
+    again.tp.destroy()
+    return report
 
 
 @pytest.fixture(scope="module")
 def rank_reports(tiny_model_dir, tmp_path_factory) -> dict[int, dict]:
     init = f"file://{tmp_path_factory.mktemp('tp') / 'init'}"
     cache_dir = str(tmp_path_factory.mktemp("int8_cache"))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, tiny_model_dir, init, cache_dir, results)) for r in range(TP)
-    ]
-    for p in procs:
-        p.start()
-    reports = {}
-    try:
-        for _ in range(TP):
-            report = pickle.loads(results.get(timeout=RANK_TIMEOUT_SECONDS))
-            assert "error" not in report, f"rank {report['rank']} failed:\n{report['error']}"
-            reports[report["rank"]] = report
-    except queue.Empty:
-        pytest.fail(f"tensor-parallel ranks did not finish in {RANK_TIMEOUT_SECONDS} s")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return reports
+    return run_ranks(rank_report, TP, tiny_model_dir, init, cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ The step's token rows come in the scheduler's order, sequences of different adap
 layer multiplies the adapted rows as a few dense segments instead: `order` lists the adapted rows grouped
 by adapter slot, and each `Segment` is one adapter's run of it. A layer gathers `x[order]` once, does one
 shrink and one expand per segment, and adds the deltas back at `order`: no Python loop over sequences, and
-rows on the base (NO_ADAPTER) are never touched.
+rows on the base (NO_ADAPTER) are never touched. A step whose every row has an adapter, already grouped (a
+batch of one, or of one adapter), needs neither the gather nor the scatter: its `order` is None.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class LoRABatchInfo:
-    order: torch.Tensor  # int64 [adapted rows] on the model's device: step rows grouped by slot
+    order: torch.Tensor | None  # int64 [adapted rows] on the model's device: step rows grouped by slot
     segments: tuple[Segment, ...]
 
     @staticmethod
@@ -46,7 +47,8 @@ class LoRABatchInfo:
         for slot, length in zip(distinct.tolist(), lengths.tolist(), strict=True):
             segments.append(Segment(slot, slot_ranks[slot], start, start + length))
             start += length
-        return LoRABatchInfo(adapted[within].to(device), tuple(segments))
+        in_place = adapted.numel() == row_slots.numel() and torch.equal(grouped, row_slots)
+        return LoRABatchInfo(None if in_place else adapted[within].to(device), tuple(segments))
 
 
 class LoRAStep:

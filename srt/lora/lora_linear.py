@@ -58,8 +58,6 @@ class LayerLoRAWeights:
         self.tp_rank = tp_rank
         self.a = torch.zeros((slots, len(subs) * max_rank, in_local), dtype=dtype, device=device)
         self.b = torch.zeros((slots, out_local, max_rank), dtype=dtype, device=device)
-        # a layer adapted on some of its sub-modules only leaves the other outputs' delta at zero
-        self.covers_output = sum(s.out_size for s in subs) == out_local
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         self.clear(slot)
@@ -80,20 +78,22 @@ class LayerLoRAWeights:
         self.b[slot].zero_()
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        """`out` (the base product of `x`) plus each adapted row's delta, in place."""
-        xs = x.index_select(0, info.order).to(self.a.dtype)
-        shape = (xs.shape[0], out.shape[1])
-        delta = torch.empty(shape, dtype=self.a.dtype, device=out.device)
-        if not self.covers_output:
-            delta.zero_()
+        """`out` (the base product of `x`, in the pool's dtype) plus each adapted row's delta, in place."""
+        if info.order is None:  # every row adapted, already grouped: expand straight into `out`
+            xs, deltas = x, out
+        else:
+            xs = x.index_select(0, info.order)
+            deltas = torch.zeros((xs.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
         stacked = len(self.subs)
         for seg in info.segments:
-            r, rows = seg.rank, delta[seg.start : seg.end]
+            r, rows = seg.rank, deltas[seg.start : seg.end]
             shrunk = xs[seg.start : seg.end] @ self.a[seg.slot, : stacked * r].T
             for sub in self.subs:
                 cols = slice(sub.out_offset, sub.out_offset + sub.out_size)
-                rows[:, cols] = shrunk[:, sub.index * r : (sub.index + 1) * r] @ self.b[seg.slot, cols, :r].T
-        return out.index_add_(0, info.order, delta.to(out.dtype))
+                rows[:, cols].addmm_(
+                    shrunk[:, sub.index * r : (sub.index + 1) * r], self.b[seg.slot, cols, :r].T
+                )
+        return out if info.order is None else out.index_add_(0, info.order, deltas)
 
 
 class LoRALinearMethod(LinearMethod):

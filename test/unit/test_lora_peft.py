@@ -99,6 +99,17 @@ def test_a_mixed_step_adapts_its_prefill_and_decode_rows_alike(tiny_model_dir, a
         torch.testing.assert_close(logits[1 + i], want, atol=ATOL, rtol=0)
 
 
+def test_a_batch_of_one_adapter_expands_in_place_and_gives_peft_logits(tiny_model_dir, adapters, driver):
+    """Every row of one adapter: the layers skip the gather and scatter of a mixed batch."""
+    prompts = [tokens(5, seed=50), tokens(8, seed=51)]
+    seqs = [driver.new_seq("r16_rslora") for _ in prompts]
+    steps = [driver.extend(seqs, prompts), driver.decode(seqs, [7, 9])]
+    assert driver.runner.lora.step.info.order is None
+    for i, fed in enumerate([7, 9]):
+        want = reference(tiny_model_dir, adapters, "r16_rslora", prompts[i] + [fed])[-2:]
+        torch.testing.assert_close(torch.stack([step[i] for step in steps]), want, atol=ATOL, rtol=0)
+
+
 def test_a_step_of_the_base_alone_is_the_plain_model(tiny_model_dir, driver):
     ids = tokens(12, seed=40)
     logits = driver.extend([driver.new_seq()], [ids])

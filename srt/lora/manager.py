@@ -8,6 +8,7 @@ names (the model's declarative `STACKED_PARAMS` says which sub-modules a fused l
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 
@@ -22,6 +23,8 @@ from srt.lora.slots import SlotTable
 from srt.model_executor.forward_batch_info import NO_ADAPTER, ForwardBatch
 from srt.model_executor.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from srt.model_executor.parallel_state import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
 
 # A decoder layer's module path, as PEFT names it too (model.layers.3.self_attn.qkv_proj)
 DECODER_MODULE = re.compile(r"^model\.layers\.\d+\.\w+\.(?P<leaf>\w+)$")
@@ -55,6 +58,18 @@ class LoRAManager:
                 weights = self._layer_weights(name, module, parts, tp, dtype, device)
                 module.method = LoRALinearMethod(module.method, weights, self.step)
                 self.layers.append(weights)
+        pool_bytes = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.a, layer.b))
+        logger.info(
+            "LoRA: %d linear layers adapted on %s; %d slots up to rank %d (%.1f MiB), %s",
+            len(self.layers),
+            ", ".join(config.target_modules),
+            config.max_loras_per_batch,
+            config.max_lora_rank,
+            pool_bytes / 2**20,
+            f"up to {config.max_loaded_loras} adapters loaded"
+            if config.max_loaded_loras
+            else "no limit on loaded adapters",
+        )
 
     def _layer_weights(self, name, module, parts, tp, dtype, device) -> LayerLoRAWeights:
         parent = name.rsplit(".", 1)[0]

@@ -20,7 +20,10 @@ LORA_WEIGHT_STD = 0.08
 def base_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # eager attention: the one transformers implements soft-capping and sliding windows in for every family
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def save_peft_adapter(
@@ -31,6 +34,7 @@ def save_peft_adapter(
     alpha: float | None = None,
     use_rslora: bool = False,
     targets: tuple[str, ...] = LORA_TARGET_MODULES,
+    std: float = LORA_WEIGHT_STD,
 ) -> str:
     """An adapter of `rank` on `targets` of every layer, saved by PEFT; its A and B are random (B != 0)."""
     from peft import LoraConfig, get_peft_model
@@ -48,7 +52,7 @@ def save_peft_adapter(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * LORA_WEIGHT_STD)
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
     model.save_pretrained(out)
     return str(out)
 

@@ -13,6 +13,7 @@ import torch
 from srt.lora import LoRAConfig
 from srt.lora.adapter import lora_scaling
 from srt.model_executor.model_runner import ModelRunner
+from test.model_families import gemma2
 from test.unit.lora_adapters import peft_logits, save_peft_adapter
 from test.unit.model_driver import PagedDriver
 
@@ -114,6 +115,31 @@ def test_a_step_of_the_base_alone_is_the_plain_model(tiny_model_dir, driver):
     ids = tokens(12, seed=40)
     logits = driver.extend([driver.new_seq()], [ids])
     torch.testing.assert_close(logits[0], peft_logits(tiny_model_dir, None, ids)[-1], atol=ATOL, rtol=0)
+
+
+def test_a_family_with_its_own_layer_classes_is_adapted_alike(tmp_path):
+    """Adapted layers are found by their checkpoint module names: Gemma 2's layers (its own attention and
+    GeGLU MLP, sliding windows, soft-capping) take adapters as the Llama's do."""
+    config, model_class = gemma2()
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(0)
+    model_dir = str(tmp_path / "gemma2")
+    model_class._from_config(config).to(torch.float32).save_pretrained(model_dir)
+    adapter = save_peft_adapter(model_dir, tmp_path / "adapter", rank=8, seed=5)
+    runner = ModelRunner(
+        model_dir,
+        max_total_tokens=256,
+        max_running_requests=2,
+        device="cpu",
+        quantization="none",
+        lora=LoRAConfig(max_lora_rank=8),
+    )
+    runner.lora.load("gemma-adapter", adapter)
+    driver = PagedDriver(runner)
+    prompts = [list(range(5, 17)), [20, 21, 22]]  # the first longer than the sliding window
+    logits = driver.extend([driver.new_seq("gemma-adapter"), driver.new_seq()], prompts)
+    for row, (prompt, path) in enumerate(zip(prompts, [adapter, None], strict=True)):
+        torch.testing.assert_close(logits[row], peft_logits(model_dir, path, prompt)[-1], atol=ATOL, rtol=0)
 
 
 def test_scaling_is_alpha_over_rank_or_over_its_square_root_with_rslora(runner):

@@ -12,6 +12,7 @@ import torch
 
 from srt.lora import LoRAConfig
 from srt.lora.adapter import lora_scaling
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from test.model_families import gemma2
 from test.unit.lora_adapters import peft_logits, save_peft_adapter
@@ -109,6 +110,36 @@ def test_a_batch_of_one_adapter_expands_in_place_and_gives_peft_logits(tiny_mode
     for i, fed in enumerate([7, 9]):
         want = reference(tiny_model_dir, adapters, "r16_rslora", prompts[i] + [fed])[-2:]
         torch.testing.assert_close(torch.stack([step[i] for step in steps]), want, atol=ATOL, rtol=0)
+
+
+def test_prompt_logprobs_are_the_adapters(tiny_model_dir, adapters, runner):
+    """The runner's prompt-logprob path (a prefill scoring every prompt token) adapts its rows too."""
+    ids = tokens(10, seed=60)
+    n = len(ids)
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    slots, row = runner.token_to_kv_pool_allocator.alloc(n), runner.req_to_token_pool.alloc(1)[0]
+    runner.req_to_token_pool.req_to_token[row, :n] = slots
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.tensor(ids),
+        positions=torch.arange(n),
+        out_cache_loc=slots,
+        req_pool_indices=torch.tensor([row]),
+        seq_lens=torch.tensor([n]),
+        seq_lens_cpu=[n],
+        extend_prefix_lens_cpu=[0],
+        extend_seq_lens_cpu=[n],
+        logprob_rows=torch.arange(n - 1),
+        logprob_targets=torch.tensor(ids[1:]),
+        lora_slots=runner.lora.prepare_step(["r8"]),
+    )
+    _, scores = runner.forward_with_prompt_logprobs(batch)
+    want = torch.log_softmax(reference(tiny_model_dir, adapters, "r8", ids)[:-1], dim=-1)
+    torch.testing.assert_close(
+        scores.token_logprobs, want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0], atol=ATOL, rtol=0
+    )
 
 
 def test_a_step_of_the_base_alone_is_the_plain_model(tiny_model_dir, driver):

@@ -32,8 +32,7 @@ class SubModule:
     index: int  # its place in the layer's stack of A rows
     out_offset: int  # its columns of this rank's output
     out_size: int
-    fan_in: int  # the checkpoint's shapes, over all ranks
-    fan_out: int
+    fan_out: int  # its output size over all ranks (the checkpoint's)
 
 
 class LayerLoRAWeights:

@@ -22,6 +22,7 @@ from srt.lora.lora_linear import LayerLoRAWeights, LoRALinearMethod, SubModule
 from srt.lora.slots import SlotTable
 from srt.model_executor.forward_batch_info import NO_ADAPTER, ForwardBatch
 from srt.model_executor.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from srt.model_executor.layers.linear_method import WEIGHT
 from srt.model_executor.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class LoRAManager:
 
     def _layer_weights(self, name, module, parts, tp, dtype, device) -> LayerLoRAWeights:
         parent = name.rsplit(".", 1)[0]
-        out_local, in_full = module.dense_weight("weight").shape
+        out_local, in_full = module.dense_weight(WEIGHT).shape
         in_local, in_offset = in_full, None
         if isinstance(module, RowParallelLinear):
             in_local, in_offset, in_full = (
@@ -87,7 +88,7 @@ class LoRAManager:
             if isinstance(module, ColumnParallelLinear):
                 offset, size = module.shard_offsets[shard or next(iter(module.shard_offsets))]
                 fan_out = size * tp.size
-            subs.append(SubModule(f"{parent}.{part}", i, offset, size, in_full, fan_out))
+            subs.append(SubModule(f"{parent}.{part}", i, offset, size, fan_out))
             self.shapes[subs[-1].path] = (in_full, fan_out)
         cfg = self.config
         return LayerLoRAWeights(

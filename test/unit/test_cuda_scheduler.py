@@ -141,3 +141,29 @@ def test_every_sampling_parameter_runs_on_the_device(tiny_model_dir):
         assert res[rid].finish.type == "length", rid
         assert len(res[rid].output_ids) == p.max_new_tokens, rid
     assert_pool_whole(sched)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "prediction"])
+def test_speculative_decoding_gives_the_tokens_of_plain_decoding(tiny_model_dir, alone, algorithm):
+    """Verify steps run eagerly on CUDA (graphs stay decode-only) next to graphed decode steps: NGRAM, the
+    model drafting for itself, and predictions (the answer itself) give every request its tokens alone,
+    with drafts accepted and the pools whole."""
+    from srt.speculative.stats import SpecStepStats
+
+    spec = {
+        "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1},
+        "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": tiny_model_dir},
+        "prediction": {},
+    }[algorithm]
+    sched = make_scheduler(tiny_model_dir, **spec)
+    steps: list[SpecStepStats] = []
+    sched.reporter.on_verify = steps.append
+    reqs = [request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts(6))]
+    if algorithm == "prediction":
+        for req in reqs:
+            req.prediction_ids = alone[req.rid]
+    res = drive(sched, {0: reqs[:3], 4: reqs[3:]})
+    for rid, ref in alone.items():
+        assert res[rid].output_ids == ref, rid
+    assert sum(s.num_accepted_tokens for s in steps) > 0
+    assert_pool_whole(sched)

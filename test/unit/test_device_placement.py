@@ -93,9 +93,18 @@ def run_prefill_mixed_and_decode(runner: ModelRunner, prompts: tuple[list[int], 
         batch = builder.decode([first, second])
         assert batch.is_decode and batch.seq_lens_cpu == [len(prompts[0]) + 2, len(prompts[1]) + 1]
         assert runner.forward(batch).shape == (2, runner.vocab_size)
+        first.kv_len += 1
+        second.kv_len += 1
+        first.output_ids.append(32)
+        second.output_ids.append(41)
+
+        # a speculative verify step: the first feeds its newest token and 3 drafts, the second decodes
+        batch = builder.verify([first], [[50, 51, 52]], [second])
+        assert batch.logit_rows.device.type == "meta" and batch.out_cache_loc.device.type == "meta"
+        assert runner.forward(batch).shape == (5, runner.vocab_size)
 
 
-def test_prefill_mixed_and_decode_steps_stay_on_the_device(meta_runner):
+def test_prefill_mixed_decode_and_verify_steps_stay_on_the_device(meta_runner):
     run_prefill_mixed_and_decode(meta_runner, ([11, 12, 13, 14, 15], [21, 22, 23]))
 
 

@@ -200,7 +200,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             kv_indices = mask = None
             total = prefix + num_new
             if prefix > 0 or self.cpu_kernels is not None:
-                kv_indices = self.req_to_token_pool.req_to_token[batch.req_pool_indices[i], :total]
+                # a one-row index tensor, not a scalar: indexing by a 0-dim device tensor reads it back
+                # to the host (a synchronization per sequence on a GPU)
+                row = batch.req_pool_indices[i : i + 1]
+                kv_indices = self.req_to_token_pool.req_to_token[row, :total].squeeze(0)
             if prefix > 0 and self.cpu_kernels is None:
                 # bottom-right aligned causal mask: new token j sees every slot up to prefix + j
                 mask = torch.ones(num_new, total, dtype=torch.bool, device=kv_indices.device).tril(prefix)

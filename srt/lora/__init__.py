@@ -13,7 +13,8 @@ The contract, for the scheduler:
   (admission keeps to it: at most `max_loras_per_batch` distinct adapters, pinned ones counted);
   `prepare_step(names)` returns each request's slot, in the batch's sequence order, for
   `ForwardBatch.lora_slots`. The runner does the rest (`begin_step`) in `forward`.
-- Gauges read `runner.lora.slots.used`, `.num_slots`, `runner.lora.loaded` and `is_pinned(name)`.
+- Gauges read `runner.lora.snapshot()`, a frozen `LoRAPoolSnapshot` (slots used and total, each loaded
+  adapter and whether it is pinned).
 
 The fused int8 CPU decode step runs adapter steps too, adding each layer's adapter products after its
 kernel (`LinearMethod.add_adapters`). A step with adapter rows never replays a recorded decode CUDA graph
@@ -22,6 +23,13 @@ kernel (`LinearMethod.add_adapters`). A step with adapter rows never replays a r
 
 from srt.lora.adapter import AdapterError, LoRAAdapter
 from srt.lora.config import LORA_TARGET_MODULES, LoRAConfig
-from srt.lora.manager import LoRAManager
+from srt.lora.manager import LoRAManager, LoRAPoolSnapshot
 
-__all__ = ["AdapterError", "LoRAAdapter", "LoRAConfig", "LoRAManager", "LORA_TARGET_MODULES"]
+__all__ = [
+    "AdapterError",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "LoRAManager",
+    "LoRAPoolSnapshot",
+    "LORA_TARGET_MODULES",
+]

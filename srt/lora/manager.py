@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,6 +30,16 @@ logger = logging.getLogger(__name__)
 
 # A decoder layer's module path, as PEFT names it too (model.layers.3.self_attn.qkv_proj)
 DECODER_MODULE = re.compile(r"^model\.layers\.\d+\.\w+\.(?P<leaf>\w+)$")
+
+
+@dataclass(frozen=True)
+class LoRAPoolSnapshot:
+    """What the pool's gauges read (sglang:lora_pool_slots_*, a per-adapter loaded gauge), taken by the
+    scheduler after a step: observers never hold the manager itself."""
+
+    slots_used: int
+    slots_total: int
+    adapters: tuple[tuple[str, bool], ...]  # every loaded adapter, idle or not, and whether it is pinned
 
 
 class LoRAManager:
@@ -135,6 +146,10 @@ class LoRAManager:
 
     def is_pinned(self, name: str) -> bool:
         return name in self.slots.pinned
+
+    def snapshot(self) -> LoRAPoolSnapshot:
+        adapters = tuple((name, self.is_pinned(name)) for name in self.adapters)
+        return LoRAPoolSnapshot(self.slots.used, self.slots.num_slots, adapters)
 
     # ---- steps ----
     def fits(self, names: Sequence[str | None]) -> bool:

@@ -121,6 +121,9 @@ def test_the_host_holds_at_most_max_loaded_loras_and_unloading_frees_the_slot(ru
     runner.lora.load("w", str(write_adapter(tmp_path / "w", runner.lora.shapes)), pinned=True)
     try:
         assert len(runner.lora.loaded) == MAX_LOADED and runner.lora.is_pinned("w")
+        pool = runner.lora.snapshot()
+        assert pool.slots_total == SLOTS and 1 <= pool.slots_used <= SLOTS
+        assert pool.adapters == (("x", False), ("y", False), ("z", False), ("w", True))
         with pytest.raises(AdapterError, match=f"{MAX_LOADED} adapters are loaded"):
             runner.lora.load("v", str(tmp_path / "w"))
         runner.lora.unload("x")  # room on the host, but a second pin would leave no slot to the others

@@ -1,5 +1,5 @@
-"""One LoRA adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`), read into host fp32
-tensors and checked against the base model before anything of it reaches the weight pool.
+"""One LoRA adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`), read into host
+fp32 tensors and checked against the base model before anything of it reaches the weight pool.
 
 Every way an adapter can be wrong (a missing or corrupt file, a PEFT feature srt does not run, a module the
 base lacks, another base's shapes, a rank above the pool's) is an `AdapterError`: one line naming the
@@ -150,7 +150,8 @@ def _check_module_name(name: str, module: str, enabled: tuple[str, ...], listed:
     if module not in enabled:
         raise AdapterError(
             name,
-            f"adapts {module}, not among the enabled LoRA target modules {list(enabled)} (--lora-target-modules)",
+            f"adapts {module}, not among the enabled LoRA target modules {list(enabled)} "
+            "(--lora-target-modules)",
         )
 
 
@@ -164,7 +165,8 @@ def _checked_pair(
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
         raise AdapterError(
             name,
-            f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not of the config's rank {rank}",
+            f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not of the config's "
+            f"rank {rank}",
         )
     if a.shape[1] != fan_in or b.shape[0] != fan_out:
         raise AdapterError(

@@ -22,7 +22,8 @@ from transformers import AutoConfig, GenerationConfig
 
 from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
 from srt.heap import release_free_heap
-from srt.lora import LoRAConfig, LoRAManager
+from srt.lora.config import LoRAConfig
+from srt.lora.manager import LoRAManager
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name

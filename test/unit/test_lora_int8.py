@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from srt.lora import LoRAConfig
+from srt.lora.config import LoRAConfig
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.lora_adapters import peft_logits, save_peft_adapter

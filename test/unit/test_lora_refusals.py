@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from srt.lora import AdapterError, LoRAConfig
-from srt.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from srt.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from srt.lora.config import LoRAConfig
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.lora_adapters import write_adapter
 

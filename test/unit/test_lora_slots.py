@@ -108,6 +108,36 @@ def test_an_evicted_adapter_computes_the_same_once_back_in_a_slot(runner, adapte
     assert not torch.allclose(alone(runner, "z"), first, atol=0.5)  # another adapter: other logits
 
 
+def stream(runner: ModelRunner, churn) -> list[torch.Tensor]:
+    """A sequence of adapter x decoding, with `churn(step, driver)` run between its steps: its logits."""
+    driver = PagedDriver.on_empty_pools(runner)
+    seq = driver.new_seq("x")
+    steps = [driver.extend([seq], [PROMPT])]
+    for step in range(4):
+        churn(step, driver)
+        steps.append(driver.decode([seq], [int(steps[-1].argmax())]))
+    return steps
+
+
+def test_loading_unloading_and_evicting_between_steps_leave_a_stream_intact(runner, adapters, tmp_path):
+    quiet = stream(runner, lambda step, driver: None)
+    path = str(write_adapter(tmp_path / "extra", runner.lora.shapes))
+
+    def churn(step: int, driver: PagedDriver) -> None:
+        if step == 0:
+            runner.lora.load("extra", path)
+        others = [driver.new_seq("y"), driver.new_seq("extra" if step < 2 else "z")]
+        driver.extend(others, [[7, 8, 9], [10, 11]])  # fills both slots
+        assert "x" not in runner.lora.slots.slot_of  # evicted: the stream's next step writes it again
+        for other in others:
+            driver.release(other)
+        if step == 2:
+            runner.lora.unload("extra")
+
+    busy = stream(runner, churn)
+    assert all(torch.equal(a, b) for a, b in zip(busy, quiet, strict=True))
+
+
 def test_prepare_step_gives_each_request_its_slot_and_refuses_what_cannot_run(runner, adapters):
     slots = runner.lora.prepare_step([None, "y", "x", "y"])
     assert slots[0] == NO_ADAPTER and slots[1] == slots[3] == runner.lora.slots.slot_of["y"] != slots[2]

@@ -11,7 +11,8 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # SGLang's default for --max-loras-per-batch: adapter slots in the weight pool, so distinct adapters per step.
 DEFAULT_MAX_LORAS_PER_BATCH = 8
 # The pool pads every adapter to this rank unless told otherwise. Padding costs memory only (each step
-# multiplies at its adapters' own ranks): 16 x 8 slots is ~125 MB of fp32 for a 135M model's 30 layers.
+# multiplies at its adapters' own ranks): rank 16 in 8 slots is 149 MiB of fp32 for SmolLM2-135M (30 layers,
+# all seven modules), growing linearly with both.
 DEFAULT_MAX_LORA_RANK = 16
 
 

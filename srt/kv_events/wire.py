@@ -11,7 +11,8 @@ Events are msgspec tagged structs, the tag being the class name:
                           ["BlockRemoved", block_hashes, medium]
                           ["AllBlocksCleared"]
   map layout:             {"type": "BlockStored", "block_hashes": ..., ...} with the same fields
-Hashes are signed int64; lora_id and lora_name are null (srt has no adapters); medium is "GPU", the name
+Hashes are signed int64; lora_id and lora_name name the LoRA adapter whose KV the blocks hold (null for the
+base model); medium is "GPU", the name
 both peers give the engine's primary KV pool, which srt reports even when that pool is in host memory.
 A decoder whose struct lacks the trailing fields ignores them (msgspec ignores extra trailing array
 elements), and one that expects them finds them, so every field up to `lora_name` is always written.
@@ -51,9 +52,9 @@ def event_fields(event: KVCacheEvent) -> tuple[str, tuple]:
             event.parent_block_hash,
             event.token_ids,
             event.block_size,
-            None,
+            event.lora_id,
             MEDIUM,
-            None,
+            event.lora_name,
         )
         return "BlockStored", values
     if isinstance(event, BlockRemoved):
@@ -86,7 +87,8 @@ def decode_event(raw: list | dict) -> KVCacheEvent:
     else:
         tag, values = raw[0], raw[1:]
     if tag == "BlockStored":
-        return BlockStored(list(values[0]), values[1], list(values[2]), values[3])
+        lora = (values[4], values[6]) if len(values) > 6 else (None, None)
+        return BlockStored(list(values[0]), values[1], list(values[2]), values[3], *lora)
     if tag == "BlockRemoved":
         return BlockRemoved(list(values[0]))
     if tag == "AllBlocksCleared":

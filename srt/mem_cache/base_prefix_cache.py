@@ -31,6 +31,7 @@ class Req(Protocol):
     ]  # tokens whose KV is written: slots req_to_token[req_pool_idx, :len(kv_token_ids)]
     prefix_indices: torch.Tensor  # KV slots of the prefix it holds a lock on (set by the cache)
     last_node: Any  # the locked node (set by the cache; None for caches without nodes)
+    lora_name: str | None  # its LoRA adapter: the cache's namespace (None: the base model)
 
 
 @dataclass
@@ -43,13 +44,18 @@ class BasePrefixCache(ABC):
     """Shares the KV of common prompt prefixes between requests; see the module docstring for the rules."""
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of `key`; marks the matched nodes as recently used."""
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
+        """Longest cached prefix of `key` computed under `namespace` (a LoRA adapter's name; None: the
+        base model); marks the matched nodes as recently used."""
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Cache `key` with KV slots `value`; returns how many leading tokens were already present
-        (their slots in `value` are NOT freed here)."""
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str | None = None) -> int:
+        """Cache `key` with KV slots `value` under `namespace`; returns how many leading tokens were
+        already present (their slots in `value` are NOT freed here)."""
+
+    def drop_namespace(self, namespace: str) -> int:
+        """Free what an unloaded adapter's namespace holds; returns the slots freed."""
+        return 0
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:

@@ -20,10 +20,10 @@ class ChunkCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self._empty = torch.empty(0, dtype=INDEX_DTYPE, device=token_to_kv_pool_allocator.device)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
         return MatchResult(device_indices=self._empty, last_node=None)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str | None = None) -> int:
         """Nothing is kept, so nothing was ever present."""
         return 0
 

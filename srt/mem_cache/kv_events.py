@@ -35,6 +35,9 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    # the LoRA adapter whose KV these blocks hold (None: the base model): `lora_id` is `adapter_id(name)`
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +77,14 @@ def chain_digests(parent: bytes | None, tokens: list[int], block_size: int) -> l
 
 def block_id(digest: bytes) -> int:
     return int.from_bytes(digest[:DIGEST_ID_BYTES], "big", signed=True)
+
+
+def adapter_seed(name: str) -> bytes:
+    """The digest a LoRA adapter's chains start from (the base model's start from none): blocks of equal
+    tokens under two adapters hold different KV, so their ids must differ."""
+    return hashlib.sha256(b"lora\0" + name.encode()).digest()
+
+
+def adapter_id(name: str) -> int:
+    """A LoRA adapter's `lora_id` in KV events: stable across processes and restarts, derived from its name."""
+    return block_id(adapter_seed(name))

@@ -9,6 +9,10 @@ Invariants:
 - A node's `start` is the position of its first token in the sequence (the sum of its ancestors' key
   lengths).
 
+Namespaces: requests of a LoRA adapter compute other KV for the same tokens than the base model, so each
+adapter's prefixes live in a tree of their own (`namespace`: the adapter's name; None: the base model),
+under its own root. Roots have no parent; eviction, locking and the sizes span every tree.
+
 KV cache events (optional `kv_events` sink, see kv_events.py): the cached set is reported in blocks of
 `block_size` tokens; a node keeps the digests of the blocks whose last token it holds. A new leaf publishes
 `BlockStored` for its blocks, an evicted leaf `BlockRemoved`, `reset` `AllBlocksCleared`. A split changes
@@ -32,6 +36,8 @@ from srt.mem_cache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventSink,
+    adapter_id,
+    adapter_seed,
     block_id,
     chain_digests,
 )
@@ -120,15 +126,19 @@ class RadixCache(BasePrefixCache):
         self._ids = itertools.count(ROOT_NODE_ID + 1)
         self.root = TreeNode(ROOT_NODE_ID, [], self._empty(), None, time.monotonic())
         self.root.lock_ref = 1
+        self.roots: dict[str | None, TreeNode] = {None: self.root}  # by namespace (see the docstring)
+        self._namespace_of: dict[int, str | None] = {ROOT_NODE_ID: None}  # root id -> its namespace
         self._evictable_size = 0
         self._protected_size = 0
         if self.kv_events is not None:
             self.kv_events.publish(AllBlocksCleared())
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
         now = time.monotonic()
         observer = self.residency_observer
-        node = self.root
+        node = self.roots.get(namespace)
+        if node is None:
+            return MatchResult(device_indices=self._empty(), last_node=self.root)
         node.last_access_time = now
         values: list[torch.Tensor] = []
         while key:
@@ -147,9 +157,13 @@ class RadixCache(BasePrefixCache):
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(device_indices=indices, last_node=node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str | None = None) -> int:
         now = time.monotonic()
-        node = self.root
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = TreeNode(next(self._ids), [], self._empty(), None, now)
+            node.lock_ref = 1
+            self._namespace_of[node.id] = namespace
         node.last_access_time = now
         present = 0
         full_key = key
@@ -171,7 +185,9 @@ class RadixCache(BasePrefixCache):
         return present
 
     def evict(self, num_tokens: int) -> int:
-        leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        leaves = [
+            n for n in self._iter_nodes() if not n.children and n.lock_ref == 0 and n.parent is not None
+        ]
         heapq.heapify(leaves)
         freed = 0
         observer = self.residency_observer
@@ -188,14 +204,14 @@ class RadixCache(BasePrefixCache):
                 observer.node_evicted(leaf.id, now)
             if leaf.block_digests:
                 removed.extend(block_id(d) for d in leaf.block_digests)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         if removed:
             self.kv_events.publish(BlockRemoved(removed))
         return freed
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
@@ -203,7 +219,7 @@ class RadixCache(BasePrefixCache):
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"radix node {node.id} unlocked more often than locked")
             if node.lock_ref == 1:
@@ -225,7 +241,7 @@ class RadixCache(BasePrefixCache):
         token_ids = req.kv_token_ids
         kv_indices = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
         held = self._insert_and_free_duplicates(req, kv_indices)
-        match = self.match_prefix(token_ids)
+        match = self.match_prefix(token_ids, req.lora_name)
         new_indices = match.device_indices
         # The tree's slots replace the duplicates just freed, so the row stays valid for attention.
         self.req_to_token_pool.req_to_token[row, held : len(new_indices)] = new_indices[held:]
@@ -234,6 +250,30 @@ class RadixCache(BasePrefixCache):
             self.dec_lock_ref(req.last_node)
         req.prefix_indices = new_indices
         req.last_node = match.last_node
+
+    def drop_namespace(self, namespace: str) -> int:
+        """Free every slot an adapter's tree holds (it was unloaded: an adapter loaded later under the same
+        name may have other weights). No request of it may be running. Returns the slots freed."""
+        root = self.roots.pop(namespace, None)
+        if root is None:
+            return 0
+        del self._namespace_of[root.id]
+        nodes = [n for n in _subtree(root) if n is not root]
+        if any(n.lock_ref for n in nodes):
+            raise RuntimeError(f"adapter {namespace!r} still has running requests in the prefix cache")
+        freed = 0
+        removed: list[int] = []
+        now = time.monotonic()
+        for node in nodes:
+            self.token_to_kv_pool_allocator.free(node.value)
+            freed += len(node.key)
+            if self.residency_observer is not None:
+                self.residency_observer.node_evicted(node.id, now)
+            removed.extend(block_id(d) for d in node.block_digests)
+        self._evictable_size -= freed
+        if removed:
+            self.kv_events.publish(BlockRemoved(removed))
+        return freed
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -250,7 +290,7 @@ class RadixCache(BasePrefixCache):
         not duplicates. Returns `held`.
         """
         held = held_prefix_len(req)
-        present = self.insert(req.kv_token_ids, kv_indices)
+        present = self.insert(req.kv_token_ids, kv_indices, req.lora_name)
         if present > held:
             self.token_to_kv_pool_allocator.free(kv_indices[held:present])
         return held
@@ -273,19 +313,26 @@ class RadixCache(BasePrefixCache):
         if first == end:
             return
         # The block before `first` ends at or before leaf.start: it is the last block of the nearest
-        # ancestor that owns any (the root owns none).
+        # ancestor that owns any (a root owns none; an adapter's chain starts from its seed).
         owner = leaf.parent
-        while owner is not self.root and not owner.block_digests:
+        while owner.parent is not None and not owner.block_digests:
             owner = owner.parent
         parent_digest = owner.block_digests[-1] if owner.block_digests else None
+        root = owner
+        while root.parent is not None:
+            root = root.parent
+        adapter = self._namespace_of[root.id]
+        chain_from = parent_digest if parent_digest is not None or adapter is None else adapter_seed(adapter)
         tokens = path_key[first * size : end * size]
-        leaf.block_digests = chain_digests(parent_digest, tokens, size)
+        leaf.block_digests = chain_digests(chain_from, tokens, size)
         self.kv_events.publish(
             BlockStored(
                 block_hashes=[block_id(d) for d in leaf.block_digests],
                 parent_block_hash=None if parent_digest is None else block_id(parent_digest),
                 token_ids=tokens,
                 block_size=size,
+                lora_id=None if adapter is None else adapter_id(adapter),
+                lora_name=adapter,
             )
         )
 
@@ -315,11 +362,16 @@ class RadixCache(BasePrefixCache):
         return head
 
     def _iter_nodes(self):
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        for root in list(self.roots.values()):
+            yield from _subtree(root)
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=INDEX_DTYPE, device=self.device)
+
+
+def _subtree(node: TreeNode):
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())

@@ -56,6 +56,7 @@ class Req:
         self.num_retractions = 0
         self.spec_stats: SpecRequestStats | None = None  # its speculative figures, from its first verify step
         self.prediction_ids: list[int] | None = None  # OpenAI's Predicted Outputs: its drafts come from these
+        self.lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
         # Output not yet sent to the detokenizer, with the step stamp of each token.
         self.sent_len = 0

@@ -63,7 +63,9 @@ def retract_until_decode_fits(
 def order_waiting_queue(policy: str, waiting: list[Req], tree_cache) -> None:
     """Sort `waiting` in place. fcfs keeps arrival order; lpm puts the longest cached prefix first."""
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
-        lens = {id(r): len(tree_cache.match_prefix(r.seq_ids[:-1]).device_indices) for r in waiting}
+        lens = {
+            id(r): len(tree_cache.match_prefix(r.seq_ids[:-1], r.lora_name).device_indices) for r in waiting
+        }
         waiting.sort(key=lambda r: -lens[id(r)])
 
 
@@ -141,7 +143,7 @@ class PrefillAdder:
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
         req.prepare_fill()
-        match = self.tree_cache.match_prefix(req.fill_ids[: req.prefix_match_len])
+        match = self.tree_cache.match_prefix(req.fill_ids[: req.prefix_match_len], req.lora_name)
         req.prefix_indices, req.last_node = match.device_indices, match.last_node
         req.kv_len = len(req.prefix_indices)
         extend = len(req.fill_ids) - req.kv_len

@@ -339,3 +339,27 @@ def test_subscriber_rebuilds_the_schedulers_radix_cache(tiny_model_dir, tmp_path
     finally:
         sub.close()
         pub.close()
+
+
+def test_an_adapters_blocks_carry_its_id_and_chain_from_its_seed():
+    """The same tokens under a LoRA adapter are other KV: other block ids, and the adapter named in the
+    event (vLLM's lora_id and lora_name), through the wire format and back."""
+    from srt.kv_events.wire import decode_event, encode_event
+    from srt.mem_cache.kv_events import adapter_id, adapter_seed
+
+    cache, sink, allocator = make_cache()
+    sink.take()
+    tokens = list(range(8))
+    insert(cache, allocator, tokens)
+    slots = allocator.alloc(8)
+    cache.insert(tokens, slots, "sql-lora")
+    base, adapted = sink.take()
+    assert adapted == BlockStored(
+        ids(tokens, adapter_seed("sql-lora")), None, tokens, B, adapter_id("sql-lora"), "sql-lora"
+    )
+    assert not set(base.block_hashes) & set(adapted.block_hashes)
+    assert base.lora_id is None and base.lora_name is None
+    for layout in ("array", "map"):
+        assert decode_event(encode_event(adapted, layout)) == adapted
+    assert cache.drop_namespace("sql-lora") == 8
+    assert sink.take() == [BlockRemoved(adapted.block_hashes)]

@@ -25,6 +25,7 @@ class FakeReq:
     kv_token_ids: list[int]
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
+    lora_name: str | None = None
 
 
 @pytest.fixture(autouse=True)
@@ -390,3 +391,54 @@ def test_chunk_cache_never_shares_and_frees_everything_when_done(pools):
     assert req_pool.available_size() == REQ_ROWS
     assert cache.total_size() == 0 and cache.evict(10) == 0
     assert cache.match_prefix([1, 2, 3]).device_indices.numel() == 0
+
+
+# ---- LoRA namespaces: an adapter's prefixes never serve the base model or another adapter ----------------
+
+
+def test_a_prefix_cached_under_one_adapter_serves_only_that_adapter(cache):
+    key = [1, 2, 3, 4, 5]
+    slots = cache.token_to_kv_pool_allocator.alloc(len(key))
+    assert cache.insert(key, slots, "a") == 0
+    assert len(cache.match_prefix(key, "a").device_indices) == 5
+    assert len(cache.match_prefix(key).device_indices) == 0  # the base model computes other KV
+    assert len(cache.match_prefix(key, "b").device_indices) == 0
+    base = insert_new(cache, key)  # the same tokens under the base model get slots of their own
+    assert not set(base.tolist()) & set(slots.tolist())
+    assert cache.evictable_size() == 10
+
+
+def test_eviction_and_locks_span_every_namespace(cache):
+    slots = cache.token_to_kv_pool_allocator.alloc(4)
+    cache.insert([1, 2, 3, 4], slots, "a")
+    insert_new(cache, [9, 8])
+    match = cache.match_prefix([1, 2, 3, 4], "a")
+    cache.inc_lock_ref(match.last_node)
+    assert (cache.evictable_size(), cache.protected_size()) == (2, 4)
+    assert cache.evict(100) == 2  # the adapter's locked path is kept, the base leaf goes
+    cache.dec_lock_ref(match.last_node)
+    assert cache.evict(100) == 4
+    assert cache.total_size() == 0
+
+
+def test_dropping_an_unloaded_adapters_namespace_frees_its_slots(cache):
+    allocator = cache.token_to_kv_pool_allocator
+    free = allocator.available_size()
+    cache.insert([1, 2, 3], allocator.alloc(3), "a")
+    slots = allocator.alloc(4)
+    assert cache.insert([1, 2, 7, 8], slots, "a") == 2
+    allocator.free(slots[:2])  # the duplicates of what the tree had, as a caller must
+    insert_new(cache, [1, 2, 3])
+    assert cache.drop_namespace("a") == 5  # [1, 2] [3] [7, 8]
+    assert allocator.available_size() == free - 3
+    assert len(cache.match_prefix([1, 2, 3], "a").device_indices) == 0
+    assert len(cache.match_prefix([1, 2, 3]).device_indices) == 3 and cache.evictable_size() == 3
+    assert cache.drop_namespace("never-loaded") == 0
+
+
+def test_dropping_a_namespace_a_request_still_holds_is_refused(cache, pools):
+    req_pool, allocator = pools
+    cache.insert([1, 2, 3], allocator.alloc(3), "a")
+    cache.inc_lock_ref(cache.match_prefix([1, 2, 3], "a").last_node)
+    with pytest.raises(RuntimeError, match="still has running requests"):
+        cache.drop_namespace("a")

@@ -52,6 +52,7 @@ class TokenizedGenerateReqInput:
     input_text: str | None = None
     trace: TraceContext | None = None  # only when the request is traced at level >= 2
     prediction_ids: list[int] | None = None  # OpenAI's Predicted Outputs: drafts for the verify step
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -61,6 +62,32 @@ class AbortReq:
 
     rid: str
     silent: bool = False
+
+
+@dataclass
+class LoadLoRAAdapterReq:
+    """Load an adapter (PEFT's format) under `lora_name`; every scheduler replies with a `LoRAAdapterReqOutput`
+    of the same `request_id`."""
+
+    request_id: str
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoRAAdapterReq:
+    """Unload an adapter once the requests running with it have finished (new ones are refused meanwhile)."""
+
+    request_id: str
+    lora_name: str
+
+
+@dataclass
+class LoRAAdapterReqOutput:
+    request_id: str
+    success: bool
+    message: str = ""
 
 
 @dataclass

@@ -19,6 +19,8 @@ from srt.engine_options import (
 )
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from srt.kv_events.config import parse_kv_events_config
+from srt.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS_PER_BATCH, LORA_TARGET_MODULES
+from srt.lora.specs import LORA_BACKENDS, lora_flag_problems
 from srt.metrics.custom_labels import parse_allowed_custom_labels
 from srt.model_source import EMBEDDED_MODELS, embedded_model_name
 from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
@@ -195,6 +197,35 @@ class ServerArgs:
         "response (acceptance length and rate, histogram, steps, drafted and accepted tokens)",
         choices=PER_REQUEST_SPEC_METRICS,
     )
+    # Multi-LoRA (docs/lora.md)
+    enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths / --lora-modules)")
+    lora_paths: list[str] | None = _f(
+        None,
+        'adapters loaded at start: NAME=PATH, PATH (named by its path) or JSON {"lora_name": ..., '
+        '"lora_path": ..., "pinned": false}; more later with POST /load_lora_adapter',
+        nargs="+",
+    )
+    lora_modules: list[str] | None = _f(None, "vLLM's name for --lora-paths (NAME=PATH or JSON)", nargs="+")
+    max_loras_per_batch: int = _f(
+        DEFAULT_MAX_LORAS_PER_BATCH, "adapter slots: the most distinct adapters one forward step serves"
+    )
+    max_loras: int | None = _f(None, "vLLM's name for --max-loras-per-batch")
+    max_loaded_loras: int | None = _f(
+        None, "the most adapters held in memory at once (loading one more is refused); default: no limit"
+    )
+    max_lora_rank: int | None = _f(
+        None, f"the largest adapter rank the slots take; default: the start-up adapters' largest, at least "
+        f"{DEFAULT_MAX_LORA_RANK}",
+    )  # fmt: skip
+    lora_target_modules: list[str] | None = _f(
+        None,
+        f"modules adapters may adapt (of {', '.join(LORA_TARGET_MODULES)}, or all); default: all",
+        nargs="+",
+    )
+    lora_backend: str = _f(
+        LORA_BACKENDS[0], "how adapter products run (PyTorch segment matmuls, grouped by adapter)",
+        choices=LORA_BACKENDS,
+    )  # fmt: skip
     # Observability beyond metrics: request traces, KV cache events, per-request export, custom labels
     enable_trace: bool = _f(False, "export OpenTelemetry request traces (OTLP) at trace level 1")
     otlp_traces_endpoint: str = _f(
@@ -302,6 +333,7 @@ class ServerArgs:
             except ValueError as e:
                 problems.append(str(e))
         problems.extend(self._speculative_problems())
+        problems.extend(lora_flag_problems(self))
         if embedded_model_name(self.model_path) is None and not os.path.exists(self.model_path):
             problems.append(
                 f"--model-path {self.model_path!r} does not exist: pass a Hugging Face model directory, a "

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import TYPE_CHECKING
 
+from srt.lora.config import DEFAULT_MAX_LORA_RANK, LoRAConfig
+from srt.lora.specs import lora_enabled, slots_per_batch, startup_adapters, target_modules
 from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -18,10 +22,11 @@ def build_runner(
     dist_init_method: str | None = None,
     dp_rank: int = 0,
 ) -> ModelRunner:
-    """This rank's model runner; every TP rank builds it from the same arguments."""
+    """This rank's model runner, with its start-up LoRA adapters loaded; every TP rank builds it from the
+    same arguments."""
     from srt.model_executor.model_runner import ModelRunner
 
-    return ModelRunner(
+    runner = ModelRunner(
         model_dir,
         dtype=server_args.dtype,
         device=server_args.device,
@@ -38,4 +43,35 @@ def build_runner(
         kv_cache_dtype=server_args.kv_cache_dtype,
         cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
         dp_rank=dp_rank,
+        lora=lora_config(server_args),
     )
+    for spec in startup_adapters(server_args.lora_paths, server_args.lora_modules):
+        runner.lora.load(spec.name, spec.path, spec.pinned)  # AdapterError: one line, exit 2
+    return runner
+
+
+def lora_config(args: ServerArgs) -> LoRAConfig | None:
+    """The runner's LoRA pool, from the flags (None: LoRA off). The slots' rank is --max-lora-rank, else the
+    largest rank among the start-up adapters (and at least the default)."""
+    if not lora_enabled(args):
+        return None
+    rank = args.max_lora_rank
+    if rank is None:
+        ranks = [adapter_rank(s.path) for s in startup_adapters(args.lora_paths, args.lora_modules)]
+        rank = max([DEFAULT_MAX_LORA_RANK, *(r for r in ranks if r is not None)])
+    return LoRAConfig(
+        max_loras_per_batch=slots_per_batch(args),
+        max_loaded_loras=args.max_loaded_loras,
+        max_lora_rank=rank,
+        target_modules=target_modules(args),
+    )
+
+
+def adapter_rank(path: str) -> int | None:
+    """An adapter's rank from its adapter_config.json (None when unreadable: loading it reports why)."""
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            r = json.load(f).get("r")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return r if type(r) is int and r > 0 else None

@@ -73,6 +73,7 @@ class AddResult(Enum):
     CONTINUE = auto()
     NO_TOKEN = auto()  # out of KV memory: stop admitting
     OTHER = auto()  # out of a token budget or request slots: stop admitting
+    SKIP = auto()  # its LoRA adapter does not fit next to the step's others: try the next request
 
 
 class PrefillAdder:
@@ -82,7 +83,9 @@ class PrefillAdder:
     still decode (`remaining_new_tokens × new_token_ratio`). A request is admitted if its new prompt tokens
     plus its own expected decode fit; a prompt longer than the chunk budget is admitted as a first chunk and
     closes the batch. Admitted requests lock their matched prefix so eviction cannot take it.
-    `reserved_tokens`: KV slots the same step takes for other work (a mixed step's decode tokens)."""
+    `reserved_tokens`: KV slots the same step takes for other work (a mixed step's decode tokens).
+    `lora_fits` (multi-LoRA on): whether a set of adapters can share one step; a request whose adapter would
+    not fit next to the running ones and those admitted so far is skipped (SKIP), not the end of admission."""
 
     def __init__(
         self,
@@ -94,8 +97,13 @@ class PrefillAdder:
         chunked_prefill_size: int,
         max_new_reqs: int,
         reserved_tokens: int = 0,
+        lora_fits: Callable[[list[str | None]], bool] | None = None,
+        chunked: Req | None = None,
     ):
         self.tree_cache = tree_cache
+        self.lora_fits = lora_fits
+        # the adapters the step already serves: the running batch's and a prompt mid-chunk's
+        self.lora_names = {r.lora_name for r in [*running, *([chunked] if chunked else [])]}
         self.new_token_ratio = new_token_ratio
         reserved = sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) for r in running) * new_token_ratio
         free = allocator.available_size() + tree_cache.evictable_size()
@@ -142,6 +150,12 @@ class PrefillAdder:
         with `whole_only`, used while another prompt is mid-chunk: one chunked request at a time)."""
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
+        if (
+            self.lora_fits is not None
+            and req.lora_name not in self.lora_names
+            and not self.lora_fits([*self.lora_names, req.lora_name])
+        ):
+            return AddResult.SKIP
         req.prepare_fill()
         match = self.tree_cache.match_prefix(req.fill_ids[: req.prefix_match_len], req.lora_name)
         req.prefix_indices, req.last_node = match.device_indices, match.last_node
@@ -173,6 +187,7 @@ class PrefillAdder:
             req.reset_prefix()
             return AddResult.NO_TOKEN
         self.can_run.append(req)
+        self.lora_names.add(req.lora_name)
         self._take(req.extend_len)
         if req.is_chunked:
             self.new_chunked_req = req

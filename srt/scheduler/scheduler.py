@@ -29,7 +29,10 @@ from srt.io_struct import (
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
 )
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.kv_events import KVEventSink
@@ -52,6 +55,7 @@ from srt.scheduler.schedule_policy import (
     retract_until_decode_fits,
 )
 from srt.scheduler.scheduler_grammar import SchedulerGrammar
+from srt.scheduler.scheduler_lora import SchedulerLoRA
 from srt.scheduler.scheduler_tracing import SchedulerTracing
 from srt.scheduler.spec_step import SpecDecoder
 from srt.scheduler.step_builder import StepBuilder
@@ -119,14 +123,25 @@ class Scheduler:
             if mixed_chunk_enabled(server_args, model_runner.device)
             else None
         )
-        self.builder = StepBuilder(self.req_to_token_pool, self.allocator, self.tree_cache)
+        # multi-LoRA (--enable-lora): loads and unloads between steps, each step's adapter slots
+        self.lora = (
+            SchedulerLoRA(model_runner.lora, self.tree_cache, read_in_loop=server_args.tp_size > 1)
+            if model_runner.lora is not None
+            else None
+        )
+        self.builder = StepBuilder(
+            self.req_to_token_pool,
+            self.allocator,
+            self.tree_cache,
+            adapter_slots=self.lora.slots if self.lora is not None else None,
+        )
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
         # decode steps in which some request drafts (--speculative-algorithm, or a request's `prediction`)
         # become verify steps
         self.spec = SpecDecoder(server_args, self.sampler.sampler, self.context_len, model_runner)
 
     # ---- inputs ----
-    def handle(self, msg) -> FlushCacheReqOutput | None:
+    def handle(self, msg) -> FlushCacheReqOutput | LoRAAdapterReqOutput | None:
         """Apply one message from the HTTP process; the reply to send back, if it asks for one."""
         if isinstance(msg, TokenizedGenerateReqInput):
             self.add_request(msg)
@@ -135,6 +150,15 @@ class Scheduler:
         elif isinstance(msg, FlushCacheReq):
             ok = self.flush_cache()
             return FlushCacheReqOutput(ok, "" if ok else "requests are still running; cache not flushed")
+        elif isinstance(msg, LoadLoRAAdapterReq | UnloadLoRAAdapterReq):
+            if self.lora is None:
+                return LoRAAdapterReqOutput(
+                    msg.request_id, False, "LoRA is off: start the server with --enable-lora"
+                )
+            if isinstance(msg, LoadLoRAAdapterReq):
+                self.lora.load(msg)
+            else:
+                self.lora.unload(msg, list(self.live.values()))
         else:
             logger.warning("Ignoring unknown message %r", type(msg).__name__)
         return None
@@ -149,8 +173,15 @@ class Scheduler:
         try:
             req = Req(recv.rid, recv.input_ids, params, recv.stream)
             req.prediction_ids = recv.prediction_ids
+            req.lora_name = recv.lora_name
             self.tracing.attach(req, recv.trace)
             req.finished_reason = refusal(req, self.live, self.max_req_input_len, self.vocab_size)
+            if not req.finished and req.lora_name is not None:
+                req.finished_reason = (
+                    self.lora.refusal(req.lora_name)
+                    if self.lora is not None
+                    else FinishReason("error", message="LoRA is off on this server", param="model")
+                )
             if not req.finished:
                 req.generator = make_generator(params.seed, self.default_generator)
             elif req.finished_reason.type == "error":  # the HTTP layer should have refused it already
@@ -205,14 +236,26 @@ class Scheduler:
         return True
 
     @property
-    def only_compiling_grammars(self) -> bool:
-        return bool(self.grammar.num_queued) and not (
-            self.waiting or self.running or self.chunked_req or self.finished_outside_step
+    def is_idle(self) -> bool:
+        return not (
+            self.waiting
+            or self.running
+            or self.chunked_req
+            or self.grammar.num_queued
+            or (self.lora is not None and self.lora.busy)
         )
 
     @property
-    def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req or self.grammar.num_queued)
+    def only_background_work(self) -> bool:
+        """Nothing to run until a worker thread finishes: a grammar compiling or an adapter's files being read
+        (the loop polls for it at a short period instead of spinning)."""
+        return not (self.waiting or self.running or self.chunked_req or self.finished_outside_step) and (
+            bool(self.grammar.num_queued) or (self.lora is not None and self.lora.busy)
+        )
+
+    def take_replies(self) -> list:
+        """Replies to control messages that finished since the last call (adapter loads and unloads)."""
+        return self.lora.take_replies() if self.lora is not None else []
 
     @property
     def num_used_tokens(self) -> int:
@@ -243,6 +286,8 @@ class Scheduler:
         step as their decode, and a prefill step with nothing decoding is bounded in time too (a request
         arriving meanwhile waits for it)."""
         stepped: list[Req] = []
+        if self.lora is not None and self.lora.busy:
+            self.lora.poll(list(self.live.values()))
         ready, failed = self.grammar.pop_ready()
         self.waiting.extend(ready)
         self.finished_outside_step.extend(failed)
@@ -290,6 +335,8 @@ class Scheduler:
             chunk,
             max_new_reqs=max(slots, 0),
             reserved_tokens=decode_tokens,
+            lora_fits=self.lora.fits if self.lora is not None else None,
+            chunked=self.chunked_req,
         )
         if self.chunked_req is not None and self.waiting:
             self._admit_ahead_of_chunk(adder)
@@ -299,7 +346,8 @@ class Scheduler:
                 result = adder.add_chunked_req(self.chunked_req)
             if result == AddResult.CONTINUE:
                 for req in self.waiting:
-                    if adder.add_one_req(req) != AddResult.CONTINUE:
+                    added = adder.add_one_req(req)
+                    if added not in (AddResult.CONTINUE, AddResult.SKIP):
                         break
         admitted = set(map(id, adder.can_run))
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
@@ -313,7 +361,8 @@ class Scheduler:
         tokens) holds every later request until its whole prefill is done: 36 s for a 4-token completion
         on a 2-core CPU."""
         for req in self.waiting:
-            if adder.add_one_req(req, whole_only=True) != AddResult.CONTINUE:
+            added = adder.add_one_req(req, whole_only=True)
+            if added not in (AddResult.CONTINUE, AddResult.SKIP):
                 break
         at_most = math.inf
         if self.mixed_budget is not None and adder.can_run:

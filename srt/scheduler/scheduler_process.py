@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 # While idle the loop blocks on the socket, waking at this period so periodic work (the stats summary,
 # process metrics) still happens.
 IDLE_POLL_MS = 1000
-# While the only work is grammars compiling on the worker thread: how often to look whether one is done.
-GRAMMAR_POLL_MS = 2
+# While the only work is on a worker thread (a grammar compiling, an adapter's files being read): how often to
+# look whether it is done.
+BACKGROUND_POLL_MS = 2
 
 
 def run_scheduler_process(
@@ -103,8 +104,9 @@ def event_loop(
                     peers.heartbeat(scheduler.runner.tp)
                 scheduler.reporter.on_tick(scheduler.load())
                 continue
-        elif scheduler.only_compiling_grammars:
-            poller.poll(GRAMMAR_POLL_MS)  # nothing to run until a grammar compiles or a message arrives
+        elif scheduler.only_background_work:
+            # nothing to run until a grammar compiles, an adapter's files are read or a message arrives
+            poller.poll(BACKGROUND_POLL_MS)
         msgs = drain(recv_sock)
         if peers is not None:
             peers.share_step(scheduler.runner.tp, msgs)
@@ -115,6 +117,8 @@ def event_loop(
         out = scheduler.step()
         if out is not None:
             send_sock.send_pyobj(out)
+        for reply in scheduler.take_replies():
+            send_sock.send_pyobj(reply)
         was_busy = True
         scheduler.reporter.on_tick(scheduler.load())
 

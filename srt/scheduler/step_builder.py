@@ -18,6 +18,8 @@ Every tensor of the batch lives on the device of the pools (the runner's): index
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -26,10 +28,18 @@ from srt.scheduler.schedule_batch import Req
 
 
 class StepBuilder:
-    def __init__(self, req_to_token_pool, allocator, tree_cache):
+    def __init__(
+        self,
+        req_to_token_pool,
+        allocator,
+        tree_cache,
+        adapter_slots: Callable[[list[Req]], list[int]] | None = None,
+    ):
+        """`adapter_slots` (multi-LoRA on): each of a step's requests' adapter slot, in the step's order."""
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
+        self.adapter_slots = adapter_slots
         self.uploader = IndexUploader(allocator.device)
         self._all_rows = torch.arange(0, dtype=torch.int64, device=allocator.device)  # grown on demand
 
@@ -86,6 +96,7 @@ class StepBuilder:
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=new_lens,
             num_decode=len(decode),
+            lora_slots=self._lora_slots(reqs),
             **extra,
         )
         up.end_step()
@@ -109,6 +120,7 @@ class StepBuilder:
             req_pool_indices=pool_idx,
             seq_lens=positions + 1,
             seq_lens_cpu=seq_lens_cpu,
+            lora_slots=self._lora_slots(reqs),
         )
         up.end_step()
         return batch
@@ -150,6 +162,10 @@ class StepBuilder:
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=new_lens,
             logit_rows=self._all_rows[:num_rows],
+            lora_slots=self._lora_slots(everyone),
         )
         up.end_step()
         return batch
+
+    def _lora_slots(self, reqs: list[Req]) -> list[int] | None:
+        return None if self.adapter_slots is None else self.adapter_slots(reqs)

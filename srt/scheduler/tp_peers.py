@@ -162,3 +162,4 @@ def peer_loop(scheduler: Scheduler) -> None:
         for msg in msgs:
             scheduler.handle(msg)
         scheduler.step()
+        scheduler.take_replies()  # rank 0 answers for the group

@@ -13,6 +13,9 @@ import re
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from srt.metrics.lora_state import LoRAStateCollector
+from srt.metrics.multiprocess import multiprocess_dir
+
 # The classic text format every Prometheus and promtool understands.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Scraping and health checks would otherwise dominate the request metrics.
@@ -41,6 +44,7 @@ def make_metrics_registry(path: str | None = None) -> CollectorRegistry:
     """A registry that reads every process's files from PROMETHEUS_MULTIPROC_DIR (or `path`) at collect."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path)
+    registry.register(LoRAStateCollector(path or multiprocess_dir()))
     return registry
 
 

@@ -274,7 +274,12 @@ class Scheduler:
             headroom_tokens=available + evictable,
             new_token_ratio=self.new_token_ratio,
             idle=self.is_idle,
+            lora=self.lora.snapshot(self._holding_kv(), self.waiting) if self.lora is not None else None,
         )
+
+    def _holding_kv(self) -> list[Req]:
+        """The running batch and a prompt mid-chunk: the requests whose adapter runs now."""
+        return [*self.running, self.chunked_req] if self.chunked_req is not None else self.running
 
     # ---- one step ----
     def step(self) -> BatchTokenIDOut | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from srt.scheduler.scheduler_lora import LoRALoad
     from srt.speculative.stats import SpecStepStats
 
 
@@ -27,6 +28,7 @@ class SchedulerLoad:
     headroom_tokens: int  # free KV slots plus evictable ones
     new_token_ratio: float
     idle: bool
+    lora: LoRALoad | None = None  # adapters running and waiting, and the pool (multi-LoRA on)
 
     @property
     def running_with_chunked(self) -> int:

@@ -45,6 +45,7 @@ class SchedulerReporter(StepReporter):
         # srt/metrics/spec_collector.py (with metrics on) and the SpecDecoding log line: from the start with
         # --speculative-algorithm, else from the first verify step (a request's prediction)
         self._spec_metrics_factory = spec_metrics_factory
+        self.lora_state = None  # srt/metrics/lora_state.py's writer, with multi-LoRA and metrics on
         self.spec_metrics = None
         self.spec_log: stat_logger.SpecDecodingLogger | None = None
         if args.speculative_algorithm:
@@ -174,6 +175,9 @@ class SchedulerReporter(StepReporter):
         self.last_flush = time.monotonic()
         if self.spec_metrics is not None:
             self.spec_metrics.flush()
+        if self.lora_state is not None and load.lora is not None:
+            lora = load.lora
+            self.lora_state.write(lora.running, lora.waiting, lora.slots_used, lora.slots_total, lora.loaded)
         if self.collector is None:
             return
         from srt.metrics.scheduler_collector import SchedulerStats
@@ -230,4 +234,11 @@ def build_reporter(
         spec_metrics_factory = functools.partial(SpecDecodeMetricsCollector, labels)
     reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer, spec_metrics_factory)
     reporter.grammar_metrics = grammar_metrics
+    if args.metrics_enabled and runner.lora is not None:
+        from srt.metrics.lora_state import LoRAStateWriter
+        from srt.metrics.multiprocess import multiprocess_dir
+
+        reporter.lora_state = LoRAStateWriter(
+            multiprocess_dir(), labels, runner.lora.config.max_loras_per_batch
+        )
     return reporter

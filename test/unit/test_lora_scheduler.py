@@ -163,3 +163,21 @@ def test_bad_load_and_unload_messages_get_failed_replies(tiny_model_dir, adapter
     assert "':'" in replies["3"].message and "not loaded" in replies["4"].message
     assert all("\n" not in r.message for r in replies.values())
     assert sched.runner.lora.loaded == ["a"]
+
+
+def test_the_load_snapshot_names_an_adapter_only_while_its_requests_run_or_wait(tiny_model_dir, adapters):
+    """What the LoRA metrics read: "a" runs from the first step, "b" waits while one slot holds "a", then
+    runs; when everything has finished neither is listed, and both stay loaded."""
+    sched = make(tiny_model_dir, adapters, max_loras_per_batch=1)
+    ps = prompts(2, seed=11)
+    seen = []
+    drive(
+        sched,
+        {0: [lora_request("x", ps[0], "a"), lora_request("y", ps[1], "b")]},
+        on_step=lambda step, s: seen.append((s.load().lora.running, s.load().lora.waiting)),
+    )
+    assert seen[0] == (("a",), ("b",))
+    assert (("b",), ()) in seen
+    final = sched.load().lora
+    assert (final.running, final.waiting) == ((), ())
+    assert {name for name, _ in final.loaded} == set(adapters) and final.slots_total == 1

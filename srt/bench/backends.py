@@ -79,6 +79,8 @@ def build_request(target: Target, req: BenchRequest) -> tuple[str, dict]:
         if target.fixed_output == "ignore_eos":
             params["ignore_eos"] = True
         body = {"text": req.prompt, "sampling_params": params, "stream": True}
+        if req.lora is not None:
+            body["lora_path"] = req.lora
         return base + GENERATE_PATH, {**body, **target.extra_body}
     body: dict = {"max_tokens": req.output_len, "temperature": 0.0, "stream": True}
     if target.chat:
@@ -86,8 +88,8 @@ def build_request(target: Target, req: BenchRequest) -> tuple[str, dict]:
     else:
         body["prompt"] = req.prompt
     body["stream_options"] = {"include_usage": True}
-    if target.model:
-        body["model"] = target.model
+    if target.model or req.lora:
+        body["model"] = req.lora or target.model
     body.update(fixed_output_fields(target.fixed_output, req.output_len))
     body.update(target.extra_body)
     return base + ENDPOINT_PATHS[target.endpoint], body

@@ -23,6 +23,7 @@ class BenchRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    lora: str | None = None  # a LoRA adapter's name: OpenAI's `model`, /generate's `lora_path`
 
 
 def load_tokenizer(path: str | None):

@@ -1,0 +1,152 @@
+"""Multi-LoRA serving on srt: what adapters cost next to the base model, on the embedded SmolLM2.
+
+Makes `--num-adapters` random rank-`--rank` adapters on every target module with PEFT (in a temporary
+directory), then starts two servers one after another:
+- `srt`: no LoRA (the reference of every ratio);
+- `srt-lora`: the same server with the adapters loaded (`--lora-paths`).
+Workloads (bench_peers' random chat workload, fixed output length):
+- `mixed`: at `--concurrency`, each request the base or one of the adapters, uniformly (on srt-lora; the
+  reference runs the same requests on the base);
+- `batch1-base` / `batch1-adapter`: one request at a time, on the base and on one adapter.
+The table gives output tok/s and the ratios the targets name: mixed ÷ base-only at the same concurrency
+(target ≥ 0.8), adapter batch-1 ÷ base batch-1 (target ≥ 0.85). A benchmark, never part of the tests; run
+it on a quiet machine.
+
+    python scripts/bench_lora.py
+    python scripts/bench_lora.py --num-adapters 4 --rank 16 --concurrency 16 --num-prompts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import tempfile
+from dataclasses import replace
+
+from srt.bench.dataset import load_tokenizer, random_requests
+from srt.bench.peers import RunningServer, machine_description, srt_peer
+from srt.bench.runner import run_benchmark, warmup
+from srt.model_source import resolve_model_dir
+
+logger = logging.getLogger("bench_lora")
+
+BASE_PORT = 30400
+TARGET_MIXED, TARGET_BATCH1 = 0.8, 0.85
+
+
+def make_adapters(model_dir: str, out: str, num: int, rank: int) -> dict[str, str]:
+    """Random adapters (B != 0) of `rank` on every target module, saved by PEFT."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from srt.lora.config import LORA_TARGET_MODULES
+
+    paths = {}
+    for i in range(num):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = LoraConfig(
+            r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGET_MODULES), init_lora_weights=False
+        )
+        peft = get_peft_model(model, config)
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, param in peft.named_parameters():
+                if ".lora_A." in name or ".lora_B." in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.01)
+        paths[f"adapter{i}"] = os.path.join(out, f"adapter{i}")
+        peft.save_pretrained(paths[f"adapter{i}"])
+    return paths
+
+
+async def measure(peer, log_path, count_tokens, workloads, show_progress) -> dict[str, float]:
+    """Output tok/s of each workload on one server."""
+    out = {}
+    with RunningServer(peer, log_path) as server:
+        logger.info("%s ready after %.1f s", peer.name, await server.wait_ready(count_tokens))
+        for name, (requests, concurrency) in workloads.items():
+            await warmup(peer.target, requests[0], count_tokens)
+            run = await run_benchmark(
+                peer.target, requests, count_tokens, max_concurrency=concurrency, show_progress=show_progress
+            )
+            s = run.summary
+            logger.info("%s %s: %d ok, %d failed, %.1f output tok/s", peer.name, name, s.completed, s.failed,
+                        s.output_throughput)  # fmt: skip
+            out[name] = s.output_throughput if s.failed == 0 else float("nan")
+    return out
+
+
+async def main_async(args) -> None:
+    model_dir = resolve_model_dir(None)
+    tokenizer = load_tokenizer(model_dir)
+    count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="bench_lora_") as tmp:
+        adapters = make_adapters(model_dir, tmp, args.num_adapters, args.rank)
+        rng = random.Random(args.seed)
+        base = random_requests(
+            tokenizer, args.num_prompts, args.input_len, args.output_len, 1.0, args.seed, True
+        )
+        choices = [None, *adapters]
+        mixed = [replace(r, lora=rng.choice(choices)) for r in base]
+        one = base[: args.batch1_prompts]
+        first = next(iter(adapters))
+        plain = srt_peer(args.base_port, model_dir, name="srt")
+        lora_flags = [
+            "--lora-paths",
+            *(f"{n}={p}" for n, p in adapters.items()),
+            "--max-lora-rank",
+            str(args.rank),
+        ]
+        lora = srt_peer(args.base_port + 1, model_dir, *lora_flags, name="srt-lora")
+        results = {}
+        results["srt"] = await measure(
+            plain, os.path.join(tmp, "srt.log"), count_tokens,
+            {"mixed": (base, args.concurrency), "batch1-base": (one, 1)}, not args.disable_tqdm,
+        )  # fmt: skip
+        results["srt-lora"] = await measure(
+            lora, os.path.join(tmp, "srt-lora.log"), count_tokens,
+            {"mixed": (mixed, args.concurrency), "batch1-base": (one, 1),
+             "batch1-adapter": ([replace(r, lora=first) for r in one], 1)},
+            not args.disable_tqdm,
+        )  # fmt: skip
+    ref, got = results["srt"], results["srt-lora"]
+    print(f"\nMachine: {machine_description()}")
+    print(
+        f"Model: SmolLM2-135M-Instruct (int8), {args.num_adapters} adapters of rank {args.rank} on every module"
+    )
+    print(f"Random chat workload: input {args.input_len} / output {args.output_len} tokens, fixed length\n")
+    print("| server | workload | output tok/s |\n|---|---|---|")
+    for server, runs in results.items():
+        for workload, tps in runs.items():
+            print(f"| {server} | {workload} | {tps:.1f} |")
+    mixed_ratio = got["mixed"] / ref["mixed"]
+    batch1_ratio = got["batch1-adapter"] / ref["batch1-base"]
+    print(f"\n- mixed (base + adapters, c{args.concurrency}) / base-only: {mixed_ratio:.2f}x "
+          f"(target {TARGET_MIXED}x: {'met' if mixed_ratio >= TARGET_MIXED else 'MISSED'})")  # fmt: skip
+    print(f"- batch-1 adapter / base: {batch1_ratio:.2f}x "
+          f"(target {TARGET_BATCH1}x: {'met' if batch1_ratio >= TARGET_BATCH1 else 'MISSED'})")  # fmt: skip
+    print(f"- base batch-1 on the LoRA server / without LoRA: {got['batch1-base'] / ref['batch1-base']:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-adapters", type=int, default=4)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--batch1-prompts", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--base-port", type=int, default=BASE_PORT)
+    p.add_argument("--disable-tqdm", action="store_true")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

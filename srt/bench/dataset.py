@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,9 @@ class BenchRequest:
     prompt: str
     prompt_len: int
     output_len: int
-    lora: str | None = None  # a LoRA adapter's name: OpenAI's `model`, /generate's `lora_path`
+    # a LoRA adapter's name (OpenAI's `model`, /generate's `lora_path`); keyword-only, so subclasses' own
+    # positional fields keep their places
+    lora: str | None = field(default=None, kw_only=True)
 
 
 def load_tokenizer(path: str | None):

@@ -6,7 +6,6 @@ The app holds no model: it talks to the scheduler only through the TokenizerMana
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from srt.http_server.input_processor import GenerateInput, ServerUnavailableError
+from srt.http_server.load_report import LOAD_SECTIONS, LoadReportMiddleware, loads_body, unknown_sections
 from srt.http_server.middleware import install_middlewares
 from srt.http_server.native_protocol import AbortRequest, FlushCacheRequest, GenerateRequest
 from srt.http_server.openai.errors import (
@@ -32,10 +32,13 @@ from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.http_server.openai.serving_chat import ChatHandler
 from srt.http_server.openai.serving_common import model_not_found
 from srt.http_server.openai.serving_completions import CompletionHandler
+from srt.http_server.server_info import model_card, model_info, server_info, tokenizer_info
 from srt.http_server.serving_native import GenerateHandler
 from srt.http_server.serving_tokenize import TokenizeHandler
 from srt.http_server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from srt.http_server.tokenizer_manager import TokenizerManager
+from srt.metrics.load_snapshot import SchedulerLoadReader
+from srt.metrics.multiprocess import multiprocess_dir
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.tracing.common import parse_trace_level
@@ -56,6 +59,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     native = GenerateHandler(tm)
     tokens = TokenizeHandler(tm, model_name, chat.tool_parser)
     created = int(time.time())
+    load_reader = None  # load reports read the schedulers' gauges
+    if server_args.metrics_enabled and multiprocess_dir():
+        load_reader = SchedulerLoadReader(multiprocess_dir())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -96,15 +102,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "srt",
-            "root": model_name,
-            "max_model_len": tm.context_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(model_name, created, tm.context_len)]}
 
     @app.get("/v1/models/{model:path}")  # `path`: served names may hold slashes (org/name)
     async def retrieve_model(model: str):
@@ -155,21 +153,35 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info():
-        return {
-            "model_path": server_args.model_path or tm.model_dir,
-            "tokenizer_path": server_args.tokenizer_path or tm.model_dir,
-            "served_model_name": model_name,
-            "is_generation": True,
-            "context_length": tm.context_len,
-        }
+        return model_info(server_args, tm.model_dir, tm.context_len)
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info():
-        info = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
-        info.update(dataclasses.asdict(tm.ready) if tm.ready else {})
-        info["version"] = SRT_VERSION
-        return info
+        return server_info(server_args, tm.ready, SRT_VERSION)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return tokenizer_info(tm.tokenizer, tm.context_len)
+
+    @app.get("/v1/loads")
+    @app.get("/get_loads")
+    async def get_loads(include: str | None = None):
+        unknown = unknown_sections(include)
+        if unknown:
+            msg = f"unknown load section {unknown[0]!r}: SGLang's are {', '.join(LOAD_SECTIONS)}"
+            return OpenAIError(msg, param="include", code="invalid_value").to_response()
+        ranks = None if load_reader is None else load_reader.read_ranks()
+        if ranks is None:
+            msg = (
+                "no load figures: they come from the schedulers' gauges, which --disable-metrics turns off"
+                if load_reader is None
+                else "no scheduler has reported its load yet"
+            )
+            return OpenAIError(
+                msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE
+            ).to_response()
+        return loads_body(ranks, tm.ready.max_running_requests if tm.ready else 0)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(body: FlushCacheRequest | None = None):
@@ -209,13 +221,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
         instrument_http_app(app, {"model_name": model_name})
         app.router.routes.append(Route("/metrics", endpoint=make_metrics_asgi_app()))
-    from srt.metrics.multiprocess import multiprocess_dir
-
-    if server_args.metrics_enabled and multiprocess_dir():  # load reports read the schedulers' gauges
-        from srt.http_server.load_report import LoadReportMiddleware
-        from srt.metrics.load_snapshot import SchedulerLoadReader
-
-        app.add_middleware(LoadReportMiddleware, reader=SchedulerLoadReader(multiprocess_dir()))
+    if load_reader is not None:
+        app.add_middleware(LoadReportMiddleware, reader=load_reader)
     app.state.admission = install_middlewares(app, server_args)
     if server_args.enable_trace:  # outermost: a request's trace starts before its body is read
         app.add_middleware(ReceivedTimeMiddleware)

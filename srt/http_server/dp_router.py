@@ -2,8 +2,9 @@
 
 Each replica is a full scheduler with its own model copy and KV pool; the router only picks one per
 request: `round_robin`, or `shortest_queue` (fewest requests routed there and not yet finished — the main
-process sees every finish, so it needs no load report from the schedulers). Aborts go to the replica that
-owns the request, or to all of them for `rid=""`.
+process sees every finish, so it needs no load report from the schedulers), unless the request names its
+replica (`data_parallel_rank`, as a gateway routing over replicas does). Aborts go to the replica that owns
+the request, or to all of them for `rid=""`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ class DataParallelRouter:
         self._owner: dict[str, int] = {}
         self._load = [0] * dp_size
 
-    def route(self, rid: str) -> int:
-        if self.method == SHORTEST_QUEUE:
+    def route(self, rid: str, rank: int | None = None) -> int:
+        """The replica of request `rid`: `rank` if given (the caller checked it is in range), else the
+        method's choice."""
+        if rank is not None:
+            pass
+        elif self.method == SHORTEST_QUEUE:
             rank = min(range(self.dp_size), key=self._load.__getitem__)
         else:
             rank = next(self._cycle)

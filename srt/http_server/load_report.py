@@ -1,4 +1,11 @@
-"""ORCA load reports for gateways: vLLM's `endpoint-load-metrics` response header.
+"""Load reports for gateways: SGLang's `GET /v1/loads` and ORCA's `endpoint-load-metrics` response header.
+
+`/v1/loads` answers SGLang's schema, which the Shepherd Model Gateway polls for its load-aware policies:
+`{"timestamp", "dp_rank_count", "loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs",
+"num_used_tokens", "max_total_num_tokens", "token_usage", ...}]}`, one entry per data-parallel replica with
+absolute token counts (integers: the gateway reads them as such). Its `include` query names SGLang's
+sections (`core,queues,memory`, ...); srt's figures are all core ones, so every known section answers them
+and an unknown one is a 400 naming `include`.
 
 A request carrying `endpoint-load-metrics-format: TEXT` (or `JSON`) gets the server's current load in the
 response's `endpoint-load-metrics` header, in ORCA's named-metrics form:
@@ -14,12 +21,47 @@ the request itself is never refused for it. A streamed response carries the load
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
-from srt.metrics.load_snapshot import LoadSnapshot, SchedulerLoadReader
+from srt.metrics.load_snapshot import LoadSnapshot, RankLoad, SchedulerLoadReader
 
 REQUEST_HEADER = b"endpoint-load-metrics-format"
 RESPONSE_HEADER = b"endpoint-load-metrics"
 FORMATS = ("TEXT", "JSON")
+# The sections SGLang's /v1/loads `include` query may name.
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+def unknown_sections(include: str | None) -> list[str]:
+    """The names in a `/v1/loads?include=a,b` query that are not SGLang's sections."""
+    asked = [] if include is None else [p.strip() for p in include.split(",") if p.strip()]
+    return [p for p in asked if p not in LOAD_SECTIONS]
+
+
+def rank_entry(load: RankLoad, max_running_requests: int) -> dict:
+    waiting, running = load.num_waiting_reqs, load.num_running_reqs
+    return {
+        "dp_rank": load.dp_rank,
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_total_reqs": running + waiting,
+        "num_used_tokens": load.num_used_tokens,
+        "max_total_num_tokens": load.max_total_num_tokens,
+        "token_usage": load.token_usage,
+        "gen_throughput": load.gen_throughput,
+        "cache_hit_rate": load.cache_hit_rate,
+        "utilization": load.token_usage,  # SGLang's name for the same KV fraction
+        "max_running_requests": max_running_requests,
+    }
+
+
+def loads_body(ranks: list[RankLoad], max_running_requests: int) -> dict:
+    """SGLang's `/v1/loads` answer: one entry per replica, ordered by `dp_rank`."""
+    return {
+        "timestamp": datetime.now(UTC).isoformat(),
+        "dp_rank_count": len(ranks),
+        "loads": [rank_entry(r, max_running_requests) for r in ranks],
+    }
 
 
 def named_metrics(load: LoadSnapshot) -> dict[str, float]:

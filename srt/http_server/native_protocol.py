@@ -79,6 +79,8 @@ class GenerateRequest(RequestBody):
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: Rid | None = None
+    # SGLang's: run on this data-parallel replica (a gateway's --dp-aware routing); checked against --dp-size
+    data_parallel_rank: Count | None = None
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     # SGLang's: with `return_logprob`, prompt logprobs from this position on; -1 = none (output only).

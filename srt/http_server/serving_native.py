@@ -79,6 +79,7 @@ class GenerateHandler:
             n=n,
             stream=req.stream,
             rid=req.rid or uuid.uuid4().hex,
+            data_parallel_rank=req.data_parallel_rank,
             input_texts=texts,
         )
         await self.tm.inputs.judge_constraint(obj.sampling_params)

@@ -163,6 +163,13 @@ class TokenizerManager:
         to a (streaming) response, so bad input gets a 400 status."""
         if self.dead_reason is not None:
             raise ServerUnavailableError(self.dead_reason)
+        rank = obj.data_parallel_rank
+        if rank is not None and not 0 <= rank < self.router.dp_size:
+            raise InvalidRequestError(
+                f"`data_parallel_rank` {rank} is out of range: this server runs --dp-size "
+                f"{self.router.dp_size} (ranks 0 to {self.router.dp_size - 1})",
+                "data_parallel_rank",
+            )
         return self.inputs.check(obj)
 
     def _internal_rids(self, obj: GenerateInput) -> tuple[str, list[str]]:
@@ -209,7 +216,7 @@ class TokenizerManager:
             if params.logprob_start_len is not None:
                 self.rid_to_state[rid].logprob_ids = ids[params.logprob_start_len :]
             text = obj.input_texts[p] if obj.input_texts else None
-            rank = self.router.route(rid)
+            rank = self.router.route(rid, obj.data_parallel_rank)
             trace = traces[i] if traces else None
             self.send_socks[rank].send_pyobj(
                 TokenizedGenerateReqInput(rid, ids, params, obj.stream, text, trace, obj.prediction_ids)

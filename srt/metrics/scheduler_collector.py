@@ -51,9 +51,11 @@ def make_cache_config(
     context_len: int,
 ) -> dict[str, str]:
     """The label set of `sglang:cache_config_info`. `max_concurrency` is how many requests of full context
-    length the KV pool holds at once (vLLM's definition)."""
+    length the KV pool holds at once (vLLM's definition); `num_pages` is the pool in pages, as llm-d's endpoint
+    picker reads it (`page_size` x `num_pages` KV tokens)."""
     return {
         "page_size": str(page_size),
+        "num_pages": str(max_total_num_tokens // page_size),
         "num_kv_tokens": str(max_total_num_tokens),
         "max_running_requests": str(max_running_requests),
         "chunked_prefill_size": str(chunked_prefill_size),

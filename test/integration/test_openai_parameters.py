@@ -23,7 +23,7 @@ from openai.resources.chat.completions import Completions as ChatResource
 from openai.resources.completions import Completions as CompletionResource
 
 from srt.http_server.native_protocol import NativeSamplingParams
-from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from test.integration.conftest import REPO_ROOT, ServerHandle, running_server
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ SAMPLE = {
     "prompt_cache_options": {"mode": "implicit"}, "top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0,
     "stop_token_ids": [1], "ignore_eos": False, "skip_special_tokens": True,
     "json_schema": '{"type": "object"}', "regex": "a", "ebnf": 'root ::= "a"', "min_tokens": 1, "rid": "x",
-    "return_timing": True,
+    "return_timing": True, "stream_options.continuous_usage_stats": True, "data_parallel_rank": 0,
 }  # fmt: skip
 
 
@@ -268,6 +268,33 @@ def check_stream_options(api: Api, stream: bool, name: str) -> None:
     assert "stream_options" in api.refused(stream_options={"include_usage": "yes"})["param"]
 
 
+def check_continuous_usage_stats(api: Api, stream: bool, name: str) -> None:
+    """Always streamed (it is a stream option): with include_usage, every chunk of a choice carries that
+    choice's usage so far, counting up to the closing chunk's; without include_usage, none does."""
+    client = api.server.openai_client(timeout=TIMEOUT)
+    create = client.chat.completions.create if api.route == "chat" else client.completions.create
+    body = (
+        {"messages": [{"role": "user", "content": "Say hi."}]} if api.route == "chat" else {"prompt": "Hello"}
+    )
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(create(model=MODEL, max_tokens=5, temperature=0, stream=True, stream_options=options,
+                         extra_body={"ignore_eos": True}, **body))  # fmt: skip
+    running = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert len(running) >= 5 and running == sorted(running) and running[-1] == 5
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 5
+    plain = list(create(model=MODEL, max_tokens=5, temperature=0, stream=True,
+                        stream_options={"continuous_usage_stats": True}, **body))  # fmt: skip
+    assert all(c.usage is None for c in plain)
+
+
+def check_data_parallel_rank(api: Api, stream: bool, name: str) -> None:
+    # This server runs one replica: rank 0 is it; test_server_dp.py routes over two.
+    assert api.call(stream, data_parallel_rank=0).texts == api.call(stream).texts
+    assert api.refused(stream, data_parallel_rank=1)["param"] == "data_parallel_rank"
+    assert api.refused(stream, data_parallel_rank=True)["param"] == "data_parallel_rank"
+
+
 def check_stop(api: Api, stream: bool, name: str) -> None:
     base = api.call(stream, text=REPEAT, **{api.limit: 8}).texts[0]
     stop = base[3:6]
@@ -393,6 +420,8 @@ HONOURED = {
     "skip_special_tokens": check_skip_special_tokens, "rid": check_rid,
     "tools": check_tools, "tool_choice": check_tools, "parallel_tool_calls": check_tools,
     "return_timing": check_return_timing, "prediction": check_prediction,
+    "stream_options.continuous_usage_stats": check_continuous_usage_stats,
+    "data_parallel_rank": check_data_parallel_rank,
 }  # fmt: skip
 
 
@@ -400,7 +429,10 @@ HONOURED = {
 def test_table_matches_the_request_models_and_the_openai_client():
     """Every parameter the code accepts or refuses is in the table and vice versa; every parameter the
     installed `openai` client can send is in the table; every honoured cell has a check."""
-    claimed = {route: {p for p, s in TABLE.items() if s[route] != "—"} for route in ROUTES}
+    # A dotted name is a field of a nested object (`stream_options.continuous_usage_stats`).
+    nested = {p for p in TABLE if "." in p}
+    assert {p.split(".", 1)[1] for p in nested} <= set(StreamOptions.model_fields)
+    claimed = {route: {p for p, s in TABLE.items() if s[route] != "—"} - nested for route in ROUTES}
     chat = ChatCompletionRequest
     assert claimed["chat"] == set(chat.model_fields) | set(chat.refused)
     assert claimed["completions"] == set(CompletionRequest.model_fields) | set(CompletionRequest.refused)
@@ -428,9 +460,11 @@ def test_parameter(server: ServerHandle, route: str, name: str, status: str, str
     elif status == "ignored":
         assert api.call(stream, **{name: SAMPLE[name]}).texts == api.call(stream).texts
     else:
-        error = api.refused(stream, **{name: SAMPLE[name]})
-        assert name in error["param"], error
-        assert ("is not supported" if status == "refused" else name) in error["message"]
+        # a nested name is sent inside its object, which is what the route does not take
+        top, _, inner = name.partition(".")
+        error = api.refused(stream, **{top: {inner: SAMPLE[name]} if inner else SAMPLE[name]})
+        assert top in error["param"], error
+        assert ("is not supported" if status == "refused" else top) in error["message"]
         if status == "refused":
             api.call(stream, **{name: None})  # null means "not used"
 

@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from srt.bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from test.integration.conftest import launch_server
 
 pytestmark = pytest.mark.slow
@@ -424,3 +425,20 @@ def test_every_exported_span_belongs_to_a_traced_request(receiver, level3):
     roots = [names for names in per_trace.values() if "llm_request" in names]
     assert len(roots) == len(per_trace)  # level 0's request left no trace; every other trace has its root
     assert len(roots) == 1 + 1 + 1 + RETRACT_REQUESTS + 1
+
+
+def test_a_gateways_traceparent_continues_into_the_servers_spans(server, receiver):
+    """The Shepherd Model Gateway forwards the caller's `traceparent`: srt's root span joins that trace
+    (run last: the span counts above are of the requests sent straight to the server)."""
+    if smg_problem() is not None:
+        pytest.skip(smg_problem())
+    assert set_level(server, 1).status_code == 200
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    headers = {"traceparent": f"00-{trace_id}-{span_id}-01"}
+    model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    with running_gateway([server.base_url], ROUND_ROBIN) as gw:
+        body = {"model": model, "prompt": "Hello", "max_tokens": 4, **GREEDY}
+        r = httpx.post(f"{gw.base_url}/v1/completions", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+    root = receiver.root(r.json()["id"])
+    assert root.trace_id == trace_id and root.parent_id == span_id

@@ -184,6 +184,7 @@ def test_cache_config_info_is_a_gauge_at_one_with_capacity_and_concurrency(sampl
     info = select(samples, "sglang:cache_config_info", dp_rank="1")
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["num_kv_tokens"] == str(CAPACITY)
+    assert info[0].labels["num_pages"] == str(CAPACITY)  # page size 1
     assert float(info[0].labels["max_concurrency"]) == pytest.approx(CAPACITY / CONTEXT_LEN, abs=0.01)
     assert metric_types(exposition)["sglang:cache_config_info"] == "gauge"
 

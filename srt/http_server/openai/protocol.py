@@ -45,6 +45,8 @@ class StreamOptions(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool | None = None
+    # vLLM's: with include_usage, every chunk also carries the usage of its choice so far (guidellm asks it)
+    continuous_usage_stats: bool | None = None
     # Accepted and ignored: OpenAI pads stream chunks against size side channels; the text is the same.
     include_obfuscation: bool | None = None
 
@@ -157,6 +159,8 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
     skip_special_tokens: bool = True
     stop_token_ids: StopTokenIds | None = None
     rid: Rid | None = None
+    # SGLang's: run on this data-parallel replica (a gateway's --dp-aware routing); checked against --dp-size
+    data_parallel_rank: Count | None = None
     # srt's: per-request timings in each choice (`timing`), docs/observability.md, "Per-request timings".
     return_timing: bool | None = None
     prediction: Prediction | None = None
@@ -172,6 +176,11 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: usage in every chunk only when the closing usage chunk is asked for too."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def to_sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

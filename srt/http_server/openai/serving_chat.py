@@ -15,6 +15,7 @@ from srt.http_server.openai.protocol import ChatCompletionRequest
 from srt.http_server.openai.serving_common import (
     ChoiceAcc,
     check_model,
+    chunk_usage,
     collect_response,
     spec_metrics_block,
     stream_chunk,
@@ -84,6 +85,7 @@ class ChatHandler:
             n=req.num_samples,
             stream=req.streaming,
             rid=req.rid or uuid.uuid4().hex,
+            data_parallel_rank=req.data_parallel_rank,
             fill_max_new_tokens=max_new is None,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction
@@ -140,13 +142,18 @@ class ChatHandler:
         started = [False] * n
         tools = ChatTools(req, self.tool_parser)
         streams = [tools.new_stream() for _ in range(n)]
-        extra = {"usage": None} if req.include_usage else {}
         with_timing = wants_timing(self.tm, req.return_timing)
 
         def chunk(
-            index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None, **more
+            index: int,
+            delta: dict,
+            finish: str | None = None,
+            logprobs: dict | None = None,
+            so_far: ChoiceAcc | None = None,
+            **more,
         ) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **more}
+            extra = chunk_usage(req.include_usage, req.continuous_usage, so_far or accs[index])
             return stream_chunk(rid, "chat.completion.chunk", created, self.model_name, choice, extra)
 
         def on_output(out: ReqOutput) -> list[str]:
@@ -154,7 +161,8 @@ class ChatHandler:
             chunks = []
             if not started[out.index]:
                 started[out.index] = True
-                chunks.append(chunk(out.index, {"role": "assistant", "content": ""}))
+                before = ChoiceAcc(prompt_tokens=accs[out.index].prompt_tokens)  # the role precedes any token
+                chunks.append(chunk(out.index, {"role": "assistant", "content": ""}, so_far=before))
             logprobs = None
             if req.logprobs and out.token_logprobs:
                 logprobs = chat_logprobs(self.tm, out.output_ids, out.token_logprobs, out.top_logprobs)

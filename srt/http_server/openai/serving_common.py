@@ -144,6 +144,24 @@ def usage(choices: list[ChoiceAcc], n: int, predicted: bool = False) -> dict:
     return out
 
 
+def chunk_usage(include_usage: bool, continuous: bool, choice: ChoiceAcc) -> dict:
+    """The `usage` member of a stream chunk: none without `include_usage`, null while usage comes in the
+    closing chunk only, and with vLLM's `continuous_usage_stats` the choice's prompt and the tokens it has
+    generated so far (the closing chunk still counts the whole request: `usage`)."""
+    if not include_usage:
+        return {}
+    if not continuous:
+        return {"usage": None}
+    prompt, completion = choice.prompt_tokens, choice.completion_tokens
+    return {
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+    }
+
+
 def merged_spec_stats(choices: list[ChoiceAcc]) -> SpecRequestStats:
     """The choices' speculative figures added up (a choice without verify steps adds nothing)."""
     total = SpecRequestStats()
@@ -193,7 +211,7 @@ async def collect_response(
 
 
 def stream_chunk(rid: str, kind: str, created: int, model: str, choice: dict, extra: dict) -> str:
-    """One SSE chunk in OpenAI's shape: a single choice, plus `usage: null` when usage is streamed last."""
+    """One SSE chunk in OpenAI's shape: a single choice, plus its `usage` member (`chunk_usage`)."""
     return sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], **extra})
 
 

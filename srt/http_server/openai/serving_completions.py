@@ -14,6 +14,7 @@ from srt.http_server.openai.protocol import CompletionRequest
 from srt.http_server.openai.serving_common import (
     ChoiceAcc,
     check_model,
+    chunk_usage,
     collect_response,
     spec_metrics_block,
     stream_chunk,
@@ -102,6 +103,7 @@ class CompletionHandler:
             n=n,
             stream=req.streaming,
             rid=req.rid or uuid.uuid4().hex,
+            data_parallel_rank=req.data_parallel_rank,
             input_texts=texts,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction
@@ -179,13 +181,13 @@ class CompletionHandler:
         accs = [ChoiceAcc() for _ in range(total)]
         offsets = [len(texts[i // req.num_samples]) if req.echo else 0 for i in range(total)]
         echoed = [not req.echo] * total
-        extra = {"usage": None} if req.include_usage else {}
         with_timing = wants_timing(self.tm, req.return_timing)
 
         def chunk(index: int, text: str, finish: str | None, logprobs: dict | None, stats=None) -> str:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             if with_timing and finish is not None:
                 choice["timing"] = timing(stats)
+            extra = chunk_usage(req.include_usage, req.continuous_usage, accs[index])
             return stream_chunk(rid, "text_completion", created, self.model_name, choice, extra)
 
         def on_output(out: ReqOutput) -> list[str]:

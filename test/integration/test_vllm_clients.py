@@ -1,0 +1,93 @@
+"""Clients of the vLLM ecosystem, unchanged, against a real srt server (both are test dependencies; a test is
+skipped, with the reason, where its client cannot be imported or run):
+
+- guidellm 0.8.1 streams chat with vLLM's `stream_options.continuous_usage_stats` and reads the usage in
+  every chunk: a short synchronous run completes every request, none errored, each with the output tokens
+  it asked for.
+- lm-evaluation-harness's API model finds srt's `/tokenizer_info` by itself (`tokenizer_backend` left to
+  auto-detection picks `remote`), tokenizes through `/tokenize` as the local tokenizer does, and scores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from srt.tokenizer_loading import load_tokenizer
+from test.integration.conftest import ServerHandle, running_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+GUIDELLM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 3, 32, 8
+GUIDELLM_TIMEOUT_SECONDS = 300
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--max-total-tokens", "8192") as handle:
+        yield handle
+
+
+def guidellm_binary() -> str | None:
+    path = Path(sys.executable).parent / "guidellm"
+    return str(path) if path.exists() else None
+
+
+@pytest.mark.skipif(
+    guidellm_binary() is None, reason="guidellm is not installed (pip install guidellm==0.8.1)"
+)
+def test_guidellm_completes_every_request(server: ServerHandle, tmp_path):
+    tokenizer_dir = httpx.get(f"{server.base_url}/model_info", timeout=10).json()["tokenizer_path"]
+    report = tmp_path / "guidellm.json"
+    cmd = [
+        guidellm_binary(), "run",
+        "--backend", f"kind=openai_http,target={server.base_url}",
+        "--profile", "kind=synchronous",
+        "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
+        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+        "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",  # its synthetic prompts need one; no hub here
+        "--output", f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=GUIDELLM_TIMEOUT_SECONDS, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (bench,) = json.loads(report.read_text())["benchmarks"]
+    state, done = bench["scheduler_state"], bench["requests"]["successful"]
+    counts = {k: v for k, v in state.items() if k.endswith("_requests")}
+    assert state["successful_requests"] == GUIDELLM_REQUESTS and state["errored_requests"] == 0, counts
+    assert [r["output_tokens"] for r in done] == [OUTPUT_TOKENS] * GUIDELLM_REQUESTS
+    assert all(
+        json.loads(r["request_args"])["body"]["stream_options"]["continuous_usage_stats"] for r in done
+    )
+
+
+def test_lm_eval_uses_the_servers_tokenizer_remotely(server: ServerHandle, model_assets_dir):
+    api_models = pytest.importorskip(
+        "lm_eval.models.openai_completions", reason="lm-eval is not installed (pip install 'lm_eval[api]')"
+    )
+    from lm_eval.api.instance import Instance
+
+    lm = api_models.LocalCompletionsAPI(
+        base_url=f"{server.openai_base_url}/completions", model=MODEL, num_concurrent=1, max_retries=1
+    )
+    assert lm.tokenizer_backend == "remote"  # auto-detected from /tokenizer_info
+    local = load_tokenizer(model_assets_dir)
+    text = "The quick brown fox jumps over the lazy dog."
+    assert lm.tok_encode(text) == local.encode(text, add_special_tokens=False)
+    assert lm.eot_token_id == local.eos_token_id
+    context = "The capital of France is"
+    paris, banana = lm.loglikelihood(
+        [
+            Instance(request_type="loglikelihood", doc={}, arguments=(context, c), idx=i)
+            for i, c in enumerate((" Paris", " banana"))
+        ]
+    )
+    assert paris[0] > banana[0] and paris[1] is True

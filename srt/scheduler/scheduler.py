@@ -473,6 +473,7 @@ class Scheduler:
         taken = append_token_runs(
             tokens, verifying, time.monotonic(), self.eos_token_ids, self.context_len, logprobs
         )
+        self.spec.record_penalties(verifying, tokens, taken)
         rejected: list[int] = []
         row = 0
         for req, run, n in zip(verifying, runs, taken, strict=True):

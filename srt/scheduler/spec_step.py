@@ -6,12 +6,12 @@ Where drafts come from: a request that carries a prediction drafts from it alone
 the request's own parameter); the others from `--speculative-algorithm`'s proposer, when the server has one. The scheduler runs the verify step itself (`Scheduler._run_verify`); the model-free
 parts (proposers, lossless verification, the figures) live in `srt/speculative/`.
 
-Eligibility, decided every step: a request drafts unless it is constrained by a grammar, uses a penalty, or
-has not reached its `min_new_tokens` floor. Those per-token features would have to be replayed per draft
-position (a grammar advanced and rolled back, penalty counts updated mid-run, the end-of-sequence ban
-lifted mid-run); such a request decodes plainly in the same forward step instead (one row, the ordinary
-sampler), so its output is exactly what it is without speculation. Logprobs need no replay: each
-appended token's logprob and alternatives are read off the row it was chosen from (`run_logprobs`).
+Eligibility, decided every step: a request drafts unless it is constrained by a grammar, whose matcher would
+have to be advanced over the drafts and rolled back; such a request decodes plainly in the same forward step
+instead (one row, the ordinary sampler), so its output is exactly what it is without speculation. What else
+acts per token acts per row of the run, each row after its own context (the output and the drafts before
+it): penalties and the min_new_tokens ban (`_apply_context_rules`), logprobs read off the row each token was
+chosen from (`run_logprobs`); the penalty pool then counts the appended tokens (`record_penalties`).
 What an eligible request's rows go through before verification is what the sampler does for it:
 `logit_bias`, then temperature and top-k/top-p/min-p (`RandomRows.probs`); a greedy request takes the
 argmax of its biased logits.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt.sampling.penalties import uses_penalties
+from srt.sampling.penalties import apply_penalties, banned_token_ids, mask_tokens, uses_penalties
 from srt.sampling.sampler import top_logprobs
 from srt.sampling.sampling_batch import SamplingBatch
 from srt.speculative.defaults import (
@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 
 def may_speculate(req: Req) -> bool:
     """Whether the request may take drafts this step (see the module docstring)."""
-    p = req.sampling_params
-    return req.grammar is None and not uses_penalties(p) and len(req.output_ids) >= p.min_new_tokens
+    return req.grammar is None
 
 
 def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
@@ -152,6 +151,12 @@ class SpecDecoder:
         params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
         probs = None
+        if any(
+            uses_penalties(p) or len(r.output_ids) < p.min_new_tokens
+            for r, p in zip(reqs, params, strict=True)
+        ):
+            logits = logits.clone()  # the caller's rows stay raw (logprobs read them)
+            self._apply_context_rules(logits, reqs, drafts)
         if not all(greedy) or any(p.logit_bias for p in params):
             rows = [r for r, ids in zip(reqs, drafts, strict=True) for _ in range(len(ids) + 1)]
             per_row = SamplingBatch.build(
@@ -172,6 +177,39 @@ class SpecDecoder:
             [r.generator for r in reqs],
         )
         return result.token_ids(), result.accepted.tolist()
+
+    def _apply_context_rules(
+        self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]
+    ) -> None:
+        """What depends on a row's position in the run, applied in place: row j of a request comes after its
+        output and its first j drafts, so its penalties count those tokens (computed from that context, as
+        the sampler's reference does), and while that context is shorter than min_new_tokens its end of
+        sequence and stop token ids are banned."""
+        eos = self.sampler.eos_token_ids
+        start = 0
+        for req, ids in zip(reqs, drafts, strict=True):
+            n, p = len(ids) + 1, req.sampling_params
+            rows = logits[start : start + n]
+            if uses_penalties(p):
+                contexts = [req.output_ids + ids[:j] for j in range(n)]
+                apply_penalties(rows, [p] * n, [req.origin_input_ids] * n, contexts)
+            short = [j for j in range(n) if len(req.output_ids) + j < p.min_new_tokens]
+            if short:
+                mask_tokens(rows, short, [banned_token_ids(p, list(eos))] * len(short))
+            start += n
+
+    def record_penalties(
+        self, reqs: Sequence[Req], tokens: Sequence[list[int]], taken: Sequence[int]
+    ) -> None:
+        """Count the tokens a verify step appended to penalized requests in their penalty-pool rows: the
+        sampler's incremental state, which their next plain step reads."""
+        pool = self.sampler.penalty_pool
+        for req, run, n in zip(reqs, tokens, taken, strict=True):
+            if req.penalty_row is None:
+                continue  # it acquires its row from its whole context when it next samples plainly
+            row = torch.tensor([req.penalty_row], device=pool.device)
+            for token in run[:n]:
+                pool.add_tokens(row, torch.tensor([token], device=pool.device))
 
     def run_logprobs(
         self,

@@ -61,9 +61,8 @@ from srt.scheduler.spec_step import SpecDecoder
 from srt.scheduler.step_builder import StepBuilder
 from srt.scheduler.step_hooks import NullReporter, SchedulerLoad, StepReporter
 from srt.scheduler.step_sampler import IsolatingSampler
-from srt.scheduler.token_append import append_token_runs, append_tokens
+from srt.scheduler.token_append import append_tokens
 from srt.server_args import ServerArgs
-from srt.speculative.stats import SpecRequestStats, SpecStepStats
 
 logger = logging.getLogger(__name__)
 # `--log-level debug`: every forward step's shape and time, for reading a workload step by step
@@ -468,30 +467,11 @@ class Scheduler:
         forward_seconds = time.perf_counter() - t0
         self._observe_step(0, batch.num_tokens, forward_seconds)
         verify_rows = batch.num_tokens - len(plain)
-        tokens, accepted = self.spec.verify(logits[:verify_rows], verifying, runs)
-        logprobs = self.spec.run_logprobs(logits[:verify_rows], verifying, runs, tokens)
-        taken = append_token_runs(
-            tokens, verifying, time.monotonic(), self.eos_token_ids, self.context_len, logprobs
-        )
-        self.spec.record_penalties(verifying, tokens, taken)
-        rejected: list[int] = []
-        row = 0
-        for req, run, n in zip(verifying, runs, taken, strict=True):
-            rejected.extend(range(row + n, row + len(run) + 1))  # fed positions whose token was not kept
-            req.kv_len += n
-            row += len(run) + 1
-        if rejected:
-            self.allocator.free(
-                batch.out_cache_loc[torch.tensor(rejected, device=batch.out_cache_loc.device)]
-            )
-        # a draft counts as accepted once it is output: a stop inside an accepted run drops the rest
-        kept = [min(a, n) for a, n in zip(accepted, taken, strict=True)]
-        for req, run, a in zip(verifying, runs, kept, strict=True):
-            if req.spec_stats is None:
-                req.spec_stats = SpecRequestStats()
-            req.spec_stats.record(len(run), a)
-        predicted = [bool(r.prediction_ids) for r in verifying]
-        self.reporter.on_verify(SpecStepStats.from_counts([len(r) for r in runs], kept, predicted))
+        taken, totals = self.spec.accept(
+            logits[:verify_rows], verifying, runs, batch.out_cache_loc[:verify_rows], self.allocator,
+            self.eos_token_ids, self.context_len,
+        )  # fmt: skip
+        self.reporter.on_verify(totals)
         for req in verifying:
             if req.finished:
                 self._release(req)

@@ -19,6 +19,7 @@ argmax of its biased logits.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ import torch
 from srt.sampling.penalties import apply_penalties, banned_token_ids, mask_tokens, uses_penalties
 from srt.sampling.sampler import top_logprobs
 from srt.sampling.sampling_batch import SamplingBatch
+from srt.scheduler.token_append import append_token_runs
 from srt.speculative.defaults import (
     DRAFT_MODEL_ALGORITHM,
     PREDICTION_DRAFTS_PER_STEP,
@@ -35,6 +37,7 @@ from srt.speculative.defaults import (
 from srt.speculative.ngram import NgramProposer
 from srt.speculative.prediction import PredictionProposer
 from srt.speculative.proposer import Proposer, draft_len_limit
+from srt.speculative.stats import SpecRequestStats, SpecStepStats
 from srt.speculative.verify import DraftBatch, verify
 
 if TYPE_CHECKING:
@@ -177,6 +180,43 @@ class SpecDecoder:
             [r.generator for r in reqs],
         )
         return result.token_ids(), result.accepted.tolist()
+
+    def accept(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Req],
+        drafts: Sequence[list[int]],
+        fed_slots: torch.Tensor,
+        allocator,
+        eos_token_ids: frozenset[int],
+        context_len: int,
+    ) -> tuple[list[int], SpecStepStats]:
+        """The verify step's outcome for its drafting requests (`logits`, `fed_slots`: their rows and KV
+        slots, request after request): judge the drafts, append each request's accepted drafts and the token
+        after them one at a time with the stop checks (`append_token_runs`), its logprobs and penalty counts,
+        give the KV slots of every fed position whose token was not appended back to `allocator` (so a
+        request's KV covers exactly its tokens and nothing rejected can reach the prefix cache), and record
+        the figures. Returns how many tokens each request took, and the step's totals for the counters."""
+        tokens, accepted = self.verify(logits, reqs, drafts)
+        logprobs = self.run_logprobs(logits, reqs, drafts, tokens)
+        taken = append_token_runs(tokens, list(reqs), time.monotonic(), eos_token_ids, context_len, logprobs)
+        self.record_penalties(reqs, tokens, taken)
+        rejected: list[int] = []
+        row = 0
+        for req, run, n in zip(reqs, drafts, taken, strict=True):
+            rejected.extend(range(row + n, row + len(run) + 1))  # fed positions whose token was not kept
+            req.kv_len += n
+            row += len(run) + 1
+        if rejected:
+            allocator.free(fed_slots[torch.tensor(rejected, device=fed_slots.device)])
+        # a draft counts as accepted once it is output: a stop inside an accepted run drops the rest
+        kept = [min(a, n) for a, n in zip(accepted, taken, strict=True)]
+        for req, run, a in zip(reqs, drafts, kept, strict=True):
+            if req.spec_stats is None:
+                req.spec_stats = SpecRequestStats()
+            req.spec_stats.record(len(run), a)
+        predicted = [bool(r.prediction_ids) for r in reqs]
+        return taken, SpecStepStats.from_counts([len(r) for r in drafts], kept, predicted)
 
     def _apply_context_rules(
         self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]

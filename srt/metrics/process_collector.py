@@ -2,6 +2,11 @@
 
 prometheus_client's built-in process collector reports nothing in multiprocess mode (it reads only the
 scraping process), so each srt process refreshes its own from a daemon thread instead.
+
+Every process's samples carry the same label names (PROCESS_LABELS), a process without a rank giving an
+empty value, which Prometheus reads as no label: strict exposition parsers (the Shepherd Model Gateway's
+`/engine_metrics`, which merges its workers' `/metrics`) refuse a family whose samples have different label
+sets.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ GAUGE_MODE = "livemostrecent"
 _PROC_STATM = "/proc/self/statm"
 _PROC_FDS = "/proc/self/fd"
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+# The label names of every per-process sample, `component` after them.
+PROCESS_LABELS = ("model_name", "tp_rank", "dp_rank")
 
 _started_in_pid: int | None = None  # one refresher per process: a second would double-count CPU
 
@@ -42,8 +50,11 @@ def open_fds() -> int:
 class ProcessMetricsThread(threading.Thread):
     def __init__(self, component: str, labels: dict[str, str], interval: float) -> None:
         super().__init__(name=f"srt-process-metrics-{component}", daemon=True)
-        names = [*labels, "component"]
-        values = {**labels, "component": component}
+        unknown = set(labels) - set(PROCESS_LABELS)
+        if unknown:
+            raise ValueError(f"process metrics take only the labels {PROCESS_LABELS}, not {sorted(unknown)}")
+        names = [*PROCESS_LABELS, "component"]
+        values = {**{name: labels.get(name, "") for name in PROCESS_LABELS}, "component": component}
         self._cpu = Counter("sglang:process_cpu_seconds", "CPU seconds of this process.", names).labels(
             **values
         )

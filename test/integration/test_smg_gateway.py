@@ -1,7 +1,8 @@
 """srt behind a real Shepherd Model Gateway (`smg`): two srt workers, one gateway, the `openai` client.
 
 - The gateway recognises srt as an SGLang worker from `/v1/models` alone (no fallback probes), reads its
-  sizes from `/server_info` and `/model_info`, and its per-replica load from `/v1/loads` in absolute tokens.
+  sizes from `/server_info` and `/model_info`, its per-replica load from `/v1/loads` in absolute tokens, and
+  merges the workers' `/metrics` (`/engine_metrics`).
 - A shared-prefix workload through the gateway: every request succeeds; the request and token counters the
   two workers export add up to what the client sent and was answered; the prefix-cache hit rate summed over
   the workers is higher with `--policy cache_aware` than with `round_robin` (printed).
@@ -30,7 +31,7 @@ from srt.bench.gateway import (
     shared_prefix_prompts,
     smg_problem,
 )
-from srt.metrics.text_format import parse_metrics_text, total
+from srt.metrics.text_format import parse_metrics_text, select, total
 from test.integration.conftest import ServerHandle, launch_server, wait_healthy
 
 pytestmark = [
@@ -101,6 +102,8 @@ def test_the_gateway_reads_srt_as_an_sglang_worker(workers):
             if all("engine_load" in w for w in listed):
                 break
             time.sleep(0.2)
+        # the gateway merges its workers' /metrics (a strict parser: one label set per family)
+        merged = httpx.get(f"{gw.base_url}/engine_metrics", timeout=30)
         logs = gw.logs()
     assert "Detected HTTP backend via /v1/models owned_by: sglang" in logs
     assert "trying fallback" not in logs
@@ -113,6 +116,11 @@ def test_the_gateway_reads_srt_as_an_sglang_worker(workers):
         assert labels["model_type"] == "llama" and "LlamaForCausalLM" in labels["architectures"]
         (rank,) = w["engine_load"]["loads"]
         assert rank["dp_rank"] == 0 and rank["max_total_num_tokens"] == KV_TOKENS
+    assert merged.status_code == 200 and "aggregate_metrics error" not in logs
+    addrs = {
+        s.labels["worker_addr"] for s in select(parse_metrics_text(merged.text), "sglang:num_requests_total")
+    }
+    assert addrs == set(urls(workers))
 
 
 def run_workload(gateway_url: str, prompts: list[str]) -> tuple[int, int]:

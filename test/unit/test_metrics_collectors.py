@@ -189,6 +189,15 @@ def test_cache_config_info_is_a_gauge_at_one_with_capacity_and_concurrency(sampl
     assert metric_types(exposition)["sglang:cache_config_info"] == "gauge"
 
 
+def test_every_sample_of_a_metric_has_the_same_label_names(samples):
+    """Processes of different kinds write the per-process families; strict parsers (a gateway merging its
+    workers' /metrics) refuse a family whose samples have different label sets."""
+    names: dict[str, set] = {}
+    for s in samples:
+        names.setdefault(s.name, set()).add(frozenset(s.labels))
+    assert {n: sets for n, sets in names.items() if len(sets) > 1} == {}
+
+
 def test_every_family_has_model_name_and_process_metrics_have_component(samples):
     sglang = [s for s in samples if s.name.startswith("sglang:")]
     assert sglang and all(s.labels.get("model_name") == "m" for s in sglang)

@@ -19,8 +19,15 @@ from starlette.routing import Route
 
 from srt.http_server.input_processor import GenerateInput, ServerUnavailableError
 from srt.http_server.load_report import LOAD_SECTIONS, LoadReportMiddleware, loads_body, unknown_sections
+from srt.http_server.lora_registry import AdapterRequestError
 from srt.http_server.middleware import install_middlewares
-from srt.http_server.native_protocol import AbortRequest, FlushCacheRequest, GenerateRequest
+from srt.http_server.native_protocol import (
+    AbortRequest,
+    FlushCacheRequest,
+    GenerateRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from srt.http_server.openai.errors import (
     SERVER_ERROR,
     SERVICE_UNAVAILABLE,
@@ -32,7 +39,7 @@ from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.http_server.openai.serving_chat import ChatHandler
 from srt.http_server.openai.serving_common import model_not_found
 from srt.http_server.openai.serving_completions import CompletionHandler
-from srt.http_server.server_info import model_card, model_info, server_info, tokenizer_info
+from srt.http_server.server_info import adapter_card, model_card, model_info, server_info, tokenizer_info
 from srt.http_server.serving_native import GenerateHandler
 from srt.http_server.serving_tokenize import TokenizeHandler
 from srt.http_server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
@@ -102,13 +109,47 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(model_name, created, tm.context_len)]}
+        cards = [model_card(model_name, created, tm.context_len)]
+        if tm.lora is not None:  # each served adapter under its base (vLLM's `parent`)
+            cards += [adapter_card(a, model_name, created, tm.context_len) for a in tm.lora.served()]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model:path}")  # `path`: served names may hold slashes (org/name)
     async def retrieve_model(model: str):
-        if model != model_name:  # an empty name too: here it is the resource asked for, not optional
-            return model_not_found(model, model_name).to_response()
-        return (await models())["data"][0]
+        for card in (await models())["data"]:
+            if card["id"] == model:  # an empty name never matches: here it is the resource asked for
+                return card
+        return model_not_found(model, model_name).to_response()
+
+    # ---- LoRA adapters (SGLang's routes and vLLM's /v1/ names; docs/lora.md) ----
+    @app.post("/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return await lora_call(lambda registry: registry.load(body.lora_name, body.lora_path, body.pinned))
+
+    @app.post("/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return await lora_call(lambda registry: registry.unload(body.lora_name))
+
+    async def lora_call(action) -> JSONResponse:
+        if tm.lora is None:
+            return OpenAIError(
+                "LoRA is off: start the server with --enable-lora", param="lora_name"
+            ).to_response()
+        try:
+            await action(tm.lora)
+        except AdapterRequestError as e:
+            status = HTTPStatus.NOT_FOUND if e.not_found else HTTPStatus.BAD_REQUEST
+            return OpenAIError(str(e), status=status, param="lora_name").to_response()
+        except TimeoutError:
+            return OpenAIError(
+                "the schedulers did not answer",
+                status=HTTPStatus.SERVICE_UNAVAILABLE,
+                type=SERVICE_UNAVAILABLE,
+            ).to_response()
+        served = [a.name for a in tm.lora.served()]
+        return JSONResponse({"success": True, "error_message": "", "loaded_adapters": served})
 
     # ---- tokenizer (vLLM's and SGLang's routes) ----
     @app.post("/tokenize")

@@ -61,6 +61,7 @@ class GenerateInput:
     arrival_ts: float = field(default_factory=time.monotonic)
     # OpenAI's Predicted Outputs, tokenized without special tokens: every sample drafts from it
     prediction_ids: list[int] | None = None
+    lora_name: str | None = None  # the LoRA adapter every sample runs with (None: the base model)
     # The data-parallel replica every sample runs on; None lets the DataParallelRouter choose.
     data_parallel_rank: int | None = None
 

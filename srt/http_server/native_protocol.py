@@ -81,6 +81,8 @@ class GenerateRequest(RequestBody):
     rid: Rid | None = None
     # SGLang's: run on this data-parallel replica (a gateway's --dp-aware routing); checked against --dp-size
     data_parallel_rank: Count | None = None
+    # SGLang's: the LoRA adapter (a served adapter's name) every prompt runs with; none: the base model
+    lora_path: str | None = None
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     # SGLang's: with `return_logprob`, prompt logprobs from this position on; -1 = none (output only).
@@ -128,3 +130,21 @@ class FlushCacheRequest(RequestBody):
     """`/flush_cache` takes no parameters: an empty body or `{}`."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """`/load_lora_adapter` (SGLang's body) and `/v1/load_lora_adapter` (vLLM's, without `pinned`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """`/unload_lora_adapter` and `/v1/unload_lora_adapter`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str

@@ -28,5 +28,6 @@ class ReqState:
     labels: tuple[str, ...] = ()  # custom metric label values (srt/metrics/custom_labels.py)
     params: SamplingParams | None = None
     export: bool = True  # written to the request export (health checks are not)
+    lora_name: str | None = None  # the LoRA adapter it runs with
     # the metrics recorder's stamps (written by it alone; the state itself is written only by its manager)
     stamps: TokenStamps = field(default_factory=TokenStamps)

@@ -106,6 +106,7 @@ class RequestMetricsRecorder:
             params=exported_params(st.params) if self.exporter is not None and st.params else None,
             labels=labels,
             spec=b.spec_stats[i] if b.spec_stats is not None else None,
+            lora_name=st.lora_name,
         )
 
     def on_finish(self, st: ReqState, stats: FinishedRequestStats) -> None:

@@ -35,6 +35,11 @@ def model_card(model_name: str, created: int, context_len: int) -> dict:
     }
 
 
+def adapter_card(adapter, base_name: str, created: int, context_len: int) -> dict:
+    """A served LoRA adapter in /v1/models: vLLM's card, its `parent` the base model, its `root` its path."""
+    return {**model_card(adapter.name, created, context_len), "root": adapter.path, "parent": base_name}
+
+
 def model_config(model_dir: str) -> dict:
     """The model directory's config.json, or {} if it has none."""
     try:

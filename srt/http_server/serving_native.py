@@ -14,6 +14,7 @@ from srt.http_server.openai.errors import OpenAIError
 from srt.http_server.openai.serving_common import (
     ChoiceAcc,
     collect_response,
+    resolve_model,
     sse,
     stream_with_errors,
     to_openai_error,
@@ -81,6 +82,7 @@ class GenerateHandler:
             rid=req.rid or uuid.uuid4().hex,
             data_parallel_rank=req.data_parallel_rank,
             input_texts=texts,
+            lora_name=resolve_model(self.tm, None, self.tm.server_args.model_name, req.lora_path),
         )
         await self.tm.inputs.judge_constraint(obj.sampling_params)
         return obj, self.tm.generate(obj, request), batched

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from srt.function_call import ToolCallParser
 from srt.http_server.input_processor import MAX_CHARS_PER_TOKEN, InvalidRequestError
 from srt.http_server.openai.chat_tools import ChatTools
-from srt.http_server.openai.serving_common import check_model, to_openai_error
+from srt.http_server.openai.serving_common import resolve_model, to_openai_error
 from srt.http_server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from srt.http_server.tokenizer_manager import TokenizerManager
 
@@ -92,7 +92,7 @@ class TokenizeHandler:
 
     async def tokenize(self, req: TokenizeRequest):
         try:
-            check_model(req.model, self.model_name)
+            resolve_model(self.tm, req.model, self.model_name)
             if req.messages is not None:
                 answers = [await self._chat_ids(req)]
             else:
@@ -127,7 +127,7 @@ class TokenizeHandler:
 
     async def detokenize(self, req: DetokenizeRequest):
         try:
-            check_model(req.model, self.model_name)
+            resolve_model(self.tm, req.model, self.model_name)
             self._check_id_count(req.tokens)
             text = await self.tm.inputs.decode(req.tokens)  # off the event loop when long
             self._check_text_size(text)

@@ -30,6 +30,7 @@ from srt.http_server.input_processor import (
     InvalidRequestError,
     ServerUnavailableError,
 )
+from srt.http_server.lora_registry import LoRARegistry
 from srt.http_server.req_state import ReqState
 from srt.http_server.request_metrics import RequestMetricsRecorder
 from srt.io_struct import (
@@ -38,9 +39,11 @@ from srt.io_struct import (
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
+    LoRAAdapterReqOutput,
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from srt.lora.specs import lora_enabled, startup_adapters
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
@@ -108,6 +111,17 @@ class TokenizerManager:
             for rank in range(server_args.dp_size)
         ]
         self.router = DataParallelRouter(server_args.dp_size, server_args.load_balance_method)
+        # the served LoRA adapters (--enable-lora; docs/lora.md)
+        self.lora = (
+            LoRARegistry(
+                server_args.model_name,
+                startup_adapters(server_args.lora_paths, server_args.lora_modules),
+                self._send_to_all,
+                server_args.dp_size,
+            )
+            if lora_enabled(server_args)
+            else None
+        )
         self._async_ctx: zmq.asyncio.Context | None = None
         self.recv_sock = None
 
@@ -211,7 +225,7 @@ class TokenizerManager:
             ids, params = obj.prompts[p], per_prompt[p]
             self.rid_to_state[rid] = ReqState(
                 rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n, group,
-                labels=labels, params=params, export=export,
+                labels=labels, params=params, export=export, lora_name=obj.lora_name,
             )  # fmt: skip
             if params.logprob_start_len is not None:
                 self.rid_to_state[rid].logprob_ids = ids[params.logprob_start_len :]
@@ -219,7 +233,9 @@ class TokenizerManager:
             rank = self.router.route(rid, obj.data_parallel_rank)
             trace = traces[i] if traces else None
             self.send_socks[rank].send_pyobj(
-                TokenizedGenerateReqInput(rid, ids, params, obj.stream, text, trace, obj.prediction_ids)
+                TokenizedGenerateReqInput(
+                    rid, ids, params, obj.stream, text, trace, obj.prediction_ids, obj.lora_name
+                )
             )
         return self._outputs(queue, rids, request, export)
 
@@ -276,6 +292,11 @@ class TokenizerManager:
             self._send_abort(AbortReq(r))
         return bool(rids)
 
+    def _send_to_all(self, msg) -> None:
+        """A control message every data-parallel scheduler must apply (adapter loads and unloads)."""
+        for sock in self.send_socks:
+            sock.send_pyobj(msg)
+
     def _send_abort(self, req: AbortReq) -> None:
         for rank in self.router.ranks_for_abort(req.rid):
             self.send_socks[rank].send_pyobj(req)
@@ -318,6 +339,8 @@ class TokenizerManager:
             fut = self._flush_waiters.popleft()
             if not fut.done():
                 fut.set_exception(ServerUnavailableError(reason))
+        if self.lora is not None:
+            self.lora.fail_all(reason)
 
     # ---- outputs ----
     async def _recv_loop(self) -> None:
@@ -328,6 +351,8 @@ class TokenizerManager:
                     self._handle_batch(msg)
                 elif isinstance(msg, FlushCacheReqOutput):
                     self._handle_flush(msg)
+                elif isinstance(msg, LoRAAdapterReqOutput) and self.lora is not None:
+                    self.lora.on_reply(msg)
                 else:
                     logger.warning("unexpected message %s", type(msg).__name__)
             except Exception:  # one bad message must not stop every future request's outputs

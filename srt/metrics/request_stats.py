@@ -69,6 +69,7 @@ class FinishedRequestStats:
     labels: dict[str, str] | None = None
     # its speculative figures (srt/speculative/stats.py) when it ran verify steps
     spec: SpecRequestStats | None = None
+    lora_name: str | None = None  # the LoRA adapter it ran with
 
     @property
     def ttft(self) -> float | None:
@@ -149,6 +150,7 @@ class FinishedRequestStats:
             "labels": self.labels or {},
             **self.timings(),
             **({"spec_decoding": self.spec.vllm_block()} if self.spec is not None else {}),
+            **({"lora_name": self.lora_name} if self.lora_name is not None else {}),
         }
 
 

@@ -70,6 +70,7 @@ class SpanAttributes:
     CHUNK_START = "srt.prefill.chunk_start"  # prompt position of the chunk's first token
     CHUNK_TOKENS = "srt.prefill.chunk_tokens"
     OUTPUT_TOKENS = "srt.output_tokens"  # tokens the request had when the event happened / the span ended
+    LORA_ADAPTER = "srt.lora.adapter"  # the LoRA adapter the request ran with (absent: the base model)
 
 
 # ---- clocks ----

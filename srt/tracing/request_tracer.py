@@ -146,6 +146,8 @@ class RequestTracer:
             A.REQUEST_N: obj.n,
             A.RESPONSE_MODEL: self.model_name,
         }
+        if obj.lora_name is not None:
+            attributes[A.LORA_ADAPTER] = obj.lora_name
         root = otel.start(
             SPAN_REQUEST, otel.extract(request.headers), clock.wall_ns(received), attributes, server=True
         )

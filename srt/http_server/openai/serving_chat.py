@@ -14,9 +14,9 @@ from srt.http_server.openai.chat_tools import ChatTools, finish_override
 from srt.http_server.openai.protocol import ChatCompletionRequest
 from srt.http_server.openai.serving_common import (
     ChoiceAcc,
-    check_model,
     chunk_usage,
     collect_response,
+    resolve_model,
     spec_metrics_block,
     stream_chunk,
     stream_with_errors,
@@ -74,7 +74,7 @@ class ChatHandler:
     async def _build(
         self, req: ChatCompletionRequest, request
     ) -> tuple[GenerateInput, AsyncIterator[ReqOutput]]:
-        check_model(req.model, self.model_name)
+        lora = resolve_model(self.tm, req.model, self.model_name)
         messages, tools = ChatTools(req, self.tool_parser).prompt(self.tm.inputs.template_takes_tools)
         ids = await self.tm.inputs.apply_chat_template(messages, tools)
         max_new = req.max_new_tokens()
@@ -87,6 +87,7 @@ class ChatHandler:
             rid=req.rid or uuid.uuid4().hex,
             data_parallel_rank=req.data_parallel_rank,
             fill_max_new_tokens=max_new is None,
+            lora_name=lora,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction
             else None,

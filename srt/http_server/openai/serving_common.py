@@ -13,6 +13,7 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from srt.http_server.input_processor import ClientDisconnected, InvalidRequestError, ServerUnavailableError
+from srt.http_server.lora_registry import AdapterNotFound
 from srt.http_server.openai.errors import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError
 from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
 from srt.io_struct import FinishReason
@@ -46,6 +47,23 @@ def check_model(requested: str | None, served: str) -> None:
     """Accept the served name (or no name); anything else is OpenAI's 404 `model_not_found`."""
     if requested and requested != served:
         raise model_not_found(requested, served)
+
+
+def resolve_model(
+    tm: TokenizerManager, requested: str | None, served: str, lora_path: str | None = None
+) -> str | None:
+    """The LoRA adapter a request runs with (None: the base model), named by its `model` (ADAPTER or
+    BASE:ADAPTER) or `/generate`'s `lora_path`; a name this server does not serve is OpenAI's 404
+    `model_not_found` (docs/lora.md)."""
+    if tm.lora is None:
+        if lora_path is not None:
+            raise model_not_found(lora_path, served)
+        check_model(requested, served)
+        return None
+    try:
+        return tm.lora.resolve(requested, lora_path)
+    except AdapterNotFound as e:
+        raise model_not_found(str(e.args[0]), served) from None
 
 
 def to_openai_error(exc: Exception) -> OpenAIError:

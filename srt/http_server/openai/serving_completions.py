@@ -13,9 +13,9 @@ from srt.http_server.input_processor import GenerateInput, InvalidRequestError
 from srt.http_server.openai.protocol import CompletionRequest
 from srt.http_server.openai.serving_common import (
     ChoiceAcc,
-    check_model,
     chunk_usage,
     collect_response,
+    resolve_model,
     spec_metrics_block,
     stream_chunk,
     stream_with_errors,
@@ -81,7 +81,7 @@ class CompletionHandler:
     async def _build(
         self, req: CompletionRequest, request
     ) -> tuple[GenerateInput, list[str], AsyncIterator[ReqOutput]]:
-        check_model(req.model, self.model_name)
+        lora = resolve_model(self.tm, req.model, self.model_name)
         prompts = req.prompts()
         n = req.num_generated
         if len(prompts) * n > MAX_SEQUENCES:
@@ -105,6 +105,7 @@ class CompletionHandler:
             rid=req.rid or uuid.uuid4().hex,
             data_parallel_rank=req.data_parallel_rank,
             input_texts=texts,
+            lora_name=lora,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction
             else None,

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import replace
 
 from srt.bench.dataset import load_tokenizer, random_requests
+from srt.bench.lora_adapters import random_peft_adapter
 from srt.bench.peers import RunningServer, machine_description, srt_peer
 from srt.bench.runner import run_benchmark, warmup
 from srt.model_source import resolve_model_dir
@@ -39,27 +40,12 @@ TARGET_MIXED, TARGET_BATCH1 = 0.8, 0.85
 
 def make_adapters(model_dir: str, out: str, num: int, rank: int) -> dict[str, str]:
     """Random adapters (B != 0) of `rank` on every target module, saved by PEFT."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from srt.lora.config import LORA_TARGET_MODULES
-
-    paths = {}
-    for i in range(num):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = LoraConfig(
-            r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGET_MODULES), init_lora_weights=False
+    return {
+        f"adapter{i}": random_peft_adapter(
+            model_dir, os.path.join(out, f"adapter{i}"), rank, seed=i, std=0.01
         )
-        peft = get_peft_model(model, config)
-        gen = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for name, param in peft.named_parameters():
-                if ".lora_A." in name or ".lora_B." in name:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.01)
-        paths[f"adapter{i}"] = os.path.join(out, f"adapter{i}")
-        peft.save_pretrained(paths[f"adapter{i}"])
-    return paths
+        for i in range(num)
+    }
 
 
 async def measure(peer, log_path, count_tokens, workloads, show_progress) -> dict[str, float]:

@@ -10,6 +10,11 @@ The gate: int8 may be the CPU default only if its perplexity is within 2 % of fp
 llama.cpp's, and its top-1 agreement is at least 90 % (docs/cpu_execution.md, "The quality gate").
 
     .venv/bin/python scripts/eval_quality.py [--model-path DIR|GGUF|NAME] [--window 1024] [--json out.json]
+    .venv/bin/python scripts/eval_quality.py --random-lora-rank 16     # the gate through a LoRA adapter
+
+With a LoRA adapter (`--lora-path`, or a random one of `--random-lora-rank` made by PEFT) both srt models run
+through it (the int8 base with its fp32 adapter products against the fp32 base with the same adapter), and
+llama.cpp is left out.
 
 NAME is an embedded model (srt/model_source.py: smollm2-135m-instruct, the default, or gemma3-270m).
 """
@@ -21,6 +26,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -28,6 +34,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TEXT = os.path.join(HERE, "data", "eval_text.txt")
 MAX_PPL_INCREASE = 0.02
+ADAPTER_NAME = "eval"  # the --lora-path adapter's name in the runners
+# --random-lora-rank's weights: the spread the SmolLM2 tests use, which moves its outputs substantially
+RANDOM_LORA_STD = 0.02
 MIN_TOP1_AGREEMENT = 0.90
 
 
@@ -44,13 +53,34 @@ def score(windows) -> tuple[float, torch.Tensor, int]:
     return math.exp(nll / count), torch.cat(tops), count
 
 
-def srt_windows(model_dir: str, ids: list[int], window: int, quantization: str, kv_cache_dtype: str = "auto"):
+def srt_windows(
+    model_dir: str,
+    ids: list[int],
+    window: int,
+    quantization: str,
+    kv_cache_dtype: str = "auto",
+    adapter: str | None = None,
+):
+    """srt's logits over the windows; with `adapter` (a PEFT directory), through that LoRA adapter."""
+    from srt.lora.config import LoRAConfig
     from srt.model_executor.model_runner import ModelRunner
+    from srt.scheduler.runner_builder import adapter_rank
 
-    runner = ModelRunner(
-        model_dir, max_total_tokens=window + 16, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    lora = (
+        None
+        if adapter is None
+        else LoRAConfig(max_loras_per_batch=1, max_lora_rank=adapter_rank(adapter) or 1)
     )
-    return list(runner.forward_windows(ids, window))
+    runner = ModelRunner(
+        model_dir,
+        max_total_tokens=window + 16,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        lora=lora,
+    )
+    if adapter is not None:
+        runner.lora.load(ADAPTER_NAME, adapter)
+    return list(runner.forward_windows(ids, window, ADAPTER_NAME if adapter is not None else None))
 
 
 def llama_cpp_windows(gguf: str, ids: list[int], window: int, threads: int):
@@ -81,6 +111,17 @@ def main() -> None:
     p.add_argument(
         "--kv-cache-dtype", default="auto", help="the int8 model's, as the server's flag (fp32 stays fp32)"
     )
+    p.add_argument(
+        "--lora-path",
+        default=None,
+        help="a LoRA adapter (PEFT directory): both srt models run through it; llama.cpp is skipped",
+    )
+    p.add_argument(
+        "--random-lora-rank",
+        type=int,
+        default=None,
+        help="make a random adapter of this rank on every module with PEFT and gate through it",
+    )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
 
@@ -98,12 +139,25 @@ def main() -> None:
         ids = AutoTokenizer.from_pretrained(model_dir)(f.read())["input_ids"]
     print(f"evaluation text: {args.text} ({len(ids)} tokens, windows of {args.window})", flush=True)
 
+    adapter = args.lora_path
+    if args.random_lora_rank is not None:
+        from srt.bench.lora_adapters import random_peft_adapter
+
+        adapter = random_peft_adapter(
+            model_dir,
+            tempfile.mkdtemp(prefix="eval_lora_"),
+            args.random_lora_rank,
+            seed=0,
+            std=RANDOM_LORA_STD,
+        )
+    if adapter is not None:
+        print(f"through the LoRA adapter {adapter}", flush=True)
     results = {}
     t0 = time.monotonic()
-    ppl_fp32, top_fp32, n = score(srt_windows(model_dir, ids, args.window, "none"))
+    ppl_fp32, top_fp32, n = score(srt_windows(model_dir, ids, args.window, "none", adapter=adapter))
     results["srt fp32"] = {"perplexity": ppl_fp32, "top1_agreement": 1.0, "seconds": time.monotonic() - t0}
     t0 = time.monotonic()
-    ppl, top, _ = score(srt_windows(model_dir, ids, args.window, "w8a8_int8", args.kv_cache_dtype))
+    ppl, top, _ = score(srt_windows(model_dir, ids, args.window, "w8a8_int8", args.kv_cache_dtype, adapter))
     results["srt w8a8_int8"] = {
         "perplexity": ppl,
         "top1_agreement": (top == top_fp32).float().mean().item(),
@@ -111,7 +165,9 @@ def main() -> None:
     }
     t0 = time.monotonic()
     llama = (
-        None if args.no_llama_cpp or gguf is None else llama_cpp_windows(gguf, ids, args.window, args.threads)
+        None
+        if args.no_llama_cpp or gguf is None or adapter is not None
+        else llama_cpp_windows(gguf, ids, args.window, args.threads)
     )
     if llama is not None:
         ppl_l, top_l, _ = score(llama)
@@ -134,12 +190,14 @@ def main() -> None:
         checks["perplexity no worse than llama.cpp's"] = (
             int8["perplexity"] <= results["llama.cpp (GGUF)"]["perplexity"]
         )
+    elif adapter is not None:
+        print("\n(through a LoRA adapter: llama.cpp is not compared)")
     else:
         print("\n(llama-cpp-python is not installed: the comparison with llama.cpp is skipped)")
     print()
     for what, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {what}")
-    passed = all(checks.values()) and llama is not None
+    passed = all(checks.values()) and (llama is not None or adapter is not None)
     print(
         f"\ngate: {'PASS' if passed else 'FAIL' if not all(checks.values()) else 'INCOMPLETE (no llama.cpp)'}"
     )

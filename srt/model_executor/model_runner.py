@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
+from srt.engine_options import DIST_TIMEOUT_SECONDS, DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
 from srt.heap import release_free_heap
 from srt.lora.config import LoRAConfig
 from srt.lora.manager import LoRAManager
@@ -182,19 +182,26 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         dp_rank: int = 0,
         lora: LoRAConfig | None = None,
+        nnodes: int = 1,
+        dist_timeout: float = DIST_TIMEOUT_SECONDS,
     ):
         """`cuda_graph_max_bs`: record decode CUDA graphs up to this batch size (0: none; CUDA only, with a
         backend whose decode is graph-safe, without tensor parallelism). `lora`: serve LoRA adapters
-        (`self.lora`, srt/lora/; None: the base model alone)."""
+        (`self.lora`, srt/lora/; None: the base model alone). `nnodes`: the TP ranks span this many
+        machines, each hosting tp_size / nnodes consecutive ranks; `dist_timeout` bounds the rendezvous and
+        every collective."""
         torch.manual_seed(random_seed)
-        # on a CPU the ranks share the cores: oversubscribed threads would only contend
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
+        local_tp = tp_size // nnodes  # the ranks on this machine
+        # on a CPU this machine's ranks share its cores: oversubscribed threads would only contend
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_tp))
         self.model_dir = resolve_model_dir(model_dir)
-        self.device = resolve_device(device, tp_rank, tp_size, dp_rank)
+        self.device = resolve_device(device, tp_rank % local_tp, local_tp, dp_rank)
         self.dtype = resolve_dtype(dtype, self.device)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         check_tp_divides(self.hf_config, tp_size)
-        self.tp = TensorParallelGroup.create(tp_rank, tp_size, dist_init_method, self.device)
+        self.tp = TensorParallelGroup.create(
+            tp_rank, tp_size, dist_init_method, self.device, dist_timeout, ranks_per_node=local_tp
+        )
         self.context_len = context_length or self.hf_config.max_position_embeddings
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids_of(self.model_dir, self.hf_config)
@@ -395,10 +402,13 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def forward_windows(self, ids: list[int], window: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_windows(
+        self, ids: list[int], window: int, adapter: str | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Teacher-forced forward over a long token list (int8 calibration, scripts/eval_quality.py): (fp32
         logits at every position, the window's token ids) for consecutive windows of `ids`, each run as a
-        fresh sequence (one extend step, nothing cached) through the runner's own pools."""
+        fresh sequence (one extend step, nothing cached) through the runner's own pools; with `adapter`, a
+        loaded LoRA adapter's name, through it."""
         model = self.model
         for start in range(0, len(ids), window):
             chunk = ids[start : start + window]
@@ -421,6 +431,7 @@ class ModelRunner:
                     seq_lens_cpu=[n],
                     extend_prefix_lens_cpu=[0],
                     extend_seq_lens_cpu=[n],
+                    lora_slots=None if adapter is None else self.lora.prepare_step([adapter]),
                 )
                 self._begin_step(batch)
                 hidden = model.hidden_states(batch.input_ids, batch.positions, batch)

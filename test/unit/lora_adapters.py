@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from srt.bench.lora_adapters import random_peft_adapter
 from srt.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from srt.lora.config import LORA_TARGET_MODULES
 
@@ -37,24 +38,7 @@ def save_peft_adapter(
     std: float = LORA_WEIGHT_STD,
 ) -> str:
     """An adapter of `rank` on `targets` of every layer, saved by PEFT; its A and B are random (B != 0)."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha if alpha is not None else 2 * rank,
-        target_modules=list(targets),
-        use_rslora=use_rslora,
-        lora_dropout=0.1,  # a training-time setting: inference ignores it
-        init_lora_weights=False,
-    )
-    model = get_peft_model(base_model(model_dir), config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-    model.save_pretrained(out)
-    return str(out)
+    return random_peft_adapter(model_dir, out, rank, seed, std, alpha, use_rslora, targets)
 
 
 @torch.no_grad()

@@ -7,6 +7,9 @@ anything imports prometheus_client and before any child is spawned (children inh
 watchdog thread turns the death of any child into an unhealthy `/health`, failed in-flight requests and a
 non-zero exit of the whole tree within a few seconds.
 
+With `--nnodes N`, node 0 runs this launcher as usual (its scheduler is tensor-parallel rank 0 of ranks spread
+over N machines) and every other node runs `HeadlessNode`: its ranks only, behind /health and /metrics.
+
 Exit codes: 0 after a signal (in-flight requests drained, see srt/http_server/uvicorn_server.py), 2 for a
 configuration error (a bad flag, environment value or model; one line saying what to change), 1 when a
 process crashed.
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("srt.launch_server")
 
 SCHEDULER_TARGET = ("srt.scheduler.scheduler_process", "run_scheduler_process")
+HEADLESS_RANKS_TARGET = ("srt.scheduler.headless_ranks", "run_headless_ranks")
 DETOKENIZER_TARGET = ("srt.detokenizer.detokenizer_manager", "run_detokenizer_process")
 # How often the start-up wait and the watchdog look at the children.
 POLL_SECONDS = 0.2
@@ -64,6 +68,8 @@ class Child:
 class Launcher:
     """Owns the child processes and the HTTP server of one srt instance."""
 
+    role = "srt server"
+
     def __init__(self, server_args: ServerArgs, listener=None):
         self.args = server_args
         self.listener = listener  # the HTTP socket, bound by main() before anything else started
@@ -72,6 +78,7 @@ class Launcher:
         self.exit_code = 0
         self.server = None
         self.tokenizer_manager = None
+        self.dead_reason: str | None = None  # set when a child died: the server is going down
         self.stopping = threading.Event()
 
     # ---- start-up ----
@@ -158,17 +165,19 @@ class Launcher:
         finally:
             self.shutdown()
 
-    def _run(self) -> int:
+    def _model_dir(self) -> str:
         from srt.model_source import resolve_model_dir
 
         try:
-            model_dir = resolve_model_dir(self.args.model_path)
+            return resolve_model_dir(self.args.model_path)
         except (OSError, RuntimeError) as e:
             raise StartupError(
                 f"cannot load model {self.args.model_path or '(embedded)'}: {one_line(str(e))}",
                 config_error=self.args.model_path is not None,  # the embedded model failing is a bug
             ) from e
-        self._start_children(model_dir)
+
+    def _run(self) -> int:
+        self._start_children(self._model_dir())
 
         from srt.http_server.app import create_app
         from srt.http_server.uvicorn_server import make_server
@@ -182,6 +191,10 @@ class Launcher:
         self.server = make_server(
             app, self.args, lambda: self._begin_drain(gate), lambda: self._end_drain(gate)
         )
+        return self._serve()
+
+    def _serve(self) -> int:
+        """Run the HTTP server (made by `_run`) under the watchdog until a signal or a child's death."""
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         self.server.run(sockets=[self.listener] if self.listener is not None else None)
         return self.exit_code
@@ -215,7 +228,7 @@ class Launcher:
             if not announced and self.server is not None and self.server.started:
                 announced = True
                 logger.info(
-                    "srt server listening at %s, serving model %s", self.args.url, self.args.model_name
+                    "%s listening at %s, serving model %s", self.role, self.args.url, self.args.model_name
                 )
             if dead and not self.stopping.is_set():
                 self._on_child_death(by_sentinel[dead[0]])
@@ -232,11 +245,12 @@ class Launcher:
         )
         logger.error("%s; shutting down", reason)
         self.exit_code = EXIT_CHILD_FAILED
+        self.dead_reason = reason
         tm = self.tokenizer_manager
         loop = getattr(tm, "loop", None)
         if loop is not None and loop.is_running():
             loop.call_soon_threadsafe(tm.fail_all, reason)
-        else:
+        elif tm is not None:
             tm.dead_reason = reason
         if self.server is not None:
             self.server.should_exit = True
@@ -277,6 +291,51 @@ class Launcher:
         logger.info("shut down")
 
 
+class HeadlessNode(Launcher):
+    """Node R > 0 of a multi-node server: one child, this node's first tensor-parallel rank (which starts the
+    node's other ranks), and an HTTP server with /health (200 once the ranks joined, 503 after one died) and
+    /metrics (this node's processes), so one Prometheus job scrapes every node. No tokenizer, no API: requests
+    go to node 0. When node 0's group goes away the ranks exit, and so does this launcher (exit code 1)."""
+
+    role = "headless node"
+
+    def _run(self) -> int:
+        a = self.args
+        logger.info(
+            "node %d of %d: tensor-parallel ranks %s of %d, rank 0 at %s",
+            a.node_rank,
+            a.nnodes,
+            ", ".join(map(str, a.node_tp_ranks)),
+            a.tp_size,
+            a.dist_init_addr,
+        )
+        ranks = self._spawn(f"node{a.node_rank}", HEADLESS_RANKS_TARGET, a, self._model_dir())
+        self._wait_ready(ranks)
+        from srt.http_server.uvicorn_server import make_server
+
+        self.server = make_server(self._app(), a, lambda: None, lambda: None)
+        return self._serve()
+
+    def _app(self):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        node = {"node_rank": self.args.node_rank, "tp_ranks": list(self.args.node_tp_ranks)}
+
+        async def health(request):
+            if self.dead_reason is not None:
+                return JSONResponse({"status": "unhealthy", "reason": self.dead_reason, **node}, 503)
+            return JSONResponse({"status": "ok", **node})
+
+        routes = [Route("/health", health)]
+        if self.args.metrics_enabled:
+            from srt.metrics.collector import make_metrics_asgi_app
+
+            routes.append(Route("/metrics", make_metrics_asgi_app()))
+        return Starlette(routes=routes)
+
+
 def _exit_on_signal(signum, frame) -> None:
     """Before uvicorn runs (and after it re-raises the signal it caught), SIGTERM/SIGINT mean: unwind
     through the launcher's `finally`, which stops the children and removes the temp dirs."""
@@ -305,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_heap_for_children()
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
-    return Launcher(server_args, listener).run()
+    return (HeadlessNode if server_args.headless else Launcher)(server_args, listener).run()
 
 
 if __name__ == "__main__":

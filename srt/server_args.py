@@ -12,10 +12,12 @@ from srt.constrained import DEFAULT_GRAMMAR_BACKEND, DEFAULT_GRAMMAR_COMPILE_TIM
 from srt.engine_options import (
     ATTENTION_BACKENDS,
     AUTO,
+    DIST_TIMEOUT_SECONDS,
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
     MIN_KV_TOKENS,
     QUANTIZATIONS,
+    tcp_host_port,
 )
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from srt.kv_events.config import parse_kv_events_config
@@ -123,6 +125,21 @@ class ServerArgs:
     dp_size: int = _f(1, "data parallel scheduler replicas")
     load_balance_method: str = _f(
         "round_robin", "how requests are routed to data parallel replicas", choices=LOAD_BALANCE_METHODS
+    )
+    # Multi-node tensor parallelism (docs/multinode.md): every node runs the same command but --node-rank
+    nnodes: int = _f(1, "machines the --tp-size ranks span (each hosts tp-size / nnodes of them)")
+    node_rank: int = _f(
+        0,
+        "this machine's index in 0..nnodes-1: node 0 serves the HTTP API; the others run their ranks "
+        "headless and serve only /health and /metrics on --port",
+    )
+    dist_init_addr: str | None = _f(
+        None, "HOST:PORT of node 0's tensor-parallel rendezvous, reachable from every node (--nnodes > 1)"
+    )
+    dist_timeout: float = _f(
+        DIST_TIMEOUT_SECONDS,
+        "seconds a rank waits for the others: for every node to join at start, and in any collective while "
+        "serving; past it the node that did not answer ends the server",
     )
     grammar_backend: str = _f(
         DEFAULT_GRAMMAR_BACKEND,
@@ -285,6 +302,7 @@ class ServerArgs:
             problems.append("--graceful-shutdown-timeout must be >= 0 seconds")
         if self.tp_size < 1 or self.dp_size < 1:
             problems.append("--tp-size and --dp-size must be >= 1")
+        problems.extend(self._multinode_problems())
         if self.max_running_requests is not None and self.max_running_requests < 1:
             problems.append("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < MIN_KV_TOKENS:
@@ -342,6 +360,54 @@ class ServerArgs:
             )
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _multinode_problems(self) -> list[str]:
+        """--nnodes, --node-rank, --dist-init-addr, --dist-timeout."""
+        if self.nnodes < 1:
+            return [f"--nnodes must be >= 1, got {self.nnodes}"]
+        problems = []
+        if not 0 <= self.node_rank < self.nnodes:
+            problems.append(
+                f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}"
+            )
+        if not self.dist_timeout > 0:
+            problems.append(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+        if self.nnodes == 1:
+            return problems
+        if self.dist_init_addr is None:
+            problems.append(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+        else:
+            try:
+                tcp_host_port(self.dist_init_addr)
+            except ValueError:
+                problems.append(
+                    f"--dist-init-addr must be HOST:PORT with a port in 1..65535, got {self.dist_init_addr!r}"
+                )
+        if self.tp_size % self.nnodes:
+            problems.append(
+                f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per node)"
+            )
+        if self.dp_size > 1:
+            problems.append(
+                "--dp-size > 1 with --nnodes > 1 is not supported: run one multi-node server per replica behind "
+                "a gateway (docs/multinode.md)"
+            )
+        return problems
+
+    @property
+    def tp_ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def node_tp_ranks(self) -> range:
+        """The global tensor-parallel ranks this node hosts (node r: r * per-node ... as SGLang lays them)."""
+        per_node = self.tp_ranks_per_node
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    @property
+    def headless(self) -> bool:
+        """A node other than 0 of a multi-node server: its ranks only, no HTTP API."""
+        return self.node_rank > 0
 
     def _speculative_problems(self) -> list[str]:
         """`--speculative-*`: an algorithm srt runs, integers (a bool is not one) within their ranges."""

@@ -10,20 +10,32 @@ of one replica. At `size == 1` no process group exists and every collective is a
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from srt.engine_options import DIST_TIMEOUT_SECONDS
+from srt.model_executor.rendezvous import join_tcp_store
+
 logger = logging.getLogger(__name__)
 
-# Longest one rank waits for the others in a collective (including the start-up rendezvous). The ranks step
-# in lockstep and rank 0 sends an idle heartbeat every second, so a healthy wait is a loading-time skew or
-# one step's skew; past this a rank is hung, and failing beats waiting for ever.
-TP_TIMEOUT_SECONDS = 120
 # Rank that owns the sockets and whose messages every rank replays.
 SOURCE_RANK = 0
+# Gloo's errors start with the source location ("[.../gloo/transport/tcp/pair.cc:537] Read error ...").
+GLOO_ERROR = re.compile(r"^\[[^\]]*gloo/[^\]]*\]\s*")
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """The reason in one sentence when `exc` is a collective that failed because another rank closed its
+    sockets or stopped answering (gloo, or a backend error such as NCCL's); None for any other error."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, dist.DistError) or GLOO_ERROR.match(text):
+        reason = GLOO_ERROR.sub("", text)
+        return reason.split(". ")[0][:300]
+    return None
 
 
 @dataclass
@@ -34,9 +46,18 @@ class TensorParallelGroup:
     object_group: object | None = None
 
     @classmethod
-    def create(cls, rank: int, size: int, init_method: str | None, device: str) -> TensorParallelGroup:
-        """Join the group of `size` ranks at `init_method` (`file://PATH` or `tcp://HOST:PORT`); blocks until
-        every rank has joined. Gloo on CPU, NCCL on CUDA."""
+    def create(
+        cls,
+        rank: int,
+        size: int,
+        init_method: str | None,
+        device: str,
+        timeout_seconds: float = DIST_TIMEOUT_SECONDS,
+        ranks_per_node: int | None = None,
+    ) -> TensorParallelGroup:
+        """Join the group of `size` ranks at `init_method` (`file://PATH` on one machine, `tcp://HOST:PORT`
+        across machines, each hosting `ranks_per_node` consecutive ranks); blocks until every rank has
+        joined, at most `timeout_seconds`, which also bounds every collective. Gloo on CPU, NCCL on CUDA."""
         if size == 1:
             return cls()
         if not 0 <= rank < size:
@@ -48,8 +69,14 @@ class TensorParallelGroup:
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a process group; one TP rank per process")
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        timeout = timedelta(seconds=TP_TIMEOUT_SECONDS)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        timeout = timedelta(seconds=timeout_seconds)
+        if init_method.startswith("tcp://"):
+            store = join_tcp_store(init_method, rank, size, ranks_per_node or size, timeout_seconds)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
+            )
         object_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
         logger.info("joined the %s tensor-parallel group as rank %d of %d", backend, rank, size)
         return cls(rank, size, object_group)

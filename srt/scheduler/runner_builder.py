@@ -44,6 +44,8 @@ def build_runner(
         cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
         dp_rank=dp_rank,
         lora=lora_config(server_args),
+        nnodes=server_args.nnodes,
+        dist_timeout=server_args.dist_timeout,
     )
     for spec in startup_adapters(server_args.lora_paths, server_args.lora_modules):
         runner.lora.load(spec.name, spec.path, spec.pinned)  # AdapterError: one line, exit 2

@@ -53,7 +53,7 @@ def run_scheduler_process(
             from srt.scheduler.tp_peers import TpPeers, check_tp_size, tp_init_method
 
             check_tp_size(model_dir, server_args.tp_size)  # before any peer starts: one clear error
-            dist_init_method = tp_init_method(port_args, dp_rank)
+            dist_init_method = tp_init_method(server_args, port_args, dp_rank)
             peers = TpPeers.start(server_args, model_dir, dp_rank, dist_init_method)
         runner = build_runner(server_args, model_dir, 0, dist_init_method, dp_rank)
         reporter = build_reporter(server_args, runner, dp_rank, startup_seconds=time.monotonic() - start)
@@ -72,20 +72,29 @@ def run_scheduler_process(
         runner.max_running_requests,
         runner.attention_backend_name,
     )
-    ready_writer.send(
-        SchedulerReady(
-            max_total_num_tokens=runner.max_total_num_tokens,
-            max_req_input_len=scheduler.max_req_input_len,
-            context_len=runner.context_len,
-            max_running_requests=runner.max_running_requests,
-            attention_backend=runner.attention_backend_name,
-            quantization=runner.quantization,
-            vocab_size=runner.vocab_size,
-            eos_token_ids=list(runner.eos_token_ids),
-        )
-    )
+    ready_writer.send(ready_message(scheduler))
     ready_writer.close()
-    event_loop(scheduler, recv_sock, send_sock, peers)
+    try:
+        event_loop(scheduler, recv_sock, send_sock, peers)
+    except RuntimeError as e:
+        if peers is not None:
+            peers.exit_if_group_lost(e)  # a rank gone: one line, not a traceback
+        raise
+
+
+def ready_message(scheduler: Scheduler) -> SchedulerReady:
+    """What a scheduler tells its launcher once it can serve: the limits the HTTP process enforces."""
+    runner = scheduler.runner
+    return SchedulerReady(
+        max_total_num_tokens=runner.max_total_num_tokens,
+        max_req_input_len=scheduler.max_req_input_len,
+        context_len=runner.context_len,
+        max_running_requests=runner.max_running_requests,
+        attention_backend=runner.attention_backend_name,
+        quantization=runner.quantization,
+        vocab_size=runner.vocab_size,
+        eos_token_ids=list(runner.eos_token_ids),
+    )
 
 
 def event_loop(

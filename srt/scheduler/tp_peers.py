@@ -1,4 +1,5 @@
-"""Tensor-parallel ranks 1..N-1 of one scheduler, and rank 0's handle on them.
+"""Tensor-parallel ranks 1..N-1 of one scheduler, and rank 0's handle on them (the ranks on its own machine;
+with `--nnodes` the other machines' ranks are started there, `headless_ranks.py`).
 
 Every rank runs its own `Scheduler` over its own shard of the model. The schedulers stay identical because
 they see identical inputs: each iteration rank 0 broadcasts the list of messages it drained from its
@@ -8,9 +9,11 @@ those inputs, so every rank builds the same batches and the collectives inside t
 While idle, rank 0 broadcasts a heartbeat instead, so a waiting peer never hits the collective timeout and a
 dead peer is noticed.
 
-Liveness: rank 0 watches its peers and exits (non-zero) the moment one dies, so the launcher's watchdog
+Liveness: rank 0 watches its local peers and exits (non-zero) the moment one dies, so the launcher's watchdog
 fires; a peer dies with rank 0 (parent-death signal; rank 0 also ends its peers when it exits) or fails its
-next collective.
+next collective. A rank on another machine is not a child to watch: its death closes its sockets and fails
+the next collective at once, and a rank that stops answering fails it after `--dist-timeout` (rank 0 sends
+something every second, idle or not); either way each side says so in one line and exits non-zero.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import threading
 import time
 
-from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.model_executor.parallel_state import TensorParallelGroup, collective_failure
 from srt.process_control import (
     CHILD_STOP_SIGNAL,
     leave_stopping_to_the_launcher,
@@ -44,8 +47,11 @@ PEER_WATCH_SECONDS = 0.5
 EXIT_PEER_DIED = 1
 
 
-def tp_init_method(port_args: PortArgs, dp_rank: int) -> str:
-    """The rendezvous file of one replica's TP group, in the server's private IPC directory."""
+def tp_init_method(server_args: ServerArgs, port_args: PortArgs | None, dp_rank: int) -> str:
+    """Where one replica's TP group meets: node 0's --dist-init-addr across machines, else a rendezvous file
+    in the server's private IPC directory."""
+    if server_args.nnodes > 1:
+        return f"tcp://{server_args.dist_init_addr}"
     return f"file://{os.path.join(port_args.ipc_dir, f'tp-init-dp{dp_rank}')}"
 
 
@@ -66,10 +72,12 @@ def peer_process_name(tp_rank: int) -> str:
 
 
 class TpPeers:
-    """Rank 0's view of ranks 1..N-1: started as daemons (they die with rank 0), watched by a thread."""
+    """A machine's first rank's view of the other ranks on its machine: started as daemons (they die with it),
+    watched by a thread."""
 
-    def __init__(self, processes: list[mp.process.BaseProcess]):
+    def __init__(self, processes: list[mp.process.BaseProcess], remote_nodes: int = 0):
         self.processes = processes
+        self.remote_nodes = remote_nodes  # machines whose ranks share the group (--nnodes - 1)
         # When this process ends (a multiprocessing child, so not through atexit), multiprocessing SIGTERMs
         # its daemon children and waits for them. The peers ignore SIGTERM (see
         # process_control.leave_stopping_to_the_launcher): after an uncaught exception this rank would wait forever and
@@ -84,9 +92,10 @@ class TpPeers:
 
     @classmethod
     def start(cls, server_args: ServerArgs, model_dir: str, dp_rank: int, init_method: str) -> TpPeers:
+        """Start this machine's ranks after its first one (on node 0: ranks 1..tp-size / nnodes - 1)."""
         ctx = mp.get_context("spawn")
         processes = []
-        for tp_rank in range(1, server_args.tp_size):
+        for tp_rank in server_args.node_tp_ranks[1:]:
             proc = ctx.Process(
                 target=run_tp_peer,
                 args=(server_args, model_dir, dp_rank, tp_rank, init_method),
@@ -95,7 +104,7 @@ class TpPeers:
             )
             proc.start()
             processes.append(proc)
-        peers = cls(processes)
+        peers = cls(processes, server_args.nnodes - 1)
         threading.Thread(target=peers._watch, name="tp-peer-watch", daemon=True).start()
         return peers
 
@@ -117,23 +126,26 @@ class TpPeers:
                         other.kill()
                 os._exit(EXIT_PEER_DIED)
 
-    def _broadcast(self, tp: TensorParallelGroup, obj) -> None:
-        """A collective fails as soon as a peer's socket closes, often before the watch thread looks: give
-        that failure the same clear exit as the watch thread."""
-        try:
-            tp.broadcast_object(obj)
-        except RuntimeError:
-            for proc in self.processes:
-                proc.join(PEER_WATCH_SECONDS)
-            self._exit_if_a_peer_died()
-            raise
+    def exit_if_group_lost(self, exc: BaseException) -> None:
+        """A collective failed (a rank's sockets closed, or it stopped answering): if a local peer died, say
+        so; else the group lost a rank elsewhere. One line and a non-zero exit, instead of a traceback."""
+        reason = collective_failure(exc)
+        if reason is None:
+            return
+        for proc in self.processes:
+            proc.join(PEER_WATCH_SECONDS)  # a collective fails as soon as a peer's socket closes
+        self._exit_if_a_peer_died()
+        where = {0: "", 1: " on node 1"}.get(self.remote_nodes, f" on one of nodes 1..{self.remote_nodes}")
+        logger.error("lost a tensor-parallel rank%s (%s); exiting", where, reason)
+        self.stop()
+        os._exit(EXIT_PEER_DIED)
 
     def share_step(self, tp: TensorParallelGroup, msgs: list) -> None:
         """Send this iteration's inputs; every rank then applies them and steps."""
-        self._broadcast(tp, msgs)
+        tp.broadcast_object(msgs)
 
     def heartbeat(self, tp: TensorParallelGroup) -> None:
-        self._broadcast(tp, HEARTBEAT)
+        tp.broadcast_object(HEARTBEAT)
 
 
 def run_tp_peer(
@@ -148,11 +160,34 @@ def run_tp_peer(
         server_args.log_level, rank_label(tp_rank, dp_rank if server_args.dp_size > 1 else None)
     )
     runner = build_runner(server_args, model_dir, tp_rank, init_method, dp_rank)
-    # NullReporter: rank 0 alone writes the log lines and the metrics
+    if server_args.headless:
+        start_node_metrics(server_args, tp_rank)
+    # NullReporter: rank 0 alone writes the log lines and the scheduler metrics
     peer_loop(Scheduler(server_args, runner))
 
 
+def start_node_metrics(server_args: ServerArgs, tp_rank: int) -> None:
+    """On a headless node every rank refreshes its process metrics (CPU, memory, open files), which that
+    node's /metrics serves; on node 0, rank 0 reports for the group."""
+    if server_args.metrics_enabled:
+        from srt.metrics.collector import start_process_metrics
+
+        start_process_metrics("scheduler", {"model_name": server_args.model_name, "tp_rank": str(tp_rank)})
+
+
 def peer_loop(scheduler: Scheduler) -> None:
+    """Apply rank 0's inputs and step until rank 0's group goes away (one line, a non-zero exit)."""
+    try:
+        replay_rank0(scheduler)
+    except RuntimeError as e:
+        reason = collective_failure(e)
+        if reason is None:
+            raise
+        logger.error("tensor-parallel rank 0 is gone (%s); exiting", reason)
+        os._exit(EXIT_PEER_DIED)
+
+
+def replay_rank0(scheduler: Scheduler) -> None:
     """Apply rank 0's inputs and step, forever; replies and outputs are rank 0's to send."""
     tp = scheduler.runner.tp
     while True:

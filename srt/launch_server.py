@@ -292,8 +292,8 @@ class Launcher:
 
 
 class HeadlessNode(Launcher):
-    """Node R > 0 of a multi-node server: one child, this node's first tensor-parallel rank (which starts the
-    node's other ranks), and an HTTP server with /health (200 once the ranks joined, 503 after one died) and
+    """Node R > 0 of a multi-node server: one child per data-parallel replica, this node's first
+    tensor-parallel rank of it (which starts the node's other ranks of the replica), and an HTTP server with /health (200 once the ranks joined, 503 after one died) and
     /metrics (this node's processes), so one Prometheus job scrapes every node. No tokenizer, no API: requests
     go to node 0. When node 0's group goes away the ranks exit, and so does this launcher (exit code 1)."""
 
@@ -309,8 +309,15 @@ class HeadlessNode(Launcher):
             a.tp_size,
             a.dist_init_addr,
         )
-        ranks = self._spawn(f"node{a.node_rank}", HEADLESS_RANKS_TARGET, a, self._model_dir())
-        self._wait_ready(ranks)
+        model_dir = self._model_dir()
+        replicas = [
+            self._spawn(
+                replica_name(a.node_rank, d, a.dp_size), HEADLESS_RANKS_TARGET, a, model_dir, dp_rank=d
+            )
+            for d in range(a.dp_size)
+        ]
+        for ranks in replicas:
+            self._wait_ready(ranks)
         from srt.http_server.uvicorn_server import make_server
 
         self.server = make_server(self._app(), a, lambda: None, lambda: None)
@@ -334,6 +341,11 @@ class HeadlessNode(Launcher):
 
             routes.append(Route("/metrics", make_metrics_asgi_app()))
         return Starlette(routes=routes)
+
+
+def replica_name(node_rank: int, dp_rank: int, dp_size: int) -> str:
+    """A headless node's child for one replica: `node1`, or `node1-dp0` with data parallelism."""
+    return f"node{node_rank}" if dp_size == 1 else f"node{node_rank}-dp{dp_rank}"
 
 
 def _exit_on_signal(signum, frame) -> None:

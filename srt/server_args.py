@@ -134,7 +134,9 @@ class ServerArgs:
         "headless and serve only /health and /metrics on --port",
     )
     dist_init_addr: str | None = _f(
-        None, "HOST:PORT of node 0's tensor-parallel rendezvous, reachable from every node (--nnodes > 1)"
+        None,
+        "HOST:PORT of node 0's tensor-parallel rendezvous, reachable from every node (--nnodes > 1); "
+        "data-parallel replica d meets at PORT + d",
     )
     dist_timeout: float = _f(
         DIST_TIMEOUT_SECONDS,
@@ -386,11 +388,6 @@ class ServerArgs:
         if self.tp_size % self.nnodes:
             problems.append(
                 f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per node)"
-            )
-        if self.dp_size > 1:
-            problems.append(
-                "--dp-size > 1 with --nnodes > 1 is not supported: run one multi-node server per replica behind "
-                "a gateway (docs/multinode.md)"
             )
         return problems
 

@@ -1,8 +1,9 @@
 """The tensor-parallel ranks of a node other than 0 (`--node-rank R > 0`): no sockets, no tokenizer, no
 outputs; they replay rank 0's steps so that the collectives of every forward pass pair up.
 
-The headless launcher (`srt/headless_node.py`) spawns this node's first rank, which starts the node's other
-ranks (`TpPeers`, as rank 0 does on node 0), joins the group at node 0's `--dist-init-addr`, reports ready,
+The headless launcher (`HeadlessNode` in `srt/launch_server.py`) spawns this node's first rank of each
+data-parallel replica, which starts the node's other ranks of that replica (`TpPeers`, as rank 0 does on node
+0), joins the replica's group at node 0's `--dist-init-addr` (port + replica), reports ready,
 then replays rank 0's broadcasts until the group goes away. Every rank of the node refreshes its process
 metrics, which the node's own `/metrics` serves.
 """
@@ -22,22 +23,27 @@ from srt.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
-def run_headless_ranks(server_args: ServerArgs, model_dir: str, ready_writer: Connection) -> None:
-    """Spawn target of this node's first rank (a child of the headless launcher)."""
+def run_headless_ranks(
+    server_args: ServerArgs, model_dir: str, ready_writer: Connection, dp_rank: int = 0
+) -> None:
+    """Spawn target of this node's first rank of replica `dp_rank` (a child of the headless launcher)."""
     first = server_args.node_tp_ranks[0]
-    configure_process_logging(server_args.log_level, f"node{server_args.node_rank} {rank_label(first)}")
+    label = rank_label(first, dp_rank if server_args.dp_size > 1 else None)
+    configure_process_logging(server_args.log_level, f"node{server_args.node_rank} {label}")
     check_tp_size(model_dir, server_args.tp_size)  # before any peer starts: one clear error
-    init_method = tp_init_method(server_args, None, dp_rank=0)
-    TpPeers.start(server_args, model_dir, 0, init_method)  # watched: a local peer's death ends this rank
-    runner = build_runner(server_args, model_dir, first, init_method)
-    start_node_metrics(server_args, first)
+    init_method = tp_init_method(server_args, None, dp_rank)
+    TpPeers.start(
+        server_args, model_dir, dp_rank, init_method
+    )  # watched: a local peer's death ends this rank
+    runner = build_runner(server_args, model_dir, first, init_method, dp_rank)
+    start_node_metrics(server_args, first, dp_rank)
     scheduler = Scheduler(server_args, runner)  # NullReporter: rank 0 writes the log lines and metrics
     logger.info(
         "node %d ready: tp ranks %s of %d joined rank 0 at %s",
         server_args.node_rank,
         ", ".join(map(str, server_args.node_tp_ranks)),
         server_args.tp_size,
-        server_args.dist_init_addr,
+        init_method,
     )
     ready_writer.send(ready_message(scheduler))
     ready_writer.close()

@@ -25,6 +25,7 @@ import os
 import threading
 import time
 
+from srt.engine_options import tcp_host_port
 from srt.model_executor.parallel_state import TensorParallelGroup, collective_failure
 from srt.process_control import (
     CHILD_STOP_SIGNAL,
@@ -48,10 +49,11 @@ EXIT_PEER_DIED = 1
 
 
 def tp_init_method(server_args: ServerArgs, port_args: PortArgs | None, dp_rank: int) -> str:
-    """Where one replica's TP group meets: node 0's --dist-init-addr across machines, else a rendezvous file
-    in the server's private IPC directory."""
+    """Where one replica's TP group meets: across machines, node 0's --dist-init-addr (replica d at its port
+    + d), else a rendezvous file in the server's private IPC directory."""
     if server_args.nnodes > 1:
-        return f"tcp://{server_args.dist_init_addr}"
+        host, port = tcp_host_port(server_args.dist_init_addr)
+        return f"tcp://{f'[{host}]' if ':' in host else host}:{port + dp_rank}"
     return f"file://{os.path.join(port_args.ipc_dir, f'tp-init-dp{dp_rank}')}"
 
 
@@ -161,18 +163,21 @@ def run_tp_peer(
     )
     runner = build_runner(server_args, model_dir, tp_rank, init_method, dp_rank)
     if server_args.headless:
-        start_node_metrics(server_args, tp_rank)
+        start_node_metrics(server_args, tp_rank, dp_rank)
     # NullReporter: rank 0 alone writes the log lines and the scheduler metrics
     peer_loop(Scheduler(server_args, runner))
 
 
-def start_node_metrics(server_args: ServerArgs, tp_rank: int) -> None:
+def start_node_metrics(server_args: ServerArgs, tp_rank: int, dp_rank: int) -> None:
     """On a headless node every rank refreshes its process metrics (CPU, memory, open files), which that
     node's /metrics serves; on node 0, rank 0 reports for the group."""
     if server_args.metrics_enabled:
         from srt.metrics.collector import start_process_metrics
 
-        start_process_metrics("scheduler", {"model_name": server_args.model_name, "tp_rank": str(tp_rank)})
+        labels = {"model_name": server_args.model_name, "tp_rank": str(tp_rank)}
+        if server_args.dp_size > 1:
+            labels["dp_rank"] = str(dp_rank)
+        start_process_metrics("scheduler", labels)
 
 
 def peer_loop(scheduler: Scheduler) -> None:

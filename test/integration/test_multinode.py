@@ -1,8 +1,9 @@
 """Multi-node tensor parallelism on one machine as two hosts: node 0 and node 1 run in two network namespaces
 joined by a veth pair (10.213.0.1 and 10.213.0.2), `--tp-size 2 --nnodes 2`, one rank each, meeting over TCP
-at node 0's `--dist-init-addr`. Node 0 answers greedily exactly as one rank does; node 1 is headless and
-serves its own /health and /metrics. A node that dies, drops off the network or never joins ends the server
-with one clear line and a non-zero exit within `--dist-timeout` and a few seconds, never a hang.
+at node 0's `--dist-init-addr`. Node 0 answers greedily exactly as one rank does, with one replica or two
+(`--dp-size 2`: each replica's ranks span both nodes); node 1 is headless and serves its own /health and
+/metrics. A node that dies, drops off the network or never joins ends the server with one clear line and a
+non-zero exit within `--dist-timeout` and a few seconds, never a hang.
 
 Needs the privilege to make network namespaces (root); skipped where it is missing."""
 
@@ -71,10 +72,10 @@ def generate_body() -> dict:
 
 
 def start_node(
-    host: Host, node_rank: int, model_dir: str, rendezvous: str, dist_timeout: float
+    host: Host, node_rank: int, model_dir: str, rendezvous: str, dist_timeout: float, *extra: str
 ) -> ServerHandle:
     """`python -m srt.launch_server` of one node, inside `host`'s namespace, in a session of its own."""
-    flags = ["--model-path", model_dir, "--quantization", "none", "--tp-size", "2", "--nnodes", "2"]
+    flags = [*extra, "--model-path", model_dir, "--quantization", "none", "--tp-size", "2", "--nnodes", "2"]
     flags += ["--node-rank", str(node_rank), "--dist-init-addr", rendezvous]
     flags += ["--dist-timeout", str(dist_timeout), "--host", host.address, "--port", str(HTTP_PORT)]
     log = Path(tempfile.mkstemp(prefix=f"srt-node{node_rank}-", suffix=".log")[1])
@@ -92,12 +93,15 @@ def start_node(
 
 
 @contextlib.contextmanager
-def nodes(*started: tuple[Host, int, str, float], model_dir: str) -> Iterator[list[ServerHandle]]:
-    """Start each (host, node rank, rendezvous, timeout); stop every node's session afterwards, always."""
+def nodes(
+    *started: tuple[Host, int, str, float], model_dir: str, flags: tuple[str, ...] = ()
+) -> Iterator[list[ServerHandle]]:
+    """Start each (host, node rank, rendezvous, timeout) with `flags`; stop every node's session afterwards,
+    always."""
     handles: list[ServerHandle] = []
     try:
         for host, rank, rendezvous, timeout in started:
-            handles.append(start_node(host, rank, model_dir, rendezvous, timeout))
+            handles.append(start_node(host, rank, model_dir, rendezvous, timeout, *flags))
         yield handles
     finally:
         for handle in handles:
@@ -199,20 +203,34 @@ def test_a_node_that_never_joins_or_never_answers_fails_in_one_line(hosts, tiny_
     )
 
 
-def test_a_node_cut_off_the_network_ends_both_within_the_timeout(hosts, tiny_model_dir):
-    """No socket closes when a cable is pulled: the collectives' timeout is what notices, on both sides."""
+def test_two_replicas_across_two_nodes_answer_as_one_rank_and_a_cut_link_ends_both(
+    hosts, tiny_model_dir, one_rank_outputs
+):
+    """`--dp-size 2`: each replica's two ranks span both nodes, meeting at the port and the port + 1, and each
+    answers as one rank. Then node 1's link is cut: no socket closes when a cable is pulled, so the
+    collectives' timeout is what notices, on both sides."""
     a, b = hosts
     timeout = SHORT_DIST_TIMEOUT_SECONDS
-    rendezvous = f"{a.address}:{DIST_PORT + 3}"
-    with nodes((a, 0, rendezvous, timeout), (b, 1, rendezvous, timeout), model_dir=tiny_model_dir) as (
-        node0,
-        node1,
-    ):
-        wait_healthy([(a, node0), (b, node1)])
+    rendezvous = f"{a.address}:{DIST_PORT + 3}"  # and DIST_PORT + 4 for replica 1
+    with nodes((a, 0, rendezvous, timeout), (b, 1, rendezvous, timeout), model_dir=tiny_model_dir,
+               flags=("--dp-size", "2")) as (node0, node1):  # fmt: skip
+        healthy_after = wait_healthy([(a, node0), (b, node1)])
+        for replica in (0, 1):
+            body = {**generate_body(), "data_parallel_rank": replica}
+            status, text = a.fetch(url(a, "/generate"), body, timeout=120)
+            assert status == 200, text
+            assert [out["output_ids"] for out in json.loads(text)] == one_rank_outputs, f"replica {replica}"
+        node1_samples = parse_metrics_text(b.fetch(url(b, "/metrics"))[1])
+        for replica in ("0", "1"):
+            assert select(node1_samples, "sglang:process_resident_memory_bytes", tp_rank="1", dp_rank=replica)
+
         cut_at = time.monotonic()
         b.cut_link()
         took = [exit_seconds(node, cut_at, timeout + EXIT_SLACK_SECONDS) for node in (node0, node1)]
         assert node0.proc.returncode not in (0, None) and node1.proc.returncode not in (0, None)
         assert any("lost a tensor-parallel rank on node 1 (Timed out" in line for line in error_lines(node0))
         assert any("tensor-parallel rank 0 is gone" in line for line in error_lines(node1))
-    print(f"\nmultinode: node 1 cut off -> node 0 exited in {took[0]:.1f} s, node 1 in {took[1]:.1f} s")
+    print(
+        f"\nmultinode: --dp-size 2 over 2 nodes healthy {healthy_after:.1f} s after start, both replicas "
+        f"greedy-equal to tp=1; node 1 cut off -> node 0 exited in {took[0]:.1f} s, node 1 in {took[1]:.1f} s"
+    )

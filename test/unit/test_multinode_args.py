@@ -16,6 +16,7 @@ from srt.model_executor.rendezvous import (
     interface_towards,
     join_tcp_store,
 )
+from srt.scheduler.tp_peers import tp_init_method
 from srt.server_args import ServerArgs
 from srt.sockets import find_free_port
 from test.unit.test_startup_errors import FAST_FAIL_SECONDS, assert_one_line_error, launch
@@ -38,7 +39,6 @@ JOIN_SLACK_SECONDS = 5.0
         ({**TWO_NODES, "dist_init_addr": "node0:port"}, "--dist-init-addr must be HOST:PORT"),
         ({**TWO_NODES, "tp_size": 3}, "--tp-size 3 must be a multiple of --nnodes 2"),
         ({**TWO_NODES, "dist_timeout": 0}, "--dist-timeout must be > 0"),
-        ({**TWO_NODES, "dp_size": 2}, "--dp-size > 1 with --nnodes > 1 is not supported"),
     ],
 )
 def test_bad_multinode_flags_are_one_line_naming_the_flag(fields, flag):
@@ -52,10 +52,21 @@ def test_well_formed_addresses_pass():
         assert ServerArgs(**{**TWO_NODES, "dist_init_addr": addr}).dist_init_addr == addr
 
 
-def test_dp_with_nodes_is_refused_on_the_command_line_with_exit_2():
-    r, took = launch("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000", "--dp-size", "2")
-    assert_one_line_error(r, "--dp-size > 1 with --nnodes > 1 is not supported")
+def test_a_bad_address_is_refused_on_the_command_line_with_exit_2():
+    r, took = launch("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.1")
+    assert_one_line_error(r, "--dist-init-addr must be HOST:PORT")
     assert took < FAST_FAIL_SECONDS
+
+
+def test_each_data_parallel_replica_meets_at_its_own_port():
+    args = ServerArgs(**TWO_NODES, dp_size=3)
+    assert [tp_init_method(args, None, d) for d in range(3)] == [
+        "tcp://10.0.0.1:5000",
+        "tcp://10.0.0.1:5001",
+        "tcp://10.0.0.1:5002",
+    ]
+    ipv6 = ServerArgs(**{**TWO_NODES, "dist_init_addr": "[fe80::1]:29500"}, dp_size=2)
+    assert tp_init_method(ipv6, None, 1) == "tcp://[fe80::1]:29501"
 
 
 def test_node_r_hosts_its_consecutive_share_of_the_ranks():

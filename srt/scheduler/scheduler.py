@@ -387,7 +387,18 @@ class Scheduler:
                 hits += req.kv_len
         total = sum(r.extend_len for r in reqs)
         plan = plan_prompt_logprobs(reqs)
-        batch = self.builder.extend(reqs, decode, **(plan.batch_fields() if plan else {}))
+        drafts = None
+        if decode and plan is None:  # the running requests may draft in a mixed step too
+            spare = self.allocator.available_size() + self.tree_cache.evictable_size() - total - len(decode)
+            drafts = self.spec.propose(decode, spare)
+            self.reporter.on_draft_budget(self.spec.k_in_effect)
+        if drafts is not None:
+            verifying = [r for r, d in zip(decode, drafts, strict=True) if d]
+            runs = [d for d in drafts if d]
+            plain = [r for r, d in zip(decode, drafts, strict=True) if not d]
+            batch = self.builder.verify(verifying, runs, plain, prefill=reqs)
+        else:
+            batch = self.builder.extend(reqs, decode, **(plan.batch_fields() if plan else {}))
         t0 = time.perf_counter()
         if plan is None:
             logits = self.runner.forward(batch)
@@ -396,10 +407,28 @@ class Scheduler:
             plan.deliver(scores)
         forward_seconds = time.perf_counter() - t0
         self.tracing.on_prefill_step(reqs, now, time.monotonic())
-        self._observe_step(total, len(decode), forward_seconds)
+        self._observe_step(total, batch.num_tokens - total, forward_seconds)
         for req in reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
+        decode_tokens = len(decode)
+        if drafts is not None:  # rows: each prefill's last, the verify runs, the plain decodes
+            verify_rows = sum(len(r) + 1 for r in runs)
+            taken, totals = self.spec.accept(
+                logits[len(reqs) : len(reqs) + verify_rows], verifying, runs,
+                batch.out_cache_loc[total : total + verify_rows], self.allocator, self.eos_token_ids,
+                self.context_len,
+            )  # fmt: skip
+            self.reporter.on_verify(totals)
+            for req in verifying:
+                if req.finished:
+                    self._release(req)
+                    self._report_finished(req)
+            decode_tokens = sum(taken) + len(plain)
+            first_plain = len(reqs) + verify_rows
+            decode = plain
+        else:
+            first_plain = len(reqs)
         for req in decode:
             req.kv_len += 1
         done = [i for i, r in enumerate(reqs) if not r.is_chunked and r.sampling_params.max_new_tokens > 0]
@@ -411,12 +440,12 @@ class Scheduler:
                 self._release(req)
                 self._report_finished(req)
         # decoding requests first: a steady running batch keeps its order, and its sampling batch
-        rows = [len(reqs) + i for i in range(len(decode))] + done
+        rows = [first_plain + i for i in range(len(decode))] + done
         sampled = decode + [reqs[i] for i in done]
         if sampled:
-            in_order = rows == list(range(batch.batch_size))
+            in_order = rows == list(range(logits.shape[0]))
             self._sample_and_append(logits if in_order else logits[rows], sampled)
-        if decode:
+        if decode or drafts is not None:
             self._after_decode()
         self.running.extend(r for r in (reqs[i] for i in done) if not r.finished)
         report = dict(
@@ -427,8 +456,8 @@ class Scheduler:
             prefix_hits=hits,
             forward_seconds=forward_seconds,
         )
-        self.reporter.on_prefill(self.load(), decode_tokens=len(decode), **report)
-        return reqs + decode
+        self.reporter.on_prefill(self.load(), decode_tokens=decode_tokens, **report)
+        return reqs + (verifying + plain if drafts is not None else decode)
 
     def _run_decode(self) -> list[Req]:
         self._ensure_decode_memory()

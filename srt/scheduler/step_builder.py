@@ -18,6 +18,7 @@ Every tensor of the batch lives on the device of the pools (the runner's): index
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -125,16 +126,28 @@ class StepBuilder:
         up.end_step()
         return batch
 
-    def verify(self, reqs: list[Req], drafts: list[list[int]], plain: list[Req]) -> ForwardBatch:
+    def verify(
+        self, reqs: list[Req], drafts: list[list[int]], plain: list[Req], prefill: list[Req] | None = None
+    ) -> ForwardBatch:
         """Each of `reqs` feeds its newest token and then its `drafts` (k_i + 1 rows from position kv_len),
-        then each of `plain` its newest token; every row's logits are returned, in this order."""
+        then each of `plain` its newest token; every one of those rows' logits is returned, in this order.
+        With `prefill` (planned as for `extend`), a mixed step: their new tokens come first, and the logits of
+        each one's last row lead the returned rows."""
         up = self.uploader
         up.begin_step()
-        everyone = reqs + plain
-        new_lens = [len(d) + 1 for d in drafts] + [1] * len(plain)
+        prefill = prefill or []
+        table = self.req_to_token_pool.req_to_token
+        for req in prefill:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
+                table[req.req_pool_idx, : req.kv_len] = req.prefix_indices
+        everyone = prefill + reqs + plain
+        new_lens = [r.extend_len for r in prefill] + [len(d) + 1 for d in drafts] + [1] * len(plain)
         num_rows = sum(new_lens)
         loc = self.alloc_kv(num_rows)
         input_ids: list[int] = []
+        for req in prefill:
+            input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + req.extend_len])
         for req, run in zip(reqs, drafts, strict=True):
             input_ids.append(req.output_ids[-1])
             input_ids.extend(run)
@@ -150,6 +163,11 @@ class StepBuilder:
         seq_lens = [p + n for p, n in zip(prefix_lens, new_lens, strict=True)]
         if self._all_rows.numel() < num_rows:
             self._all_rows = torch.arange(2 * num_rows, dtype=torch.int64, device=self._all_rows.device)
+        fed = sum(new_lens[len(prefill) :])
+        rows = self._all_rows[num_rows - fed : num_rows]
+        if prefill:  # each prefill sequence's last row, then every fed row
+            ends = list(itertools.accumulate(new_lens[: len(prefill)]))
+            rows = torch.cat([up.upload("prefill_last_rows", [e - 1 for e in ends]), rows])
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             batch_size=len(everyone),
@@ -161,7 +179,7 @@ class StepBuilder:
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=new_lens,
-            logit_rows=self._all_rows[:num_rows],
+            logit_rows=rows,
             lora_slots=self._lora_slots(everyone),
         )
         up.end_step()

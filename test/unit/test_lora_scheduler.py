@@ -133,6 +133,9 @@ def test_an_adapter_loads_between_steps_and_unloads_after_its_requests(tiny_mode
 
     def on_step(step, s):
         replies.extend(s.take_replies())
+        if step == 1:  # let the worker thread finish reading before "c"'s request arrives at step 3
+            for _, future in s.lora._loading:
+                future.result(timeout=60)
         if step == 4:
             s.handle(UnloadLoRAAdapterReq("unload-c", "c"))
 

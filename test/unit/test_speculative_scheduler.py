@@ -160,13 +160,22 @@ def test_greedy_output_is_the_same_with_ngram_speculation_alone(tiny_model_dir, 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["unmixed", "mixed"])
 def test_greedy_output_is_the_same_with_ngram_speculation_batched(tiny_model_dir, quant, reference, mixed):
-    """Arrivals while others decode: with mixed steps those decode plainly next to the prefill, the steps
-    after verify several requests at once."""
+    """Arrivals while others decode: with mixed steps the running requests draft and verify next to the
+    prefill; the steps after verify several requests at once."""
     sched, totals = make(
         tiny_model_dir, quant, **({"enable_mixed_chunk": True} if mixed else {"disable_mixed_chunk": True})
     )
+    verify = sched.builder.verify
+    with_prefill = []
+
+    def recording(reqs, drafts, plain, prefill=None):
+        with_prefill.append(bool(prefill))
+        return verify(reqs, drafts, plain, prefill)
+
+    sched.builder.verify = recording
     reqs = requests()
     res = drive(sched, {0: reqs[:6], 2: reqs[6:9], 5: reqs[9:]}, on_step=assert_every_slot_accounted)
+    assert any(with_prefill) == mixed  # with mixed steps, drafts are verified next to a prefill too
     assert {rid: c.output_ids for rid, c in res.items()} == reference
     assert totals.accepted > 0
     assert any(s.num_drafts > 1 for s in totals.steps), "no verify step judged several requests"

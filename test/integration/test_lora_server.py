@@ -154,3 +154,31 @@ def test_metrics_show_the_adapters_and_the_counters_still_add_up(server, export_
     assert select(after, "sglang:lora_pool_slots_total")[0].value == 2
     records = [json.loads(line) for f in export_dir.glob("requests-*.jsonl") for line in f.open()]
     assert {r.get("lora_name") for r in records} >= {"a", "b", None}
+
+
+@pytest.mark.parametrize("problem", ["missing-weights", "rank-too-high", "corrupt-config"])
+def test_a_bad_start_up_adapter_is_a_one_line_config_error(tiny_model_dir, adapters, tmp_path, problem):
+    """Exit 2 with one `start-up failed` line naming the adapter, no traceback: the flags were wrong."""
+    import shutil
+
+    from test.integration.conftest import launch_server
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["a"], bad)
+    flags = ["--model-path", tiny_model_dir, "--lora-paths", f"broken={bad}"]
+    if problem == "missing-weights":
+        next(bad.glob("*.safetensors")).unlink()
+    elif problem == "rank-too-high":
+        flags += ["--max-lora-rank", "4"]  # the adapter's rank is 8
+    else:
+        (bad / "adapter_config.json").write_text("{not json")
+    handle = launch_server(*flags, wait=False)
+    try:
+        assert handle.proc.wait(240) == 2
+        log = handle.logs()
+        assert "Traceback" not in log, log
+        errors = [line for line in log.splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and "start-up failed" in errors[0] and "broken" in errors[0], log
+    finally:
+        handle.stop()
+        handle.log_path.unlink(missing_ok=True)

@@ -17,9 +17,12 @@ from srt.io_struct import (
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     SchedulerReady,
     TokenizedGenerateReqInput,
     TraceContext,
+    UnloadLoRAAdapterReq,
 )
 from srt.sampling.sampling_params import SamplingParams
 from srt.speculative.stats import SpecRequestStats
@@ -50,6 +53,10 @@ MESSAGES = [
     ),
     TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "srt=1", 3),
     TokenizedGenerateReqInput("rid-2", [4], SamplingParams(), trace=TraceContext("00-ab-cd-01")),
+    TokenizedGenerateReqInput("rid-3", [5], SamplingParams(), prediction_ids=[5, 6], lora_name="sql-lora"),
+    LoadLoRAAdapterReq("load-1", "sql-lora", "/adapters/sql", pinned=True),
+    UnloadLoRAAdapterReq("unload-1", "sql-lora"),
+    LoRAAdapterReqOutput("load-1", False, "LoRA adapter 'sql-lora': rank 64 exceeds --max-lora-rank 16"),
     AbortReq("rid-1", silent=True),
     AbortReq(""),
     FlushCacheReq(),

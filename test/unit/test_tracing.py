@@ -217,7 +217,7 @@ def test_request_with_two_choices_has_one_root_summing_usage():
     tracer = RequestTracer(ServerArgs(served_model_name="m"), otel)
     tracer.level = 2
     arrival = time.monotonic()
-    obj = SimpleNamespace(n=2, arrival_ts=arrival)
+    obj = SimpleNamespace(n=2, arrival_ts=arrival, lora_name="sql-lora")
     params = SamplingParams(max_new_tokens=9, temperature=0.5, top_p=0.9)
     contexts = tracer.begin(obj, params, "g", ["g-0", "g-1"], FakeRequest(CALLER_HEADERS, arrival - 0.01))
     assert len(contexts) == 2 and all(c.level == 2 for c in contexts)
@@ -234,6 +234,7 @@ def test_request_with_two_choices_has_one_root_summing_usage():
     assert (root.attributes[A.USAGE_PROMPT_TOKENS], root.attributes[A.USAGE_COMPLETION_TOKENS],
             root.attributes[A.USAGE_CACHED_TOKENS]) == (7, 13, 6)  # fmt: skip
     assert root.attributes[A.REQUEST_N] == 2 and root.attributes[A.RESPONSE_MODEL] == "m"
+    assert root.attributes[A.LORA_ADAPTER] == "sql-lora"  # the request's LoRA adapter
     assert root.attributes[A.REQUEST_TEMPERATURE] == 0.5 and root.attributes[A.REQUEST_MAX_TOKENS] == 9
     assert root.attributes[A.LATENCY_E2E] == pytest.approx(0.3)
     assert root.attributes[A.LATENCY_TIME_TO_FIRST_TOKEN] == pytest.approx(0.05)
@@ -250,7 +251,7 @@ def test_levels_1_and_0_in_the_main_process():
     otel, exporter = memory_tracer("tokenizer")
     tracer = RequestTracer(ServerArgs(), otel)
     arrival = time.monotonic()
-    obj = SimpleNamespace(n=1, arrival_ts=arrival)
+    obj = SimpleNamespace(n=1, arrival_ts=arrival, lora_name=None)
     assert tracer.begin(obj, SamplingParams(), "a", ["a"], FakeRequest({}, arrival)) is None  # level 1
     st = ReqState("a", 0, asyncio.Queue(), arrival, 3, 16, 1, "a")
     _finish(tracer, st, 2, 0, "stop", arrival + 0.1)
@@ -267,7 +268,7 @@ def test_child_death_ends_open_spans_with_an_error():
     otel, exporter = memory_tracer("tokenizer")
     tracer = RequestTracer(ServerArgs(), otel)
     arrival = time.monotonic()
-    tracer.begin(SimpleNamespace(n=2, arrival_ts=arrival), SamplingParams(), "g", ["g-0", "g-1"],
+    tracer.begin(SimpleNamespace(n=2, arrival_ts=arrival, lora_name=None), SamplingParams(), "g", ["g-0", "g-1"],
                  FakeRequest({}, arrival))  # fmt: skip
     tracer.fail_all("the scheduler died", arrival + 1)
     spans = exporter.get_finished_spans()

@@ -414,16 +414,9 @@ class Scheduler:
         decode_tokens = len(decode)
         if drafts is not None:  # rows: each prefill's last, the verify runs, the plain decodes
             verify_rows = sum(len(r) + 1 for r in runs)
-            taken, totals = self.spec.accept(
-                logits[len(reqs) : len(reqs) + verify_rows], verifying, runs,
-                batch.out_cache_loc[total : total + verify_rows], self.allocator, self.eos_token_ids,
-                self.context_len,
-            )  # fmt: skip
-            self.reporter.on_verify(totals)
-            for req in verifying:
-                if req.finished:
-                    self._release(req)
-                    self._report_finished(req)
+            rows = slice(len(reqs), len(reqs) + verify_rows)
+            slots = batch.out_cache_loc[total : total + verify_rows]
+            taken = self._accept_drafts(logits[rows], verifying, runs, slots)
             decode_tokens = sum(taken) + len(plain)
             first_plain = len(reqs) + verify_rows
             decode = plain
@@ -496,15 +489,7 @@ class Scheduler:
         forward_seconds = time.perf_counter() - t0
         self._observe_step(0, batch.num_tokens, forward_seconds)
         verify_rows = batch.num_tokens - len(plain)
-        taken, totals = self.spec.accept(
-            logits[:verify_rows], verifying, runs, batch.out_cache_loc[:verify_rows], self.allocator,
-            self.eos_token_ids, self.context_len,
-        )  # fmt: skip
-        self.reporter.on_verify(totals)
-        for req in verifying:
-            if req.finished:
-                self._release(req)
-                self._report_finished(req)
+        taken = self._accept_drafts(logits[:verify_rows], verifying, runs, batch.out_cache_loc[:verify_rows])
         for req in plain:
             req.kv_len += 1
         if plain:
@@ -514,6 +499,21 @@ class Scheduler:
             self.load(), num_tokens=sum(taken) + len(plain), forward_seconds=forward_seconds
         )
         return reqs
+
+    def _accept_drafts(
+        self, logits: torch.Tensor, verifying: list[Req], runs: list[list[int]], fed_slots: torch.Tensor
+    ) -> list[int]:
+        """The drafting requests' part of a verify step (`SpecDecoder.accept`), its figures reported and the
+        requests it finished released. Returns how many tokens each took."""
+        taken, totals = self.spec.accept(
+            logits, verifying, runs, fed_slots, self.allocator, self.eos_token_ids, self.context_len
+        )
+        self.reporter.on_verify(totals)
+        for req in verifying:
+            if req.finished:
+                self._release(req)
+                self._report_finished(req)
+        return taken
 
     def _after_decode(self) -> None:
         self.running = [r for r in self.running if not r.finished]

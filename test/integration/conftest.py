@@ -161,6 +161,22 @@ def launch_server(
     return handle
 
 
+def config_error_line(*flags: str, timeout: float = STARTUP_TIMEOUT_SECONDS) -> str:
+    """Start a server that must refuse its configuration: it exits 2 with exactly one ERROR line, a
+    `start-up failed` one, and no traceback. Returns that line."""
+    handle = launch_server(*flags, wait=False)
+    try:
+        assert handle.proc.wait(timeout) == 2
+        log = handle.logs()
+        assert "Traceback" not in log, log
+        errors = [line for line in log.splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and "start-up failed" in errors[0], log
+        return errors[0]
+    finally:
+        handle.stop()
+        handle.log_path.unlink(missing_ok=True)
+
+
 def wait_healthy(handle: ServerHandle, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

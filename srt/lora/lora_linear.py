@@ -37,7 +37,7 @@ class SubModule:
 
 class LayerLoRAWeights:
     """The pool's slots for one layer: A [slots, sub-modules x max rank, in] (an adapter of rank r keeps its
-    sub-modules' A at rows i*r..(i+1)*r, so a shrink reads one contiguous block) and B [slots, out, max rank],
+    sub-modules' A at rows i*r..(i+1)*r, so a shrink reads one contiguous block) and B^T [slots, max rank, out],
     this rank's part of each. A slot never written, or cleared, is zeros."""
 
     def __init__(
@@ -51,12 +51,35 @@ class LayerLoRAWeights:
         max_rank: int,
         dtype: torch.dtype,
         device: str,
+        kernels=None,
     ):
+        """`kernels` (srt's CPU kernels, for an fp32 pool on the CPU): each segment's products in one call
+        (`CpuKernels.lora_add`) instead of a PyTorch matmul per sub-module."""
         self.subs = subs
+        self.kernels = kernels if dtype == torch.float32 and str(device) == "cpu" else None
+        self._out_offsets = torch.tensor([s.out_offset for s in subs], dtype=torch.int64)
+        self._out_sizes = torch.tensor([s.out_size for s in subs], dtype=torch.int64)
+        self._kernel_args: dict[tuple[int, int], tuple[int, ...]] = {}
         self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
         self.tp_rank = tp_rank
         self.a = torch.zeros((slots, len(subs) * max_rank, in_local), dtype=dtype, device=device)
-        self.b = torch.zeros((slots, out_local, max_rank), dtype=dtype, device=device)
+        # B transposed, [slots, max rank, out]: the expand is then r row-times-matrix updates, which the CPU
+        # kernel runs as contiguous vector updates of the output row
+        self.b = torch.zeros((slots, max_rank, out_local), dtype=dtype, device=device)
+
+    def kernel_args(self, slot: int, rank: int) -> tuple[int, ...] | None:
+        """srt_lora_add's arguments after (x, m, k, x_stride) for one adapter in `slot` at `rank`, as
+        addresses (the pool's tensors live as long as the model): what the fused CPU decode step calls the
+        kernel with, with no Python tensor work per layer. None without the kernels."""
+        if self.kernels is None:
+            return None
+        args = self._kernel_args.get((slot, rank))
+        if args is None:
+            args = self._kernel_args[(slot, rank)] = (
+                self.a[slot].data_ptr(), rank, len(self.subs), self.b[slot].data_ptr(), self.b.shape[2],
+                self._out_offsets.data_ptr(), self._out_sizes.data_ptr(),
+            )  # fmt: skip
+        return args
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         self.clear(slot)
@@ -70,7 +93,7 @@ class LayerLoRAWeights:
             if sub.out_size != sub.fan_out:  # column-parallel: this rank's rows of the sub-module's output
                 b = b[self.tp_rank * sub.out_size : (self.tp_rank + 1) * sub.out_size]
             self.a[slot, sub.index * r : (sub.index + 1) * r].copy_(a)
-            self.b[slot, sub.out_offset : sub.out_offset + sub.out_size, :r].copy_(b * adapter.scaling)
+            self.b[slot, :r, sub.out_offset : sub.out_offset + sub.out_size].copy_((b * adapter.scaling).T)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -86,11 +109,17 @@ class LayerLoRAWeights:
         stacked = len(self.subs)
         for seg in info.segments:
             r, rows = seg.rank, deltas[seg.start : seg.end]
+            if self.kernels is not None and xs.stride(-1) == 1:
+                self.kernels.lora_add(
+                    rows, xs[seg.start : seg.end], self.a[seg.slot, : stacked * r], self.b[seg.slot], r,
+                    self._out_offsets, self._out_sizes,
+                )  # fmt: skip
+                continue
             shrunk = xs[seg.start : seg.end] @ self.a[seg.slot, : stacked * r].T
             for sub in self.subs:
                 cols = slice(sub.out_offset, sub.out_offset + sub.out_size)
                 rows[:, cols].addmm_(
-                    shrunk[:, sub.index * r : (sub.index + 1) * r], self.b[seg.slot, cols, :r].T
+                    shrunk[:, sub.index * r : (sub.index + 1) * r], self.b[seg.slot, :r, cols]
                 )
         return out if info.order is None else out.index_add_(0, info.order, deltas)
 
@@ -111,6 +140,15 @@ class LoRALinearMethod(LinearMethod):
         if info is None or key != WEIGHT:
             return out
         return self.weights.add_delta(out, x, info)
+
+    def kernel_args(self) -> tuple[int, ...] | None:
+        """The fused CPU decode step's direct call for this step's adapter (`LayerLoRAWeights.kernel_args`),
+        when the step has one adapter whose rows need no gathering; None otherwise (use `add_adapters`)."""
+        info = self.step.info
+        if info is None or info.order is not None or len(info.segments) != 1:
+            return None
+        seg = info.segments[0]
+        return self.weights.kernel_args(seg.slot, seg.rank)
 
     def int8_weight(self, key: str = WEIGHT):
         return self.base.int8_weight(key)

@@ -50,6 +50,7 @@ class LoRAManager:
         self, model: nn.Module, config: LoRAConfig, tp: TensorParallelGroup, dtype: torch.dtype, device: str
     ):
         self.config = config
+        self.kernels = getattr(model, "kernels", None)  # srt's CPU kernels, where the model has them
         self.step = LoRAStep()
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots = SlotTable(config.max_loras_per_batch)
@@ -104,7 +105,7 @@ class LoRAManager:
         cfg = self.config
         return LayerLoRAWeights(
             tuple(subs), in_local, out_local, in_offset, tp.rank, cfg.max_loras_per_batch, cfg.max_lora_rank,
-            dtype, device,
+            dtype, device, self.kernels,
         )  # fmt: skip
 
     # ---- adapters ----

@@ -171,6 +171,33 @@ class CpuKernels:
         self._c.srt_silu_mul(x2.data_ptr(), m, inter, x2.stride(0), out.data_ptr())
         return out.view(*gate_up.shape[:-1], inter)
 
+    def lora_add(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        rank: int,
+        out_offsets: torch.Tensor,
+        out_sizes: torch.Tensor,
+    ) -> None:
+        """out [m, n] += one LoRA adapter's product of x [m, k], in place: a [sub-modules x rank, k] (sub-module
+        i's A at rows i*rank..), b = B^T [>= rank, n] (sub-module i's columns out_offsets[i].. of
+        out_sizes[i], its first `rank` rows, scaled); fp32 rows with unit column stride (srt_lora_add)."""
+        rows = (out, x, a, b)
+        if any(t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 for t in rows):
+            raise TypeError("lora_add takes 2-D fp32 tensors with unit column stride")
+        nsub = out_offsets.numel()
+        m, k = x.shape
+        if out.shape[0] != m or a.shape[1] != k or a.shape[0] < nsub * rank or b.shape[0] < rank:
+            raise ValueError("lora_add: the operands' shapes do not agree")
+        if not a.is_contiguous() or out_offsets.dtype != torch.int64 or out_sizes.dtype != torch.int64:
+            raise TypeError("lora_add takes a contiguous A and int64 offsets and sizes")
+        self._c.srt_lora_add(
+            x.data_ptr(), m, k, x.stride(0), a.data_ptr(), rank, nsub, b.data_ptr(), b.stride(0),
+            out_offsets.data_ptr(), out_sizes.data_ptr(), out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate, in place, the first `heads` heads of each row of x [n, >= heads * head_dim] (unit column
         stride) by cos and sin tables of n rows of head_dim / 2 (any shape with those rows)."""

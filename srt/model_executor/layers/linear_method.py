@@ -52,6 +52,11 @@ class LinearMethod:
         base product in its own kernel, calls it after."""
         return out
 
+    def kernel_args(self) -> tuple[int, ...] | None:
+        """The fused CPU decode step's direct kernel call for this step's adapter, as addresses (None: call
+        `add_adapters`; a method without adapters never needs either)."""
+        return None
+
     def int8_weight(self, key: str = WEIGHT) -> Int8Weight | None:
         """The int8 form of weight `key` (None: this method multiplies unquantized weights)."""
         return None

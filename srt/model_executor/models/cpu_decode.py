@@ -75,6 +75,7 @@ class CpuDecodeStep:
             kernels.function(f"srt_{name}")
             for name in ("w8a8_linear", "rmsnorm", "rope", "store_kv", "decode_attention", "silu_mul")
         )
+        self._lora_add = kernels.function("srt_lora_add")
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -184,18 +185,28 @@ class CpuDecodeStep:
             loc = loc.to(torch.int64).contiguous()
         heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]
         adapted = batch.has_adapters
+        # an adapter step's products: straight through srt_lora_add where the step has one adapter whose rows
+        # need no gathering (the pool's addresses, no Python tensor work), else through each layer's method
+        direct = [tuple(m.kernel_args() for m in methods) for methods in self.methods] if adapted else None
+        lora_add = self._lora_add
 
         def linear(lin: _Linear, x: int, out: int) -> None:
             w8a8_linear(
                 x, m, lin.k, lin.k, lin.weight, lin.scale, lin.wsum, lin.bias, lin.n, out, q_ptr, qs_ptr
             )
 
-        for layer, methods in zip(self.layers, self.methods, strict=True):
+        def adapt(method, args, x: torch.Tensor, out: torch.Tensor) -> None:
+            if args is None:
+                method.add_adapters(out, x)
+            else:
+                lora_add(x.data_ptr(), m, x.shape[1], x.shape[1], *args, out.data_ptr(), out.shape[1])
+
+        for li, (layer, methods) in enumerate(zip(self.layers, self.methods, strict=True)):
             qkv_method, o_method, gate_up_method, down_method = methods
             rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
             linear(layer.qkv, nd, qk)
             if adapted:
-                qkv_method.add_adapters(qkv, normed)
+                adapt(qkv_method, direct[li][0], normed, qkv)
             rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
             store_kv(
                 qk, m, width, self.q_size, self.q_size + self.kv_size, self.kv_size, loc.data_ptr(),
@@ -208,16 +219,16 @@ class CpuDecodeStep:
                 raise MemoryError("decode_attention: no memory for the scores scratch")
             linear(layer.o, at, de)
             if adapted:
-                o_method.add_adapters(delta, attn)
+                adapt(o_method, direct[li][1], attn, delta)
             hidden.add_(delta)
             rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
             linear(layer.gate_up, nd, gu)
             if adapted:
-                gate_up_method.add_adapters(gate_up, normed)
+                adapt(gate_up_method, direct[li][2], normed, gate_up)
             silu_mul(gu, m, self.inter, 2 * self.inter, ac)
             linear(layer.down, ac, de)
             if adapted:
-                down_method.add_adapters(delta, act)
+                adapt(down_method, direct[li][3], act, delta)
             hidden.add_(delta)
         return hidden
 

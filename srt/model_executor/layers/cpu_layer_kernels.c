@@ -8,16 +8,19 @@
  * PyTorch ops. They are not bit-equal to PyTorch's (sums and exp in another order) and need not be: the
  * int8 model uses them at every batch size, so its results still do not depend on the batch. */
 
-static float sum_squares(const float *x, int64_t k) {
+/* a . b in LANES partial sums (a loop the compiler vectorizes), then the tail, then the lanes */
+static float dot_lanes(const float *a, const float *b, int64_t n) {
     float lane[LANES] = {0};
     int64_t i = 0;
-    for (; i + LANES <= k; i += LANES)
-        for (int l = 0; l < LANES; l++) lane[l] += x[i + l] * x[i + l];
-    float ss = 0.0f;
-    for (; i < k; i++) ss += x[i] * x[i];
-    for (int l = 0; l < LANES; l++) ss += lane[l];
-    return ss;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int l = 0; l < LANES; l++) s += lane[l];
+    return s;
 }
+
+static float sum_squares(const float *x, int64_t k) { return dot_lanes(x, x, k); }
 
 /* RMSNorm of rows x [m, k] (row stride x_stride) into out [m, k] (contiguous): w * (x / sqrt(mean(x^2) + eps)),
  * with fp32 statistics as Hugging Face's. */
@@ -93,17 +96,6 @@ void srt_store_kv(const float *qkv, int64_t m, int64_t row_stride, int64_t k_off
             for (; i < width; i++) o[i] = float_to_half(x[i]);
         }
     }
-}
-
-static float dot_lanes(const float *a, const float *b, int64_t n) {
-    float lane[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
-    float s = 0.0f;
-    for (; i < n; i++) s += a[i] * b[i];
-    for (int l = 0; l < LANES; l++) s += lane[l];
-    return s;
 }
 
 /* One LoRA adapter's product for m rows x [m, k] (row stride x_stride), added to out (row stride

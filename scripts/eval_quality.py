@@ -62,9 +62,9 @@ def srt_windows(
     adapter: str | None = None,
 ):
     """srt's logits over the windows; with `adapter` (a PEFT directory), through that LoRA adapter."""
+    from srt.lora.adapter import adapter_rank
     from srt.lora.config import LoRAConfig
     from srt.model_executor.model_runner import ModelRunner
-    from srt.scheduler.runner_builder import adapter_rank
 
     lora = (
         None

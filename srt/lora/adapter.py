@@ -106,6 +106,15 @@ def read_adapter(
     return LoRAAdapter(name, path, rank, lora_scaling(config), weights)
 
 
+def adapter_rank(path: str) -> int | None:
+    """The rank of the adapter at `path` (to size the pool before it is loaded); None when its config is not
+    one srt reads, which loading it then reports in one line."""
+    try:
+        return _read_config(path, path)["r"]
+    except AdapterError:
+        return None
+
+
 def _read_config(name: str, path: str) -> dict:
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):

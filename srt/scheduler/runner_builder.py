@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 from typing import TYPE_CHECKING
 
+from srt.lora.adapter import adapter_rank
 from srt.lora.config import DEFAULT_MAX_LORA_RANK, LoRAConfig
 from srt.lora.specs import lora_enabled, slots_per_batch, startup_adapters, target_modules
 from srt.server_args import ServerArgs
@@ -67,13 +66,3 @@ def lora_config(args: ServerArgs) -> LoRAConfig | None:
         max_lora_rank=rank,
         target_modules=target_modules(args),
     )
-
-
-def adapter_rank(path: str) -> int | None:
-    """An adapter's rank from its adapter_config.json (None when unreadable: loading it reports why)."""
-    try:
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            r = json.load(f).get("r")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return r if type(r) is int and r > 0 else None

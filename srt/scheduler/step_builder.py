@@ -60,10 +60,7 @@ class StepBuilder:
         up = self.uploader
         up.begin_step()
         table = self.req_to_token_pool.req_to_token
-        for req in prefill:
-            if req.req_pool_idx is None:
-                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
-                table[req.req_pool_idx, : req.kv_len] = req.prefix_indices
+        self._give_rows(prefill)
         num_prefill = sum(r.extend_len for r in prefill)
         loc = self.alloc_kv(num_prefill + len(decode))
         input_ids: list[int] = []
@@ -136,11 +133,7 @@ class StepBuilder:
         up = self.uploader
         up.begin_step()
         prefill = prefill or []
-        table = self.req_to_token_pool.req_to_token
-        for req in prefill:
-            if req.req_pool_idx is None:
-                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
-                table[req.req_pool_idx, : req.kv_len] = req.prefix_indices
+        self._give_rows(prefill)
         everyone = prefill + reqs + plain
         new_lens = [r.extend_len for r in prefill] + [len(d) + 1 for d in drafts] + [1] * len(plain)
         num_rows = sum(new_lens)
@@ -184,6 +177,14 @@ class StepBuilder:
         )
         up.end_step()
         return batch
+
+    def _give_rows(self, prefill: list[Req]) -> None:
+        """A `req_to_token` row, holding its cached prefix's slots, for each prefill request without one."""
+        table = self.req_to_token_pool.req_to_token
+        for req in prefill:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
+                table[req.req_pool_idx, : req.kv_len] = req.prefix_indices
 
     def _lora_slots(self, reqs: list[Req]) -> list[int] | None:
         return None if self.adapter_slots is None else self.adapter_slots(reqs)

@@ -11,6 +11,8 @@ per-token quantization, the int8 product and the dequantization (what `--quantiz
      srt       what srt runs: its fused C kernel (cpu_kernels.py) up to 8 rows with VNNI, and at every size
                where oneDNN's kernel is not exact (AVX2 without VNNI; `packed` is then nan); else the packed
                kernel with the C kernels' quantization and combination around it
+     fused     srt's fused C kernel at every size (what `srt` takes up to `CpuKernels.max_fused_tokens`;
+               the column the threshold is chosen from)
      int8pack  torch._weight_int8pack_mm (weight-only int8, fp32 activations; --int8pack)
 2. A whole decode step's linear layers: 30 layers x (qkv, o, gate_up, down), each with its own weight, so
    the weights come from memory as in the model (the head is in table 1).
@@ -63,6 +65,11 @@ def quantized(w: torch.Tensor, packed: bool):
     return qw
 
 
+def fused_linear(x: torch.Tensor, qw) -> torch.Tensor:
+    """srt's fused C kernel whatever the size (`fused`)."""
+    return cpu_kernels.load().linear(x, qw.weight, qw.scale, None)
+
+
 def packed_ms(fn, qw, repeat: int) -> float:
     """The `packed` column: NaN where oneDNN's int8 linear is missing or inexact (AVX2 without VNNI)."""
     return best_ms(fn, repeat) if qw.packed is not None else float("nan")
@@ -71,6 +78,7 @@ def packed_ms(fn, qw, repeat: int) -> float:
 def one_layer_table(args) -> None:
     print("\none layer, weight hot in cache (ms; x = speed-up over fp32)")
     head = f"{'layer':<13}{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}{'srt':>9}{'x':>6}"
+    head += f"{'fused':>9}{'x':>6}"
     print(head + (f"{'int8pack':>10}{'x':>6}" if args.int8pack else ""))
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k) * 0.05
@@ -83,6 +91,8 @@ def one_layer_table(args) -> None:
             c = best_ms(lambda x=x, qw=packed: w8a8_linear(x, qw, None), args.repeat)
             line = f"{name:<13}{m:>5}{fp32:>9.3f}{a:>9.3f}{fp32 / a:>6.2f}{b:>9.3f}{fp32 / b:>6.2f}"
             line += f"{c:>9.3f}{fp32 / c:>6.2f}"
+            d = best_ms(lambda x=x, qw=plain: fused_linear(x, qw), args.repeat)
+            line += f"{d:>9.3f}{fp32 / d:>6.2f}"
             if args.int8pack:
                 pack = best_ms(
                     lambda x=x, w=plain.weight, s=plain.scale: torch._weight_int8pack_mm(x, w, s), args.repeat
@@ -93,7 +103,7 @@ def one_layer_table(args) -> None:
 
 def decode_step_table(args) -> None:
     print(f"\n{LAYERS} layers x (qkv, o, gate_up, down), distinct weights (ms for all of them)")
-    print(f"{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}{'srt':>9}{'x':>6}")
+    print(f"{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}{'srt':>9}{'x':>6}{'fused':>9}{'x':>6}")
     layer_shapes = [s for name, s in SHAPES.items() if name != "lm_head"]
     weights = [[torch.randn(n, k) * 0.05 for n, k in layer_shapes] for _ in range(LAYERS)]
     plain = [[quantized(w, False) for w in ws] for ws in weights]
@@ -113,8 +123,10 @@ def decode_step_table(args) -> None:
         a = best_ms(step(plain, lambda x, qw: torch_w8a8_linear(x, qw, None)), args.repeat)
         b = packed_ms(step(packed, lambda x, qw: torch_w8a8_linear(x, qw, None)), packed[0][0], args.repeat)
         c = best_ms(step(packed, lambda x, qw: w8a8_linear(x, qw, None)), args.repeat)
+        d = best_ms(step(plain, fused_linear), args.repeat)
         line = (
             f"{m:>5}{fp32:>9.2f}{a:>9.2f}{fp32 / a:>6.2f}{b:>9.2f}{fp32 / b:>6.2f}{c:>9.2f}{fp32 / c:>6.2f}"
+            f"{d:>9.2f}{fp32 / d:>6.2f}"
         )
         print(line, flush=True)
 

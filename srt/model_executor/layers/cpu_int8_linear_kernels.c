@@ -7,7 +7,6 @@
 #define MIN_SCALE 1e-8f
 #define RESIDUAL_LEVELS 126.0f
 #define RESIDUAL_LEVELS_INT 126
-#define ACTIVATION_OFFSET 64 /* VNNI: 7-bit activations + 64 are unsigned bytes of at most 127 */
 /* The fused linear keeps up to this many activation rows (two per token) of up to MAX_K features on the
  * stack; larger calls bring their own scratch. */
 #define MAX_ROWS 16
@@ -16,9 +15,6 @@
  * (96 KiB) sit in a core's L2 next to its share of the weights. */
 #define TOKEN_BLOCK 32
 #define ROW_GROUP 4
-/* How far ahead of the weight rows being read the VNNI loop prefetches: a thread streams its share of the
- * rows in order, and without the hint a decode step read its weights at ~15 GB/s. */
-#define PREFETCH_BYTES 8192
 
 int srt_isa(void) { return SRT_ISA; }
 int srt_k_multiple(void) { return STEP; }
@@ -111,33 +107,6 @@ void srt_combine_two_level(const int32_t *acc, const float *scale, const float *
     }
 }
 
-/* The fused linear layer, in two forms: AVX2 multiplies each token's two levels as one int16 activation
- * (below); VNNI and the portable loop multiply the byte levels as they are (dot_rows_n). Both reach the
- * same integers, so the same bits. */
-
-#if SRT_ISA == 1
-/* AVX2. A token's two 7-bit levels are one int16, v = 126 * q1 + q2 (|v| <= 8001), and one vpmaddwd
- * multiplies 16 of them by 16 weights widened to int16, summing pairs exactly into int32: per 32 products
- * that is two multiply instructions where the byte levels took four (a vpmaddubsw and a vpmaddwd for each
- * level), and the products need no offset. The weights stay int8 in memory, so a decode step reads as many
- * bytes as before. Sums of up to K_CHUNK products are exact in int32 (8001 * 127 * 2048 < 2^31); longer
- * rows add their chunks in int64. */
-#define K_CHUNK 2048
-#define TILE_W 2 /* weight rows a tile multiplies at once */
-#define TILE_A 4 /* activation rows a tile multiplies at once */
-/* A thread takes its weight rows in chunks that stay in L2 while every token group of a block passes. */
-#define WEIGHT_CHUNK_BYTES (96 * 1024)
-/* ... and at least this many chunks a thread, handed out as threads come free (schedule(dynamic)): a core
- * this process shares (with the HTTP process, the detokenizer, a benchmark's client) no longer holds up a
- * block while the other core waits for its fixed half. Against equal static shares, alternating on a 2-core
- * AMD EPYC: a bs-64 decode step 115-134 ms against 155-159, a 512-token prefill 727-736 ms against 868-906. */
-#define CHUNKS_PER_THREAD 4
-/* A tile reads two weight rows side by side, which the hardware prefetcher follows poorly: a decode step
- * streamed its weights at 2/3 of the speed of reading one row at a time. So the tiles prefetch the rows
- * ahead themselves (2 * i: how far into the pair of rows, which lie back to back, a tile has read; a
- * prefetch never faults, even past the weight's end). 4 KiB ahead measured best (2 KiB close, 8 KiB worse). */
-#define WEIGHT_PREFETCH_BYTES 4096
-
 /* quantize_row's two levels of one token, written as v = 126 * q1 + q2 (the same operations). */
 static void quantize_token16(const float *x, int64_t k, int16_t *v, float *s1, float *s2) {
     const float s = row_scales(x, k, s1, s2);
@@ -147,6 +116,37 @@ static void quantize_token16(const float *x, int64_t k, int16_t *v, float *s1, f
         v[i] = (int16_t)((int32_t)l1 * RESIDUAL_LEVELS_INT + l2);
     }
 }
+
+/* The fused linear layer. Both SIMD forms multiply each token's two levels as one int16 activation,
+ * v = 126 * q1 + q2 (|v| <= 8001), against the int8 weights widened to int16, summing pairs exactly into
+ * int32: the exact integer 126 * dot1 + dot2 of the dequantization comes out of the products themselves, with
+ * one horizontal sum a product instead of two. The portable loop multiplies the byte levels as they are
+ * (dot_rows_n). All reach the same integers, so the same bits. */
+
+#if SRT_ISA >= 1
+/* What both SIMD forms share. Sums of up to K_CHUNK products are exact in int32 (8001 * 127 * 2048 < 2^31);
+ * longer rows add their chunks in int64. */
+#define K_CHUNK 2048
+/* A thread takes its weight rows in chunks that stay in L2 while every token group of a block passes. */
+#define WEIGHT_CHUNK_BYTES (96 * 1024)
+/* ... and at least this many chunks a thread, handed out as threads come free (schedule(dynamic)): a core
+ * this process shares (with the HTTP process, the detokenizer, a benchmark's client) no longer holds up a
+ * block while the other core waits for its fixed half. Against equal static shares, alternating on a 2-core
+ * AMD EPYC: a bs-64 decode step 115-134 ms against 155-159, a 512-token prefill 727-736 ms against 868-906. */
+#define CHUNKS_PER_THREAD 4
+#endif
+
+#if SRT_ISA == 1
+/* AVX2: one vpmaddwd multiplies 16 int16 activations by 16 widened weights, per 32 products two multiply
+ * instructions where the byte levels took four (a vpmaddubsw and a vpmaddwd for each level). */
+#define TILE_W 2 /* weight rows a tile multiplies at once */
+#define TILE_A 4 /* activation rows (tokens) a tile multiplies at once */
+#define TILE_STORES_ANY_ROWS 0 /* tile_store takes full tiles of TILE_A tokens only */
+/* A tile reads two weight rows side by side, which the hardware prefetcher follows poorly: a decode step
+ * streamed its weights at 2/3 of the speed of reading one row at a time. So the tiles prefetch the rows
+ * ahead themselves (2 * i: how far into the pair of rows, which lie back to back, a tile has read; a
+ * prefetch never faults, even past the weight's end). 4 KiB ahead measured best (2 KiB close, 8 KiB worse). */
+#define WEIGHT_PREFETCH_BYTES 4096
 
 static inline int32_t hsum8(__m256i c) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
@@ -205,8 +205,9 @@ static inline void tile_full(const int16_t *a, int64_t a_stride, const int8_t *w
 /* A full tile over a whole row of k <= K_CHUNK, dequantized and stored as vectors: the 8 exact int32 sums
  * (tokens a0..a0+3 x channels j, j+1) convert to fp32 as the int64 path does (exact integers, one
  * rounding), then (x channel scale) x residual scale (+ bias), the same operations in the same order. */
-static inline void tile_store(const int16_t *a, int64_t k, const int8_t *w, const float *wscale, const float *s2,
-                              const float *bias, float *out, int64_t n) {
+static inline void tile_store(const int16_t *a, int64_t k, int na, const int8_t *w, const float *wscale,
+                              const float *s2, const float *bias, float *out, int64_t n) {
+    (void)na; /* TILE_A: the caller stores only full tiles this way */
     const __m256 e = _mm256_cvtepi32_ps(tile_sums(a, k, w, k, k));
     double wpair, bpair;
     memcpy(&wpair, wscale, sizeof wpair);
@@ -260,7 +261,120 @@ static inline void tile(const int16_t *a, int64_t a_stride, int na, const int8_t
     }
 }
 
-/* srt_w8a8_linear on AVX2: v [m, k] int16 and vscale [2m] (s1, then s2 per token) are the scratch. */
+#elif SRT_ISA == 2
+/* AVX-512 VNNI: one vpdpwssd multiplies 32 int16 activations by 32 widened weights and adds the pairs into
+ * 16 int32 lanes. A tile is 4 weight rows x 4 tokens, 16 accumulators: each weight vector loaded serves 4
+ * tokens, each activation vector 4 weight rows, and the 16 sums are reduced together (sum_four, sum_blocks:
+ * 21 shuffles and adds for 16 dots, where one accumulator at a time takes about 8 each). The byte levels'
+ * vpdpbusd, which this replaced, does as many products an instruction but needs two a token (one a level),
+ * an unsigned offset and a reduction a level, with one weight row at a time: a decode step's 120 linear
+ * layers at 8 tokens took 12.0 ms against 7.5-9.2 now, at 16 tokens 25 against 11.5 (2-core AMD EPYC
+ * Zen 4, scripts/bench_int8_gemm.py). The tile's four rows are read side by side: the loop prefetches them
+ * ahead as one stream (4 KiB measured best against 2, 8 and 16). */
+#define TILE_W 4
+#define TILE_A 4
+#define TILE_STORES_ANY_ROWS 1 /* tile_store takes 1..TILE_A tokens */
+#define WEIGHT_PREFETCH_BYTES 4096
+
+/* a, b, c, d -> per 128-bit block [sum a, sum b, sum c, sum d] over that block's lanes */
+static inline __m512i sum_four(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+
+/* g0..g3 (each as sum_four leaves it) -> block x holds g_x summed over its four blocks */
+static inline __m512i sum_blocks(__m512i g0, __m512i g1, __m512i g2, __m512i g3) {
+    const __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(g0, g1, 0x44), _mm512_shuffle_i32x4(g0, g1, 0xee));
+    const __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(g2, g3, 0x44), _mm512_shuffle_i32x4(g2, g3, 0xee));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xdd));
+}
+
+/* The NA x NW dots of a tile (constants after inlining) over k <= K_CHUNK, a multiple of STEP: lane
+ * x * TILE_W + r is token x with weight row r (absent ones 0). The tile's weight rows lie back to back and
+ * are read side by side, so the loop prefetches a line of each row ahead (4 * i: how far into the rows the
+ * tile has read, as if they were one stream). */
+ALWAYS_INLINE __m512i tile_sums(const int16_t *a, int64_t a_stride, const int NA, const int8_t *w, int64_t w_stride,
+                                const int NW, int64_t k) {
+    __m512i c[TILE_A][TILE_W];
+#pragma GCC unroll 4
+    for (int x = 0; x < TILE_A; x++)
+#pragma GCC unroll 4
+        for (int r = 0; r < TILE_W; r++) c[x][r] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k; i += STEP) {
+#pragma GCC unroll 4
+        for (int r = 0; r < NW; r++)
+            _mm_prefetch((const char *)(w + TILE_W * i + r * STEP + WEIGHT_PREFETCH_BYTES), _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int h = 0; h < STEP; h += STEP / 2) {
+            __m512i wv[TILE_W];
+#pragma GCC unroll 4
+            for (int r = 0; r < NW; r++)
+                wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + r * w_stride + i + h)));
+#pragma GCC unroll 4
+            for (int x = 0; x < NA; x++) {
+                const __m512i av = _mm512_loadu_si512((const void *)(a + x * a_stride + i + h));
+#pragma GCC unroll 4
+                for (int r = 0; r < NW; r++) c[x][r] = _mm512_dpwssd_epi32(c[x][r], av, wv[r]);
+            }
+        }
+    }
+    return sum_blocks(sum_four(c[0][0], c[0][1], c[0][2], c[0][3]), sum_four(c[1][0], c[1][1], c[1][2], c[1][3]),
+                      sum_four(c[2][0], c[2][1], c[2][2], c[2][3]), sum_four(c[3][0], c[3][1], c[3][2], c[3][3]));
+}
+
+ALWAYS_INLINE void tile_add(const int16_t *a, int64_t a_stride, const int NA, const int8_t *w, int64_t w_stride,
+                            const int NW, int64_t k, int64_t *acc) {
+    int32_t sums[TILE_A * TILE_W];
+    _mm512_storeu_si512((void *)sums, tile_sums(a, a_stride, NA, w, w_stride, NW, k));
+    for (int x = 0; x < TILE_A * TILE_W; x++) acc[x] += sums[x];
+}
+
+/* tile_add for any 1..TILE_A tokens and 1..TILE_W weight rows, each pair its own specialized copy. */
+static inline void tile(const int16_t *a, int64_t a_stride, int na, const int8_t *w, int64_t w_stride, int nw,
+                        int64_t k, int64_t *acc) {
+#define TILE_CASE(NA, NW) \
+    case (NA - 1) * TILE_W + NW - 1: tile_add(a, a_stride, NA, w, w_stride, NW, k, acc); break
+    switch ((na - 1) * TILE_W + nw - 1) {
+        TILE_CASE(1, 1); TILE_CASE(1, 2); TILE_CASE(1, 3); TILE_CASE(1, 4);
+        TILE_CASE(2, 1); TILE_CASE(2, 2); TILE_CASE(2, 3); TILE_CASE(2, 4);
+        TILE_CASE(3, 1); TILE_CASE(3, 2); TILE_CASE(3, 3); TILE_CASE(3, 4);
+        TILE_CASE(4, 1); TILE_CASE(4, 2); TILE_CASE(4, 3);
+        default: tile_add(a, a_stride, 4, w, w_stride, 4, k, acc); break;
+    }
+#undef TILE_CASE
+}
+
+/* A tile of NA tokens x TILE_W weight rows over a whole row of k <= K_CHUNK, dequantized and stored as
+ * vectors: the exact int32 sums convert to fp32 as the int64 path does (exact integers, one rounding), then
+ * (x channel scale) x residual scale (+ bias), the same operations in the same order. */
+ALWAYS_INLINE void tile_store_n(const int16_t *a, int64_t k, const int NA, const int8_t *w, const float *wscale,
+                                const float *s2, const float *bias, float *out, int64_t n) {
+    const __m512 e = _mm512_cvtepi32_ps(tile_sums(a, k, NA, w, k, TILE_W, k));
+    float s[TILE_A] = {0};
+    for (int x = 0; x < NA; x++) s[x] = s2[x];
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512 ss = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s)));
+    __m512 o = _mm512_mul_ps(_mm512_mul_ps(e, _mm512_broadcast_f32x4(_mm_loadu_ps(wscale))), ss);
+    if (bias) o = _mm512_add_ps(o, _mm512_broadcast_f32x4(_mm_loadu_ps(bias)));
+    float res[TILE_A * TILE_W];
+    _mm512_storeu_ps(res, o);
+    for (int x = 0; x < NA; x++) memcpy(out + x * n, res + x * TILE_W, TILE_W * sizeof(float));
+}
+
+static inline void tile_store(const int16_t *a, int64_t k, int na, const int8_t *w, const float *wscale,
+                              const float *s2, const float *bias, float *out, int64_t n) {
+    switch (na) {
+    case 1: tile_store_n(a, k, 1, w, wscale, s2, bias, out, n); break;
+    case 2: tile_store_n(a, k, 2, w, wscale, s2, bias, out, n); break;
+    case 3: tile_store_n(a, k, 3, w, wscale, s2, bias, out, n); break;
+    default: tile_store_n(a, k, 4, w, wscale, s2, bias, out, n); break;
+    }
+}
+#endif
+
+#if SRT_ISA >= 1
+/* srt_w8a8_linear with SIMD: v [m, k] int16 and vscale [2m] (s1, then s2 per token) are the scratch. */
 static void linear16(const float *x, int64_t m, int64_t k, int64_t x_stride, const int8_t *w, const float *wscale,
                      const float *bias, int64_t n, float *out, int16_t *v, float *vscale) {
 #pragma omp parallel if (m * n * k >= 32768)
@@ -280,9 +394,9 @@ static void linear16(const float *x, int64_t m, int64_t k, int64_t x_stride, con
                 for (int64_t a0 = b0; a0 < b0 + tb; a0 += TILE_A) {
                     const int na = b0 + tb - a0 < TILE_A ? (int)(b0 + tb - a0) : TILE_A;
                     int64_t j = j0;
-                    if (na == TILE_A && k <= K_CHUNK)
+                    if ((TILE_STORES_ANY_ROWS || na == TILE_A) && k <= K_CHUNK)
                         for (; j + TILE_W <= j1; j += TILE_W)
-                            tile_store(v + a0 * k, k, w + j * k, wscale + j, vscale + m + a0, bias ? bias + j : NULL,
+                            tile_store(v + a0 * k, k, na, w + j * k, wscale + j, vscale + m + a0, bias ? bias + j : NULL,
                                        out + a0 * n + j, n);
                     for (; j < j1; j += TILE_W) {
                         const int nw = j1 - j < TILE_W ? (int)(j1 - j) : TILE_W;
@@ -302,32 +416,15 @@ static void linear16(const float *x, int64_t m, int64_t k, int64_t x_stride, con
     }
 }
 #else
-/* Dot products of R activation rows (each k bytes, `a` laid out as the ISA wants) with one weight row,
- * R a compile-time constant after inlining (see dot_rows), so the R accumulators live in registers and no
- * work is spent on absent rows. With VNNI the 7-bit activations are stored offset to unsigned (q + 64, at
- * most 127), as vpdpbusd multiplies u8 by s8; the caller removes the offset's share, 64 * sum(w). */
+/* The portable form: dot products of R byte-level activation rows (each k bytes) with one weight row, R a
+ * compile-time constant after inlining (see dot_rows). */
 static inline __attribute__((always_inline)) void dot_rows_n(const uint8_t *a, int64_t k, const int R,
                                                              const int8_t *w, int32_t *res) {
-#if SRT_ISA == 2
-    __m512i c[ROW_GROUP];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) c[r] = _mm512_setzero_si512();
-    for (int64_t i = 0; i < k; i += STEP) {
-        _mm_prefetch((const char *)(w + i + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + i));
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            c[r] = _mm512_dpbusd_epi32(c[r], _mm512_loadu_si512((const void *)(a + r * k + i)), wv);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) res[r] = _mm512_reduce_add_epi32(c[r]);
-#else
     for (int r = 0; r < R; r++) {
         int32_t acc = 0;
         for (int64_t i = 0; i < k; i++) acc += (int32_t)(int8_t)a[r * k + i] * (int32_t)w[i];
         res[r] = acc;
     }
-#endif
 }
 
 /* dot_rows_n for 1..ROW_GROUP rows, each count its own specialized copy. */
@@ -340,43 +437,27 @@ static inline void dot_rows(const uint8_t *a, int64_t k, int64_t rows, const int
     }
 }
 
-/* One token's two quantized rows, each laid out as dot_rows_n reads them (offset to unsigned with VNNI). */
-static inline void quantize_token(const float *x, int64_t k, int8_t *q1, int8_t *q2, float *s1, float *s2) {
-    quantize_row(x, k, q1, q2, s1, s2);
-#if SRT_ISA == 2
-    for (int64_t i = 0; i < k; i++) {
-        q1[i] = (int8_t)(q1[i] + ACTIVATION_OFFSET);
-        q2[i] = (int8_t)(q2[i] + ACTIVATION_OFFSET);
-    }
-#endif
-}
+
 #endif
 
 /* The whole W8A8 linear layer: quantize x [m, k] in two levels, multiply by the int8 weight w [n, k]
- * (row-major, channel scales wscale [n], row sums wsum [n]), dequantize and add the bias: out [m, n]. k must
+ * (row-major, channel scales wscale [n]), dequantize and add the bias: out [m, n]. k must
  * be a multiple of srt_k_multiple(). Tokens go in blocks of TOKEN_BLOCK whose quantized rows stay in cache
  * while every weight row passes over them; each thread takes a share of the weight rows. Up to MAX_ROWS / 2
  * tokens (decode) the quantized rows live on the stack; more need the caller's scratch q [2m, k] and qscale
  * [2m]. Exact integer products and the one dequantization of the PyTorch path, so a token's bits depend
  * neither on m nor on its block. */
 void srt_w8a8_linear(const float *x, int64_t m, int64_t k, int64_t x_stride, const int8_t *w,
-                     const float *wscale, const int32_t *wsum, const float *bias, int64_t n, float *out,
-                     int8_t *q, float *qscale) {
+                     const float *wscale, const float *bias, int64_t n, float *out, int8_t *q, float *qscale) {
     int8_t small_q[MAX_ROWS * MAX_K] __attribute__((aligned(64)));
     float small_scale[MAX_ROWS];
     if (2 * m <= MAX_ROWS && k <= MAX_K) {
         q = small_q;
         qscale = small_scale;
     }
-#if SRT_ISA == 1
-    (void)wsum;
+#if SRT_ISA >= 1
     linear16(x, m, k, x_stride, w, wscale, bias, n, out, (int16_t *)(void *)q, qscale);
 #else
-#if SRT_ISA == 2
-    const int32_t offset = ACTIVATION_OFFSET;
-#else
-    const int32_t offset = 0;
-#endif
 #pragma omp parallel if (m * n * k >= 32768)
     {
 #pragma omp for schedule(static)
@@ -384,7 +465,7 @@ void srt_w8a8_linear(const float *x, int64_t m, int64_t k, int64_t x_stride, con
             /* token t of block b = t / TOKEN_BLOCK (tb tokens): its rows are 2 * b0 + (t - b0) and that + tb */
             const int64_t b0 = t - t % TOKEN_BLOCK, tb = m - b0 < TOKEN_BLOCK ? m - b0 : TOKEN_BLOCK;
             const int64_t r1 = 2 * b0 + (t - b0), r2 = r1 + tb;
-            quantize_token(x + t * x_stride, k, q + r1 * k, q + r2 * k, qscale + r1, qscale + r2);
+            quantize_row(x + t * x_stride, k, q + r1 * k, q + r2 * k, qscale + r1, qscale + r2);
         }
         for (int64_t b0 = 0; b0 < m; b0 += TOKEN_BLOCK) {
             const int64_t tb = m - b0 < TOKEN_BLOCK ? m - b0 : TOKEN_BLOCK, rows = 2 * tb;
@@ -396,9 +477,8 @@ void srt_w8a8_linear(const float *x, int64_t m, int64_t k, int64_t x_stride, con
                 int32_t acc[2 * TOKEN_BLOCK];
                 for (int64_t r = 0; r < rows; r += ROW_GROUP)
                     dot_rows(a + r * k, k, rows - r < ROW_GROUP ? rows - r : ROW_GROUP, wj, acc + r);
-                const int64_t off = (int64_t)offset * wsum[j];
                 for (int64_t r = 0; r < tb; r++) {
-                    const float o = dequantize(acc[r] - off, acc[tb + r] - off, wscale[j], s[tb + r]);
+                    const float o = dequantize(acc[r], acc[tb + r], wscale[j], s[tb + r]);
                     out[(b0 + r) * n + j] = bias ? o + bias[j] : o;
                 }
             }

@@ -47,6 +47,13 @@ DEFAULT_COMPILER = "cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
+# With VNNI a library kernel is exact too, and the fused linear takes only the token counts where it measured
+# faster (scripts/bench_int8_gemm.py, a decode step's 120 distinct weights streamed from memory; 2-core AMD
+# EPYC Zen 4, docs/benchmarks): against `_int_mm` 75 ms against 81 at 128 tokens, 154 against 147 at 256.
+FUSED_TOKENS_BESIDE_INT_MM = 128
+# ... and beside oneDNN's packed kernel (where it is exact: measured on an Intel Xeon with AMX, a few tokens
+# only, before the 4 x 4 tiles; not measured since).
+FUSED_TOKENS_BESIDE_PACKED = 8
 # the probe's largest call spans three of the linear kernel's token blocks
 # (TOKEN_BLOCK in cpu_int8_linear_kernels.c)
 TOKEN_BLOCK_PROBE = 32
@@ -84,10 +91,10 @@ class CpuKernels:
         self.k_multiple = lib.srt_k_multiple()
         self.max_small_rows = lib.srt_max_rows() // 2  # tokens: two activation rows each
         self.max_k = lib.srt_max_k()
-        # The fused linear replaces oneDNN's exact int8 kernel only where it measured faster: for a few tokens
-        # with VNNI (one instruction per 64 bytes of weight and row). An AVX2 build on a VNNI machine once ran a
-        # batch-1 decode step in 20-25 ms against 15 ms through oneDNN. Where oneDNN has no exact int8 kernel
-        # (AVX2 without VNNI: it saturates), it takes every call.
+        # The fused linear replaces an exact library int8 kernel only where it measured faster (see
+        # max_fused_tokens): with VNNI. An AVX2 build on a VNNI machine once ran a batch-1 decode step in
+        # 20-25 ms against 15 ms through oneDNN. Where no library kernel is exact (AVX2 without VNNI: oneDNN's
+        # int8 saturates), it takes every call.
         self.use_small_linear = self.isa == "avx512-vnni"
 
     def function(self, name: str):
@@ -99,17 +106,23 @@ class CpuKernels:
             raise KeyError(f"the CPU kernels export no function {name!r}")
         return getattr(self._c, name)
 
+    def max_fused_tokens(self, has_packed: bool) -> int | None:
+        """The most tokens a layer call may have for the fused kernel to take it (None: any). With VNNI there
+        always is an exact library kernel, oneDNN's packed one or, where that one is missing or a slow
+        fallback, `_int_mm` (VNNI accumulates without saturating): the fused kernel takes the token counts
+        where it measured faster. Without VNNI, oneDNN's int8 saturates: the fused kernel takes every call."""
+        if not self.use_small_linear:
+            return 0 if has_packed else None
+        return FUSED_TOKENS_BESIDE_PACKED if has_packed else FUSED_TOKENS_BESIDE_INT_MM
+
     def takes_linear(self, m: int, k: int, has_packed: bool) -> bool:
-        """Whether `linear` takes this layer call (m tokens of k features): a few tokens where the fused
-        kernel beats the library's exact int8 kernel, and every call where there is none. With VNNI there
-        always is one: oneDNN's packed kernel, or, where that one is missing or a slow fallback, `_int_mm`
-        (VNNI accumulates without saturating; on a Zen 4 EPYC it ran 2x faster than the fused kernel from
-        64 tokens). Without VNNI, oneDNN's int8 saturates: the fused kernel takes every call."""
+        """Whether `linear` takes this layer call (m tokens of k features): see `max_fused_tokens`."""
         if k % self.k_multiple:
             return False
-        if has_packed or self.use_small_linear:
-            return self.use_small_linear and m <= self.max_small_rows and k <= self.max_k
-        return True
+        limit = self.max_fused_tokens(has_packed)
+        if limit is None:
+            return True
+        return m <= limit and k <= self.max_k
 
     def quantize_two_level(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As `int8_math.quantize_two_level` (x: fp32 [M, K] with unit column stride)."""
@@ -137,7 +150,6 @@ class CpuKernels:
         x: torch.Tensor,
         weight: torch.Tensor,
         scale: torch.Tensor,
-        wsum: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """The whole W8A8 linear layer in one call: x fp32 [M, K] (K a multiple of `k_multiple`) -> [M, N]."""
@@ -150,7 +162,7 @@ class CpuKernels:
             q = torch.empty((2 * m, k), dtype=torch.int8)
             qscale = torch.empty(2 * m, dtype=torch.float32)
         self._c.srt_w8a8_linear(
-            x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), scale.data_ptr(), wsum.data_ptr(), b, n,
+            x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), scale.data_ptr(), b, n,
             out.data_ptr(), None if q is None else q.data_ptr(), None if qscale is None else qscale.data_ptr(),
         )  # fmt: skip
         return out
@@ -385,8 +397,7 @@ def agrees_with_torch(kernels: CpuKernels) -> bool:
         expected = ref.torch_w8a8_linear(x, qw, bias)
         if not torch.equal(kernels.combine_two_level(ref.int8_products(q, qw), s, qw.scale, bias), expected):
             return False
-        wsum = qw.weight.sum(dim=1, dtype=torch.int32)
-        if not torch.equal(kernels.linear(x, qw.weight, qw.scale, wsum, bias), expected):
+        if not torch.equal(kernels.linear(x, qw.weight, qw.scale, bias), expected):
             return False
     # the elementwise kernels round differently from PyTorch: they must agree to float precision
     x = torch.randn(7, 2 * k, generator=gen) * 4.0

@@ -118,8 +118,8 @@ def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> t
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
-    if qw.wsum is not None and qw.weight is not None and kernels.takes_linear(m, k, qw.packed is not None):
-        out = kernels.linear(x2, qw.weight, qw.scale, qw.wsum, bias)
+    if qw.weight is not None and kernels.takes_linear(m, k, qw.packed is not None):
+        out = kernels.linear(x2, qw.weight, qw.scale, bias)
     else:
         q, s = kernels.quantize_two_level(x2)
         out = kernels.combine_two_level(int8_products(q, qw), s, qw.scale, bias)
@@ -129,13 +129,11 @@ def w8a8_linear(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None) -> t
 def pack_weight(qw: Int8Weight) -> bool:
     """Prepare the weight for the fastest kernels here: oneDNN's packed form when that kernel is there
     and exact (False otherwise), and, for the fused linear of `cpu_kernels` where that one is used (a
-    few tokens with VNNI; every call where oneDNN is not exact), the plain weight with its row sums; a
+    few tokens with VNNI; every call where oneDNN is not exact), the plain weight; a
     plain weight no kernel reads is dropped (it would double the weights' memory): save it first."""
     kernels = cpu_kernels.load()
     packed = packed_kernel_available() and qw.weight.shape[1] <= PACKED_MAX_K
     fused = kernels is not None and (kernels.use_small_linear or not packed)
-    if fused:
-        qw.wsum = qw.weight.sum(dim=1, dtype=torch.int32)
     if not packed:
         return False
     qw.pack_unchecked(keep_plain=fused)

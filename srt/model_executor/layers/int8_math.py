@@ -26,7 +26,6 @@ class Int8Weight:
     packed: torch.Tensor | None = None
     zero_points: torch.Tensor | None = None  # [N] int64 zeros: oneDNN's kernel takes them
     unit_scale: torch.Tensor | None = None  # [N] ones: oneDNN's kernel then gives the integer products
-    wsum: torch.Tensor | None = None  # [N] int32 row sums of `weight`, for the fused small-batch kernel
 
     @property
     def weight_t(self) -> torch.Tensor:

@@ -32,7 +32,6 @@ class _Linear:
 
     weight: int
     scale: int
-    wsum: int
     bias: int | None
     n: int
     k: int
@@ -55,7 +54,6 @@ def _linear(qw: Int8Weight, bias: torch.Tensor | None) -> _Linear:
     return _Linear(
         qw.weight.data_ptr(),
         qw.scale.data_ptr(),
-        qw.wsum.data_ptr(),
         None if bias is None else bias.data_ptr(),
         n,
         k,
@@ -104,10 +102,10 @@ class CpuDecodeStep:
             lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
         # every linear layer of the step goes through the fused kernel, so the step takes the batch sizes that
-        # kernel takes (CpuKernels.takes_linear): a few tokens where a library kernel is faster beyond them
-        # (packed weights, or VNNI with `_int_mm`), every batch size with AVX2 alone
+        # kernel takes (CpuKernels.max_fused_tokens): up to where a library kernel is faster (packed weights,
+        # or VNNI with `_int_mm`), every batch size with AVX2 alone
         packed = any(w.packed is not None for w in _weights(model))
-        self.max_batch = kernels.max_small_rows if packed or kernels.use_small_linear else None
+        self.max_batch = kernels.max_fused_tokens(packed)
 
     @staticmethod
     def build(model, kernels: CpuKernels | None) -> CpuDecodeStep | None:
@@ -144,7 +142,7 @@ class CpuDecodeStep:
         weights = _weights(model)
         if any(w is None for w in weights):
             return "a linear layer without int8 weights"
-        if any(w.weight is None or w.wsum is None or w.weight.shape[1] % kernels.k_multiple for w in weights):
+        if any(w.weight is None or w.weight.shape[1] % kernels.k_multiple for w in weights):
             return "a linear layer the fused kernel does not take"
         if any(w.weight.shape[1] > kernels.max_k for w in weights if w.packed is not None):
             return "a linear layer wider than the fused kernel takes"
@@ -192,7 +190,7 @@ class CpuDecodeStep:
 
         def linear(lin: _Linear, x: int, out: int) -> None:
             w8a8_linear(
-                x, m, lin.k, lin.k, lin.weight, lin.scale, lin.wsum, lin.bias, lin.n, out, q_ptr, qs_ptr
+                x, m, lin.k, lin.k, lin.weight, lin.scale, lin.bias, lin.n, out, q_ptr, qs_ptr
             )
 
         def adapt(method, args, x: torch.Tensor, out: torch.Tensor) -> None:

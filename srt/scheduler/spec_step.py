@@ -32,6 +32,8 @@ from srt.scheduler.token_append import append_token_runs
 from srt.speculative.defaults import (
     DRAFT_MODEL_ALGORITHM,
     PREDICTION_DRAFTS_PER_STEP,
+    PREDICTION_MIN_MATCH,
+    VERIFY_STEP_TOKENS,
     drafts_for_batch,
 )
 from srt.speculative.ngram import NgramProposer
@@ -92,9 +94,10 @@ class SpecDecoder:
     def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
         self.k = args.speculative_drafts_per_step  # 0 without --speculative-algorithm
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
+        self.step_tokens = VERIFY_STEP_TOKENS  # the most tokens a verify step feeds (`drafts_for_batch`)
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
         self.predictions = PredictionProposer(
-            min_n=args.speculative_ngram_min_match_window_size,
+            min_n=PREDICTION_MIN_MATCH,
             max_n=args.speculative_ngram_max_match_window_size,
             k=PREDICTION_DRAFTS_PER_STEP,
         )
@@ -111,7 +114,7 @@ class SpecDecoder:
         pressure speculation shrinks instead of forcing a retraction."""
         bs = len(reqs)
         # the gauge's k: the algorithm's, or on a server without one the predictions'
-        self.k_in_effect = drafts_for_batch(self.k or PREDICTION_DRAFTS_PER_STEP, bs)
+        self.k_in_effect = drafts_for_batch(self.k or PREDICTION_DRAFTS_PER_STEP, bs, self.step_tokens)
         if self.proposer is None and not any(r.prediction_ids for r in reqs):
             return None
         if spare_slots <= 0:
@@ -125,7 +128,7 @@ class SpecDecoder:
             (self.predictions, predicted, PREDICTION_DRAFTS_PER_STEP),
             (self.proposer, guessed, self.k),
         ):
-            k = drafts_for_batch(most, bs) if which else 0
+            k = drafts_for_batch(most, bs, self.step_tokens) if which else 0
             if k == 0:
                 continue
             limits = [draft_len_limit(k, self._tokens_left(reqs[i])) for i in which]

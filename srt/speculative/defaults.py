@@ -1,4 +1,4 @@
-"""The speculative flags' defaults (SGLang's, except two measured on the CPU, below), in a module that imports nothing: `ServerArgs` reads it in
+"""The speculative flags' defaults (SGLang's, except those measured on the CPU, below), in a module that imports nothing: `ServerArgs` reads it in
 the HTTP process, which must not import torch.
 
 SGLang counts the verified root in `--speculative-num-draft-tokens`: a verify step feeds the last accepted
@@ -11,30 +11,39 @@ PER_REQUEST_SPEC_METRICS = ("summary",)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # the algorithm whose drafts come from a second model (--speculative-draft-model-path)
 DRAFT_MODEL_ALGORITHM = "STANDALONE"
-# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup. SGLang's is 1; srt's 3,
-# measured (scripts/bench_spec.py, batch 1, 2-core AMD EPYC Zen 4, docs/benchmarks): a single matching token
-# drafts mostly rejected tokens in open chat (0.51x of no speculation at 1 and 11 drafts; 0.94x at 3 and 4).
-NGRAM_MIN_MATCH_WINDOW_SIZE = 3
+# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup. SGLang's is 1; srt's 2,
+# measured (scripts/bench_spec.py, batch 1, 8 drafts, 2-core AMD EPYC Zen 4, docs/benchmarks), grounded / open
+# output tok/s: 1 token 129 / 133, 2 tokens 176 / 142, 3 tokens 158 / 140 (no speculation: ~93 / ~115). A
+# single matching token drafts mostly rejected tokens.
+NGRAM_MIN_MATCH_WINDOW_SIZE = 2
 # --speculative-ngram-max-match-window-size: longest suffix compared (SGLang: 12).
 NGRAM_MAX_MATCH_WINDOW_SIZE = 12
-# --speculative-num-draft-tokens when unset: 5 positions (4 drafts). SGLang falls back to the max match window
-# (12: 11 drafts); on the CPU a verify step's cost grows with the tokens it feeds through the extend path, and
-# 11 drafts made grounded batch-1 decoding slower than none (0.92x) where 4 made it faster (1.39x).
-NUM_DRAFT_TOKENS = 5
+# --speculative-num-draft-tokens when unset: 9 positions (8 drafts). SGLang falls back to the max match window
+# (12: 11 drafts). Measured as above at a 2-token window, grounded output tok/s: 4 drafts 141, 8 drafts 176,
+# 12 drafts 165 (a verify row costs ~0.6 ms on a ~7.5 ms step, see VERIFY_STEP_TOKENS).
+NUM_DRAFT_TOKENS = 9
 
 
-# A verify step feeds each drafting request its newest token and its drafts, through the extend path; on the
-# CPU a step's cost grows with the tokens it feeds once they are more than a few dozen, while a decode step of
-# the same batch costs one token per request. So the drafts per request shrink as the batch grows, to keep a
-# verify step within this many fed tokens: all 11 drafts up to a batch of 5, 3 at 16, 1 at 32, none from 64
-# (speculation steps aside, the batch decodes plainly). A first estimate for a 2-core CPU, to be measured.
-VERIFY_STEP_TOKENS = 64
+# A verify step feeds each drafting request its newest token and its drafts. On the CPU a verify step of at
+# most 16 fed tokens runs through the fused decode step, one decode row each, at ~0.6 ms a row on top of a
+# ~7.5 ms decode step; past 16 it takes the extend path and costs about as much as a prefill of its tokens
+# (one sequence, 200-token context: 12 fed tokens 15.8 ms against 21.5, 16 tokens 20.3 against 25.8; a
+# decode step of 16 sequences 22 ms, their verify step of 64 tokens ~55 ms). So the drafts per request shrink
+# as the batch grows to keep a verify step within this many fed tokens: 8 drafts at batch 1, 3 at 4, 1 at 8,
+# none from 9 (speculation steps aside, the batch decodes plainly). Measured on a 2-core AMD EPYC Zen 4
+# (scripts/bench_spec.py): with 64 here, concurrency 16 ran at 0.89x of no speculation.
+VERIFY_STEP_TOKENS = 16
 
 
-# Drafts a request with OpenAI's `prediction` may take per verify step (the batch-size rule below applies too):
-# its drafts are the client's own text, accepted far more often than n-gram guesses, and 7 drafts + the newest
-# token are the most rows the fused CPU verify step takes at once.
+# Drafts a request with OpenAI's `prediction` may take per verify step (the batch-size rule above applies too):
+# its drafts are the client's own text, accepted far more often than n-gram guesses. 15 drafts measured the
+# same as 7 on the grounded workload (150 against 152 output tok/s, acceptance length 9.1 against 6.1): the
+# steps that cost are those where the output has left the prediction, not the drafts' length.
 PREDICTION_DRAFTS_PER_STEP = 7
+# The shortest tail of the output that realigns a prediction after an edit (its own, not the NGRAM flag's): a
+# 2-token tail measured slower (124 against 150 output tok/s): it realigns wrongly after edits, and each
+# wrong alignment costs a verify step of rejected drafts.
+PREDICTION_MIN_MATCH = 3
 
 
 def most_drafts_per_step(drafts_per_step: int) -> int:

@@ -12,6 +12,7 @@ import torch
 
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.models.cpu_decode import EXTEND_MAX_TOKENS
 from test.unit.model_driver import PagedDriver
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="srt's CPU kernels do not load here")
@@ -137,8 +138,9 @@ def test_a_verify_step_of_a_few_tokens_runs_as_decode_rows_with_the_module_paths
     own sequence's slots up to itself: the extend path's bits and K/V, and each row what decoding the
     tokens one by one gives (causal within the step)."""
     lean = runner.model.cpu_decode
-    assert lean.takes(SimpleNamespace(is_decode=False, num_tokens=8))
-    assert not lean.takes(SimpleNamespace(is_decode=False, num_tokens=9))
+    most = min(EXTEND_MAX_TOKENS, lean.max_batch or EXTEND_MAX_TOKENS)
+    assert lean.takes(SimpleNamespace(is_decode=False, num_tokens=most))
+    assert not lean.takes(SimpleNamespace(is_decode=False, num_tokens=most + 1))
     fused_logits, fused_kv, fused_calls = verify(runner, fused=True)
     module_logits, module_kv, module_calls = verify(runner, fused=False)
     assert (fused_calls, module_calls) == (1, 0)

@@ -63,11 +63,10 @@ def test_drafts_per_step_follow_sglangs_counting():
     assert unset.speculative_drafts_per_step == NUM_DRAFT_TOKENS - 1
 
 
-@pytest.mark.parametrize(
-    "batch, drafts", [(1, 11), (5, 11), (6, 9), (16, 3), (31, 1), (32, 1), (33, 0), (64, 0), (256, 0)]
-)
+@pytest.mark.parametrize("batch, drafts", [(1, 11), (2, 7), (3, 4), (4, 3), (8, 1), (9, 0), (16, 0), (256, 0)])
 def test_drafts_shrink_as_the_batch_grows_and_stop_past_it(batch, drafts):
-    """A verify step feeds at most VERIFY_STEP_TOKENS (64) tokens: batch x (1 + drafts)."""
+    """A verify step feeds at most VERIFY_STEP_TOKENS (16: what the fused CPU verify step takes) tokens:
+    batch x (1 + drafts)."""
     from srt.speculative.defaults import VERIFY_STEP_TOKENS, drafts_for_batch
 
     assert drafts_for_batch(11, batch) == drafts

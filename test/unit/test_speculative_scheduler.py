@@ -64,6 +64,9 @@ class StepTotals(StepReporter):
         return sum(s.num_accepted_tokens for s in self.steps)
 
 
+TEST_STEP_TOKENS = 64
+
+
 def make(model_dir: str, quant: str = "none", spec: bool = True, **overrides) -> tuple[Scheduler, StepTotals]:
     args = ServerArgs(
         **{
@@ -81,7 +84,11 @@ def make(model_dir: str, quant: str = "none", spec: bool = True, **overrides) ->
         quantization=args.quantization,
     )
     totals = StepTotals()
-    return Scheduler(args, runner, reporter=totals), totals
+    sched = Scheduler(args, runner, reporter=totals)
+    # these tests drive batches of up to 16 requests and need them to draft: a step budget that lets them,
+    # rather than the CPU's default (VERIFY_STEP_TOKENS, test_speculative_flags.py), which stops at 9
+    sched.spec.step_tokens = TEST_STEP_TOKENS
+    return sched, totals
 
 
 def grounded_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -489,7 +496,7 @@ def test_greedy_output_is_the_same_with_a_draft_model(
 
 
 def test_a_large_batch_decodes_plainly_and_a_small_one_speculates(tiny_model_dir):
-    """40 requests decoding together: a verify step would feed over 64 tokens, so none runs (budget 0), and
+    """40 requests decoding together: a verify step would feed over TEST_STEP_TOKENS, so none runs (budget 0), and
     the tokens are those without speculation; 4 requests take all their drafts."""
     many = [request(f"m{i}", p, greedy(6)) for i, p in enumerate(grounded_prompts(40, seed=3))]
     plain, _ = make(tiny_model_dir, spec=False, max_running_requests=48)

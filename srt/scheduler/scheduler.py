@@ -390,7 +390,7 @@ class Scheduler:
         drafts = None
         if decode and plan is None:  # the running requests may draft in a mixed step too
             spare = self.allocator.available_size() + self.tree_cache.evictable_size() - total - len(decode)
-            drafts = self.spec.propose(decode, spare)
+            drafts = self.spec.propose(decode, spare, prefill_tokens=total)
             self.reporter.on_draft_budget(self.spec.k_in_effect)
         if drafts is not None:
             verifying = [r for r, d in zip(decode, drafts, strict=True) if d]

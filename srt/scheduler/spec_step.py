@@ -104,17 +104,20 @@ class SpecDecoder:
         self.sampler = sampler
         self.context_len = context_len
 
-    def propose(self, reqs: Sequence[Req], spare_slots: int) -> list[list[int]] | None:
+    def propose(self, reqs: Sequence[Req], spare_slots: int, prefill_tokens: int = 0) -> list[list[int]] | None:
         """Per request of `reqs`, its drafts for this step (empty: it decodes plainly), or None when no
         request has one. Each request takes at most `drafts_for_batch(k, len(reqs))` (k: the algorithm's,
         or PREDICTION_DRAFTS_PER_STEP for a request with a prediction): fewer as the batch grows, none past
         it (speculation steps aside where a verify step would cost more than it saves). A request never
         drafts past its max_new_tokens or the context (`draft_len_limit`), and all drafts together take at
         most `spare_slots` KV slots (beyond the one per request a decode step takes anyway): under memory
-        pressure speculation shrinks instead of forcing a retraction."""
+        pressure speculation shrinks instead of forcing a retraction. In a mixed step the prefill's
+        `prefill_tokens` count against the step's budget too: next to a prefill chunk the step is bound by
+        computing, where every rejected draft costs as much as a prompt token."""
         bs = len(reqs)
+        budget = self.step_tokens - prefill_tokens
         # the gauge's k: the algorithm's, or on a server without one the predictions'
-        self.k_in_effect = drafts_for_batch(self.k or PREDICTION_DRAFTS_PER_STEP, bs, self.step_tokens)
+        self.k_in_effect = drafts_for_batch(self.k or PREDICTION_DRAFTS_PER_STEP, bs, budget)
         if self.proposer is None and not any(r.prediction_ids for r in reqs):
             return None
         if spare_slots <= 0:
@@ -128,7 +131,7 @@ class SpecDecoder:
             (self.predictions, predicted, PREDICTION_DRAFTS_PER_STEP),
             (self.proposer, guessed, self.k),
         ):
-            k = drafts_for_batch(most, bs, self.step_tokens) if which else 0
+            k = drafts_for_batch(most, bs, budget) if which else 0
             if k == 0:
                 continue
             limits = [draft_len_limit(k, self._tokens_left(reqs[i])) for i in which]

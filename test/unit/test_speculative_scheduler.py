@@ -172,6 +172,7 @@ def test_greedy_output_is_the_same_with_ngram_speculation_batched(tiny_model_dir
     sched, totals = make(
         tiny_model_dir, quant, **({"enable_mixed_chunk": True} if mixed else {"disable_mixed_chunk": True})
     )
+    sched.spec.step_tokens = 4096  # room for drafts next to these prompts' prefill (the next test: without)
     verify = sched.builder.verify
     with_prefill = []
 
@@ -189,6 +190,40 @@ def test_greedy_output_is_the_same_with_ngram_speculation_batched(tiny_model_dir
     assert all(len(c.output_ids) == MAX_NEW and c.finish.type == "length" for c in res.values())
     assert_pool_whole(sched)
     assert_cache_holds_only_output(sched, reference)
+
+
+def test_a_prefill_chunk_counts_against_the_verify_step_budget(tiny_model_dir):
+    """Next to a prefill chunk a CPU step is bound by computing, where a rejected draft costs as much as a
+    prompt token: a mixed step's prefill tokens, drafts and newest tokens together stay within the budget,
+    so a chunk that fills it leaves the running requests decoding plainly, with the same output."""
+    sched, totals = make(tiny_model_dir, enable_mixed_chunk=True)
+    sched.spec.step_tokens = 48
+    verify = sched.builder.verify
+    fed_with_prefill = []
+
+    def recording(reqs, drafts, plain, prefill=None):
+        if prefill:
+            fed = sum(r.extend_len for r in prefill) + len(reqs) + len(plain) + sum(len(d) for d in drafts)
+            fed_with_prefill.append(fed)
+        return verify(reqs, drafts, plain, prefill)
+
+    sched.builder.verify = recording
+    mixed_steps = []
+    extend = sched.builder.extend
+
+    def counting(reqs, decode, **fields):
+        if decode:
+            mixed_steps.append(sum(r.extend_len for r in reqs))
+        return extend(reqs, decode, **fields)
+
+    sched.builder.extend = counting
+    reqs = requests()
+    res = drive(sched, {0: reqs[:6], 2: reqs[6:9], 5: reqs[9:]})
+    assert all(fed <= sched.spec.step_tokens for fed in fed_with_prefill)
+    assert any(tokens >= sched.spec.step_tokens for tokens in mixed_steps), "no chunk filled the budget"
+    assert totals.accepted > 0
+    assert all(len(c.output_ids) == MAX_NEW and c.finish.type == "length" for c in res.values())
+    assert_pool_whole(sched)
 
 
 def test_retraction_with_speculation_resumes_with_identical_output(tiny_model_dir):

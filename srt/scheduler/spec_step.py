@@ -33,7 +33,7 @@ from srt.speculative.defaults import (
     DRAFT_MODEL_ALGORITHM,
     PREDICTION_DRAFTS_PER_STEP,
     PREDICTION_MIN_MATCH,
-    VERIFY_STEP_TOKENS,
+    verify_step_tokens,
     drafts_for_batch,
 )
 from srt.speculative.ngram import NgramProposer
@@ -94,7 +94,7 @@ class SpecDecoder:
     def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
         self.k = args.speculative_drafts_per_step  # 0 without --speculative-algorithm
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
-        self.step_tokens = VERIFY_STEP_TOKENS  # the most tokens a verify step feeds (`drafts_for_batch`)
+        self.step_tokens = verify_step_tokens(str(target.device))  # the most a verify step feeds
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
         self.predictions = PredictionProposer(
             min_n=PREDICTION_MIN_MATCH,

@@ -33,6 +33,14 @@ NUM_DRAFT_TOKENS = 9
 # none from 9 (speculation steps aside, the batch decodes plainly). Measured on a 2-core AMD EPYC Zen 4
 # (scripts/bench_spec.py): with 64 here, concurrency 16 ran at 0.89x of no speculation.
 VERIFY_STEP_TOKENS = 16
+# ... and on a GPU, where a verify step of a few dozen tokens costs little more than a decode step (a first
+# estimate, not measured: no GPU has run scripts/bench_spec.py yet).
+GPU_VERIFY_STEP_TOKENS = 64
+
+
+def verify_step_tokens(device: str) -> int:
+    """The verify step budget for a model on `device` (a torch device string)."""
+    return VERIFY_STEP_TOKENS if device.startswith("cpu") else GPU_VERIFY_STEP_TOKENS
 
 
 # Drafts a request with OpenAI's `prediction` may take per verify step (the batch-size rule above applies too):

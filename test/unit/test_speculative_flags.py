@@ -71,3 +71,11 @@ def test_drafts_shrink_as_the_batch_grows_and_stop_past_it(batch, drafts):
 
     assert drafts_for_batch(11, batch) == drafts
     assert batch * (1 + drafts) <= VERIFY_STEP_TOKENS or drafts == 0
+
+
+def test_a_gpu_verify_step_may_feed_more_tokens_than_a_cpu_one():
+    """On the CPU a verify row past the fused step's 16 costs about a prompt token; on a GPU it costs little."""
+    from srt.speculative.defaults import GPU_VERIFY_STEP_TOKENS, VERIFY_STEP_TOKENS, verify_step_tokens
+
+    assert verify_step_tokens("cpu") == VERIFY_STEP_TOKENS
+    assert verify_step_tokens("cuda:0") == GPU_VERIFY_STEP_TOKENS > VERIFY_STEP_TOKENS

@@ -1,15 +1,19 @@
 """Multi-LoRA serving on srt: what adapters cost next to the base model, on the embedded SmolLM2.
 
 Makes `--num-adapters` random rank-`--rank` adapters on every target module with PEFT (in a temporary
-directory), then starts two servers one after another:
+directory), then starts two servers side by side (an idle server takes no CPU):
 - `srt`: no LoRA (the reference of every ratio);
 - `srt-lora`: the same server with the adapters loaded (`--lora-paths`).
+Each of `--rounds` rounds runs every workload on `srt`, then on `srt-lora`, so the servers take turns and a
+drift of the machine's speed (up to 15 % between runs a few minutes apart on the 2-core VMs measured) falls
+on both; the table gives each workload's median round.
 Workloads (bench_peers' random chat workload, fixed output length):
 - `mixed`: at `--concurrency`, each request the base or one of the adapters, uniformly (on srt-lora; the
   reference runs the same requests on the base);
 - `batch1-base` / `batch1-adapter`: one request at a time, on the base and on one adapter.
 The table gives output tok/s and the ratios the targets name: mixed ÷ base-only at the same concurrency
-(target ≥ 0.8), adapter batch-1 ÷ base batch-1 (target ≥ 0.85). A benchmark, never part of the tests; run
+(target ≥ 0.8), adapter batch-1 ÷ base batch-1 (target ≥ 0.85; also against the base on the LoRA server,
+and per round, since the two batch-1 runs of a round are minutes apart at most). A benchmark, never part of the tests; run
 it on a quiet machine.
 
     python scripts/bench_lora.py
@@ -23,8 +27,12 @@ import asyncio
 import logging
 import os
 import random
+import statistics
 import tempfile
+from contextlib import ExitStack
 from dataclasses import replace
+
+import httpx
 
 from srt.bench.dataset import load_tokenizer, random_requests
 from srt.bench.lora_adapters import random_peft_adapter
@@ -48,20 +56,20 @@ def make_adapters(model_dir: str, out: str, num: int, rank: int) -> dict[str, st
     }
 
 
-async def measure(peer, log_path, count_tokens, workloads, show_progress) -> dict[str, float]:
-    """Output tok/s of each workload on one server."""
+async def measure(peer, count_tokens, workloads, show_progress) -> dict[str, float]:
+    """Output tok/s of each workload on one running server, each from an empty prefix cache (a round
+    repeats the prompts of the one before: it would otherwise skip their prefill)."""
     out = {}
-    with RunningServer(peer, log_path) as server:
-        logger.info("%s ready after %.1f s", peer.name, await server.wait_ready(count_tokens))
-        for name, (requests, concurrency) in workloads.items():
-            await warmup(peer.target, requests[0], count_tokens)
-            run = await run_benchmark(
-                peer.target, requests, count_tokens, max_concurrency=concurrency, show_progress=show_progress
-            )
-            s = run.summary
-            logger.info("%s %s: %d ok, %d failed, %.1f output tok/s", peer.name, name, s.completed, s.failed,
-                        s.output_throughput)  # fmt: skip
-            out[name] = s.output_throughput if s.failed == 0 else float("nan")
+    for name, (requests, concurrency) in workloads.items():
+        await warmup(peer.target, requests[0], count_tokens)
+        httpx.post(f"{peer.target.base_url}/flush_cache", timeout=60).raise_for_status()
+        run = await run_benchmark(
+            peer.target, requests, count_tokens, max_concurrency=concurrency, show_progress=show_progress
+        )
+        s = run.summary
+        logger.info("%s %s: %d ok, %d failed, %.1f output tok/s", peer.name, name, s.completed, s.failed,
+                    s.output_throughput)  # fmt: skip
+        out[name] = s.output_throughput if s.failed == 0 else float("nan")
     return out
 
 
@@ -87,23 +95,39 @@ async def main_async(args) -> None:
             str(args.rank),
         ]
         lora = srt_peer(args.base_port + 1, model_dir, *lora_flags, name="srt-lora")
-        results = {}
-        results["srt"] = await measure(
-            plain, os.path.join(tmp, "srt.log"), count_tokens,
-            {"mixed": (base, args.concurrency), "batch1-base": (one, 1)}, not args.disable_tqdm,
-        )  # fmt: skip
-        results["srt-lora"] = await measure(
-            lora, os.path.join(tmp, "srt-lora.log"), count_tokens,
-            {"mixed": (mixed, args.concurrency), "batch1-base": (one, 1),
-             "batch1-adapter": ([replace(r, lora=first) for r in one], 1)},
-            not args.disable_tqdm,
-        )  # fmt: skip
+        workloads = {
+            "srt": {"mixed": (base, args.concurrency), "batch1-base": (one, 1)},
+            "srt-lora": {
+                "mixed": (mixed, args.concurrency),
+                "batch1-base": (one, 1),
+                "batch1-adapter": ([replace(r, lora=first) for r in one], 1),
+            },
+        }
+        rounds: list[dict[str, dict[str, float]]] = []
+        with ExitStack() as stack:
+            for peer in (plain, lora):
+                server = stack.enter_context(RunningServer(peer, os.path.join(tmp, f"{peer.name}.log")))
+                logger.info("%s ready after %.1f s", peer.name, await server.wait_ready(count_tokens))
+            for _ in range(args.rounds):
+                rounds.append(
+                    {
+                        peer.name: await measure(
+                            peer, count_tokens, workloads[peer.name], not args.disable_tqdm
+                        )
+                        for peer in (plain, lora)
+                    }
+                )
+    results = {
+        server: {w: statistics.median(r[server][w] for r in rounds) for w in runs}
+        for server, runs in workloads.items()
+    }
     ref, got = results["srt"], results["srt-lora"]
     print(f"\nMachine: {machine_description()}")
     print(
         f"Model: SmolLM2-135M-Instruct (int8), {args.num_adapters} adapters of rank {args.rank} on every module"
     )
-    print(f"Random chat workload: input {args.input_len} / output {args.output_len} tokens, fixed length\n")
+    print(f"Random chat workload: input {args.input_len} / output {args.output_len} tokens, fixed length; "
+          f"{args.rounds} rounds, each cell its workload's median\n")  # fmt: skip
     print("| server | workload | output tok/s |\n|---|---|---|")
     for server, runs in results.items():
         for workload, tps in runs.items():
@@ -115,6 +139,8 @@ async def main_async(args) -> None:
     print(f"- batch-1 adapter / base: {batch1_ratio:.2f}x "
           f"(target {TARGET_BATCH1}x: {'met' if batch1_ratio >= TARGET_BATCH1 else 'MISSED'})")  # fmt: skip
     print(f"- base batch-1 on the LoRA server / without LoRA: {got['batch1-base'] / ref['batch1-base']:.2f}x")
+    same = [r["srt-lora"]["batch1-adapter"] / r["srt-lora"]["batch1-base"] for r in rounds]
+    print(f"- batch-1 adapter / base on the LoRA server, per round: {', '.join(f'{x:.2f}x' for x in same)}")
 
 
 def main() -> None:
@@ -127,6 +153,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--rounds", type=int, default=3, help="every workload this many times, the servers in turn"
+    )
     p.add_argument("--base-port", type=int, default=BASE_PORT)
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args()

@@ -103,7 +103,9 @@ def one_layer_table(args) -> None:
 
 def decode_step_table(args) -> None:
     print(f"\n{LAYERS} layers x (qkv, o, gate_up, down), distinct weights (ms for all of them)")
-    print(f"{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}{'srt':>9}{'x':>6}{'fused':>9}{'x':>6}")
+    print(
+        f"{'M':>5}{'fp32':>9}{'int_mm':>9}{'x':>6}{'packed':>9}{'x':>6}{'srt':>9}{'x':>6}{'fused':>9}{'x':>6}"
+    )
     layer_shapes = [s for name, s in SHAPES.items() if name != "lm_head"]
     weights = [[torch.randn(n, k) * 0.05 for n, k in layer_shapes] for _ in range(LAYERS)]
     plain = [[quantized(w, False) for w in ws] for ws in weights]

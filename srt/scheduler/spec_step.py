@@ -33,8 +33,8 @@ from srt.speculative.defaults import (
     DRAFT_MODEL_ALGORITHM,
     PREDICTION_DRAFTS_PER_STEP,
     PREDICTION_MIN_MATCH,
-    verify_step_tokens,
     drafts_for_batch,
+    verify_step_tokens,
 )
 from srt.speculative.ngram import NgramProposer
 from srt.speculative.prediction import PredictionProposer
@@ -104,7 +104,9 @@ class SpecDecoder:
         self.sampler = sampler
         self.context_len = context_len
 
-    def propose(self, reqs: Sequence[Req], spare_slots: int, prefill_tokens: int = 0) -> list[list[int]] | None:
+    def propose(
+        self, reqs: Sequence[Req], spare_slots: int, prefill_tokens: int = 0
+    ) -> list[list[int]] | None:
         """Per request of `reqs`, its drafts for this step (empty: it decodes plainly), or None when no
         request has one. Each request takes at most `drafts_for_batch(k, len(reqs))` (k: the algorithm's,
         or PREDICTION_DRAFTS_PER_STEP for a request with a prediction): fewer as the batch grows, none past

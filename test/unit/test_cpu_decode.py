@@ -84,8 +84,7 @@ def test_the_lean_step_takes_a_batch_only_where_the_fused_kernel_takes_every_lin
     kernels = cpu_kernels.load()
     weights = [m.method.int8_weight() for name, m in quantizable_layers(runner.model) if name != "lm_head"]
     fused_everywhere = all(
-        w.weight is not None
-        and kernels.takes_linear(batch, w.weight.shape[1], w.packed is not None)
+        w.weight is not None and kernels.takes_linear(batch, w.weight.shape[1], w.packed is not None)
         for w in weights
     )
     assert runner.model.cpu_decode.takes(decode_step(batch)) == fused_everywhere

@@ -194,7 +194,9 @@ def test_int8_model_tracks_fp32_and_its_cache_is_reused(tiny_model_dir, private_
     layers = [m for m in first.model.modules() if isinstance(m, LinearBase)]
     assert len(layers) == 3 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
     weights = [m.method.int8_weight() for m in layers]
-    assert all(w is not None for w in weights) and all(m.weight is None for m in layers)  # fp32 copies dropped
+    assert all(w is not None for w in weights) and all(
+        m.weight is None for m in layers
+    )  # fp32 copies dropped
     norms = [m for m in first.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.kernels is cpu_kernels.load() for m in norms)  # fused where they loaded
     assert all((w.packed is not None) == packed_kernel_available() for w in weights)

@@ -63,7 +63,9 @@ def test_drafts_per_step_follow_sglangs_counting():
     assert unset.speculative_drafts_per_step == NUM_DRAFT_TOKENS - 1
 
 
-@pytest.mark.parametrize("batch, drafts", [(1, 11), (2, 7), (3, 4), (4, 3), (8, 1), (9, 0), (16, 0), (256, 0)])
+@pytest.mark.parametrize(
+    "batch, drafts", [(1, 11), (2, 7), (3, 4), (4, 3), (8, 1), (9, 0), (16, 0), (256, 0)]
+)
 def test_drafts_shrink_as_the_batch_grows_and_stop_past_it(batch, drafts):
     """A verify step feeds at most VERIFY_STEP_TOKENS (16: what the fused CPU verify step takes) tokens:
     batch x (1 + drafts)."""

@@ -196,9 +196,7 @@ class CpuDecodeStep:
         lora_add = self._lora_add
 
         def linear(lin: _Linear, x: int, out: int) -> None:
-            w8a8_linear(
-                x, m, lin.k, lin.k, lin.weight, lin.scale, lin.bias, lin.n, out, q_ptr, qs_ptr
-            )
+            w8a8_linear(x, m, lin.k, lin.k, lin.weight, lin.scale, lin.bias, lin.n, out, q_ptr, qs_ptr)
 
         def adapt(method, args, x: torch.Tensor, out: torch.Tensor) -> None:
             if args is None:

@@ -30,6 +30,7 @@ class Segment:
 class LoRABatchInfo:
     order: torch.Tensor | None  # int64 [adapted rows] on the model's device: step rows grouped by slot
     segments: tuple[Segment, ...]
+    table: torch.Tensor  # int64 [segments, 4] on the CPU: each (slot, rank, start, end), for the CPU kernel
 
     @staticmethod
     def build(
@@ -48,7 +49,8 @@ class LoRABatchInfo:
             segments.append(Segment(slot, slot_ranks[slot], start, start + length))
             start += length
         in_place = adapted.numel() == row_slots.numel() and torch.equal(grouped, row_slots)
-        return LoRABatchInfo(None if in_place else adapted[within].to(device), tuple(segments))
+        table = torch.tensor([(s.slot, s.rank, s.start, s.end) for s in segments], dtype=torch.int64)
+        return LoRABatchInfo(None if in_place else adapted[within].to(device), tuple(segments), table)
 
 
 class LoRAStep:

@@ -53,13 +53,12 @@ class LayerLoRAWeights:
         device: str,
         kernels=None,
     ):
-        """`kernels` (srt's CPU kernels, for an fp32 pool on the CPU): each segment's products in one call
-        (`CpuKernels.lora_add`) instead of a PyTorch matmul per sub-module."""
+        """`kernels` (srt's CPU kernels, for an fp32 pool on the CPU): a step's products in one call
+        (`CpuKernels.lora_add_segments`) instead of PyTorch matmuls per segment and sub-module."""
         self.subs = subs
         self.kernels = kernels if dtype == torch.float32 and str(device) == "cpu" else None
         self._out_offsets = torch.tensor([s.out_offset for s in subs], dtype=torch.int64)
         self._out_sizes = torch.tensor([s.out_size for s in subs], dtype=torch.int64)
-        self._kernel_args: dict[tuple[int, int], tuple[int, ...]] = {}
         self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
         self.tp_rank = tp_rank
         self.a = torch.zeros((slots, len(subs) * max_rank, in_local), dtype=dtype, device=device)
@@ -67,19 +66,16 @@ class LayerLoRAWeights:
         # kernel runs as contiguous vector updates of the output row
         self.b = torch.zeros((slots, max_rank, out_local), dtype=dtype, device=device)
 
-    def kernel_args(self, slot: int, rank: int) -> tuple[int, ...] | None:
-        """srt_lora_add's arguments after (x, m, k, x_stride) for one adapter in `slot` at `rank`, as
-        addresses (the pool's tensors live as long as the model): what the fused CPU decode step calls the
-        kernel with, with no Python tensor work per layer. None without the kernels."""
+    def segment_args(self) -> tuple[int, ...] | None:
+        """srt_lora_add_segments' layer operands, after (x, k, x_stride, rows, segments, table): the pool by
+        address (its tensors live as long as the model), for the fused CPU decode step's direct call. None
+        without the kernels."""
         if self.kernels is None:
             return None
-        args = self._kernel_args.get((slot, rank))
-        if args is None:
-            args = self._kernel_args[(slot, rank)] = (
-                self.a[slot].data_ptr(), rank, len(self.subs), self.b[slot].data_ptr(), self.b.shape[2],
-                self._out_offsets.data_ptr(), self._out_sizes.data_ptr(),
-            )  # fmt: skip
-        return args
+        return (
+            self.a.data_ptr(), self.a.stride(0), len(self.subs), self.b.data_ptr(), self.b.stride(0),
+            self.b.stride(1), self._out_offsets.data_ptr(), self._out_sizes.data_ptr(),
+        )  # fmt: skip
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         self.clear(slot)
@@ -101,6 +97,11 @@ class LayerLoRAWeights:
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         """`out` (the base product of `x`, in the pool's dtype) plus each adapted row's delta, in place."""
+        if self.kernels is not None and x.stride(-1) == 1 and out.stride(-1) == 1:
+            self.kernels.lora_add_segments(
+                out, x, info.order, info.table, self.a, self.b, self._out_offsets, self._out_sizes
+            )
+            return out
         if info.order is None:  # every row adapted, already grouped: expand straight into `out`
             xs, deltas = x, out
         else:
@@ -109,12 +110,6 @@ class LayerLoRAWeights:
         stacked = len(self.subs)
         for seg in info.segments:
             r, rows = seg.rank, deltas[seg.start : seg.end]
-            if self.kernels is not None and xs.stride(-1) == 1:
-                self.kernels.lora_add(
-                    rows, xs[seg.start : seg.end], self.a[seg.slot, : stacked * r], self.b[seg.slot], r,
-                    self._out_offsets, self._out_sizes,
-                )  # fmt: skip
-                continue
             shrunk = xs[seg.start : seg.end] @ self.a[seg.slot, : stacked * r].T
             for sub in self.subs:
                 cols = slice(sub.out_offset, sub.out_offset + sub.out_size)
@@ -141,14 +136,11 @@ class LoRALinearMethod(LinearMethod):
             return out
         return self.weights.add_delta(out, x, info)
 
-    def kernel_args(self) -> tuple[int, ...] | None:
-        """The fused CPU decode step's direct call for this step's adapter (`LayerLoRAWeights.kernel_args`),
-        when the step has one adapter whose rows need no gathering; None otherwise (use `add_adapters`)."""
-        info = self.step.info
-        if info is None or info.order is not None or len(info.segments) != 1:
-            return None
-        seg = info.segments[0]
-        return self.weights.kernel_args(seg.slot, seg.rank)
+    def segment_args(self) -> tuple[int, ...] | None:
+        return self.weights.segment_args()
+
+    def step_adapters(self) -> LoRABatchInfo | None:
+        return self.step.info
 
     def int8_weight(self, key: str = WEIGHT):
         return self.base.int8_weight(key)

@@ -183,30 +183,51 @@ class CpuKernels:
         self._c.srt_silu_mul(x2.data_ptr(), m, inter, x2.stride(0), out.data_ptr())
         return out.view(*gate_up.shape[:-1], inter)
 
-    def lora_add(
+    def lora_add_segments(
         self,
         out: torch.Tensor,
         x: torch.Tensor,
+        rows: torch.Tensor | None,
+        table: torch.Tensor,
         a: torch.Tensor,
         b: torch.Tensor,
-        rank: int,
         out_offsets: torch.Tensor,
         out_sizes: torch.Tensor,
     ) -> None:
-        """out [m, n] += one LoRA adapter's product of x [m, k], in place: a [sub-modules x rank, k] (sub-module
-        i's A at rows i*rank..), b = B^T [>= rank, n] (sub-module i's columns out_offsets[i].. of
-        out_sizes[i], its first `rank` rows, scaled); fp32 rows with unit column stride (srt_lora_add)."""
-        rows = (out, x, a, b)
-        if any(t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 for t in rows):
-            raise TypeError("lora_add takes 2-D fp32 tensors with unit column stride")
-        nsub = out_offsets.numel()
-        m, k = x.shape
-        if out.shape[0] != m or a.shape[1] != k or a.shape[0] < nsub * rank or b.shape[0] < rank:
-            raise ValueError("lora_add: the operands' shapes do not agree")
-        if not a.is_contiguous() or out_offsets.dtype != torch.int64 or out_sizes.dtype != torch.int64:
-            raise TypeError("lora_add takes a contiguous A and int64 offsets and sizes")
-        self._c.srt_lora_add(
-            x.data_ptr(), m, k, x.stride(0), a.data_ptr(), rank, nsub, b.data_ptr(), b.stride(0),
+        """out [m, n] += the LoRA adapters' products of x [m, k], in place (srt_lora_add_segments). Segment s,
+        table[s] = (slot, rank, start, end), multiplies the rows rows[start:end] (rows None: the rows
+        start..end themselves, every row adapted and grouped) by pool slot `slot`: a [slots, sub-modules x
+        max rank, k] (an adapter of rank r keeps sub-module i's A at rows i*r..), b = B^T [slots, max rank, n]
+        (scaled); sub-module i owns out's columns out_offsets[i].. of out_sizes[i]. fp32 rows with unit column
+        stride."""
+        if any(t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 for t in (out, x)):
+            raise TypeError("lora_add_segments takes 2-D fp32 rows with unit column stride")
+        if (
+            a.dtype != torch.float32
+            or b.dtype != torch.float32
+            or not (a.is_contiguous() and b.is_contiguous())
+        ):
+            raise TypeError("lora_add_segments takes a contiguous fp32 pool")
+        index = (table, out_offsets, out_sizes) + (() if rows is None else (rows,))
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
+            raise TypeError("lora_add_segments takes contiguous int64 rows, segments, offsets and sizes")
+        nsub, (m, k) = out_offsets.numel(), x.shape
+        if out.shape[0] != m or a.dim() != 3 or b.dim() != 3 or a.shape[2] != k or table.shape[1:] != (4,):
+            raise ValueError("lora_add_segments: the operands' shapes do not agree")
+        if table.numel():
+            slot, rank, start, end = table.T
+            extent = rows.numel() if rows is not None else m
+            if (
+                bool((slot < 0).any() or (slot >= a.shape[0]).any() or (rank < 0).any())
+                or bool((rank * nsub > a.shape[1]).any() or (rank > b.shape[1]).any())
+                or bool((start < 0).any() or (end < start).any() or (end > extent).any())
+                or (rows is not None and rows.numel() and bool((rows < 0).any() or (rows >= m).any()))
+                or bool(((out_offsets + out_sizes) > min(out.shape[1], b.shape[2])).any())
+            ):
+                raise ValueError("lora_add_segments: a slot, rank, row or column outside its operand")
+        self._c.srt_lora_add_segments(
+            x.data_ptr(), k, x.stride(0), None if rows is None else rows.data_ptr(), table.shape[0],
+            table.data_ptr(), a.data_ptr(), a.stride(0), nsub, b.data_ptr(), b.stride(0), b.stride(1),
             out_offsets.data_ptr(), out_sizes.data_ptr(), out.data_ptr(), out.stride(0),
         )  # fmt: skip
 

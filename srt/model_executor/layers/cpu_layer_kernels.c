@@ -106,33 +106,41 @@ void srt_store_kv(const float *qkv, int64_t m, int64_t row_stride, int64_t k_off
  * ~19 MB of fp32 factors a SmolLM2 step, and one core read them in 1.75 ms of a 9.3 ms step. */
 #define LORA_PARALLEL_MIN 16384
 
-/* One LoRA adapter's product for m rows x [m, k] (row stride x_stride), added to out (row stride
- * out_stride): for each of the layer's nsub sub-modules i (q, k, v of a fused qkv; one for a plain layer),
- * out[t, off_i : off_i + size_i] += (x[t] A_i^T) B_i^T, A_i being rows i*r .. (i+1)*r of a [nsub * r, k] and
- * B_i^T rows 0 .. r of bt (row stride bt_stride), its columns off_i .. off_i + size_i, the scaling folded in.
- * The expand runs as r vector updates of the output row (B kept transposed for it). One call per adapted
- * layer and adapter segment of a step instead of a PyTorch matmul per sub-module: an adapter's decode row
- * was dispatch-bound (about 270 small matmuls a step, 4 ms of a 12 ms step). The threads split the shrink's
- * products and the expand's column blocks, so one token's call uses every core. */
-void srt_lora_add(const float *x, int64_t m, int64_t k, int64_t x_stride, const float *a, int64_t r,
-                  int64_t nsub, const float *bt, int64_t bt_stride, const int64_t *out_offset,
-                  const int64_t *out_size, float *out, int64_t out_stride) {
+/* LoRA adapters' products, added to a layer's output. For each of the layer's nsub sub-modules i (q, k, v of
+ * a fused qkv; one for a plain layer), out[row, off_i : off_i + size_i] += (x[row] A_i^T) B_i^T, A_i being rows
+ * i*r .. (i+1)*r of the adapter's a [nsub * r, k] and B_i^T rows 0 .. r of its bt (row stride bt_stride),
+ * columns off_i .. off_i + size_i, the scaling folded in. The expand runs as r vector updates of the output
+ * row (B kept transposed for it). One call per adapted layer and step instead of a PyTorch matmul per
+ * sub-module and adapter: an adapter's decode row was dispatch-bound (about 270 small matmuls a step, 4 ms of
+ * a 12 ms step), and a step of several adapters spent ~80 us a layer in Python and index ops around the
+ * products. The threads split the shrink's products and the expand's column blocks, so one token's call
+ * uses every core. */
+
+/* One adapter's rows of a step: tokens rows[t0 .. t0 + m) of x and out (rows NULL: tokens t0 .. t0 + m
+ * themselves). Added straight into out when `direct`; otherwise each output block's delta is summed from zero
+ * first and then added once, as a gather, expand into zeros and index_add would (the same bits). */
+static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m, int64_t k, int64_t x_stride,
+                      const float *a, int64_t r, int64_t nsub, const float *bt, int64_t bt_stride,
+                      const int64_t *out_offset, const int64_t *out_size, float *out, int64_t out_stride,
+                      int direct) {
     const int64_t nr = nsub * r;
     int64_t blocks = 0; /* column blocks of one token's output, over every sub-module */
     for (int64_t i = 0; i < nsub; i++) blocks += (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK;
     const int64_t group = nr > 0 && nr < LORA_SHRUNK_MAX ? LORA_SHRUNK_MAX / nr : 1;
     float shrunk[nr > LORA_SHRUNK_MAX ? nr : LORA_SHRUNK_MAX];
-    for (int64_t t0 = 0; t0 < m; t0 += group) {
-        const int64_t tg = m - t0 < group ? m - t0 : group;
+    for (int64_t g0 = 0; g0 < m; g0 += group) {
+        const int64_t tg = m - g0 < group ? m - g0 : group;
 #pragma omp parallel if (tg * nr * k >= LORA_PARALLEL_MIN)
         {
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < tg * nr; j++)
-                shrunk[j] = dot_lanes(x + (t0 + j / nr) * x_stride, a + (j % nr) * k, k);
+            for (int64_t j = 0; j < tg * nr; j++) {
+                const int64_t t = t0 + g0 + j / nr, row = rows ? rows[t] : t;
+                shrunk[j] = dot_lanes(x + row * x_stride, a + (j % nr) * k, k);
+            }
             /* each output element adds its r products in the same order whichever thread owns its block */
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < tg * blocks; g++) {
-                const int64_t t = g / blocks;
+                const int64_t t = g / blocks, row = rows ? rows[t0 + g0 + t] : t0 + g0 + t;
                 int64_t b = g % blocks, i = 0, nb;
                 while (b >= (nb = (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK)) {
                     b -= nb;
@@ -140,13 +148,32 @@ void srt_lora_add(const float *x, int64_t m, int64_t k, int64_t x_stride, const 
                 }
                 const int64_t c0 = b * LORA_COLUMN_BLOCK;
                 const int64_t c1 = c0 + LORA_COLUMN_BLOCK < out_size[i] ? c0 + LORA_COLUMN_BLOCK : out_size[i];
-                float *o = out + (t0 + t) * out_stride + out_offset[i];
+                float *o = out + row * out_stride + out_offset[i];
+                float sum[LORA_COLUMN_BLOCK] = {0};
+                float *acc = direct ? o + c0 : sum;
                 for (int64_t q = 0; q < r; q++) {
                     const float s = shrunk[t * nr + i * r + q];
-                    const float *row = bt + q * bt_stride + out_offset[i];
-                    for (int64_t c = c0; c < c1; c++) o[c] += s * row[c];
+                    const float *brow = bt + q * bt_stride + out_offset[i] + c0;
+                    for (int64_t c = 0; c < c1 - c0; c++) acc[c] += s * brow[c];
                 }
+                if (!direct)
+                    for (int64_t c = 0; c < c1 - c0; c++) o[c0 + c] += sum[c];
             }
         }
+    }
+}
+
+/* Every adapter of a step in one call per layer: segment s (seg[4s..4s+3] = slot, rank, start, end) is the
+ * adapter in pool slot `slot` for tokens rows[start .. end) (rows NULL: the tokens start .. end themselves,
+ * every row adapted and already grouped, added straight into out). a [slots, nsub * max_rank, k] and
+ * bt [slots, max_rank, bt_stride] are the layer's pool (a_slot_stride, bt_slot_stride: floats a slot). */
+void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const int64_t *rows, int64_t nseg,
+                           const int64_t *seg, const float *a, int64_t a_slot_stride, int64_t nsub,
+                           const float *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
+                           const int64_t *out_size, float *out, int64_t out_stride) {
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t slot = seg[4 * s], r = seg[4 * s + 1], start = seg[4 * s + 2], end = seg[4 * s + 3];
+        lora_rows(x, rows, start, end - start, k, x_stride, a + slot * a_slot_stride, r, nsub,
+                  bt + slot * bt_slot_stride, bt_stride, out_offset, out_size, out, out_stride, rows == NULL);
     }
 }

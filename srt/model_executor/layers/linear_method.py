@@ -52,9 +52,14 @@ class LinearMethod:
         base product in its own kernel, calls it after."""
         return out
 
-    def kernel_args(self) -> tuple[int, ...] | None:
-        """The fused CPU decode step's direct kernel call for this step's adapter, as addresses (None: call
-        `add_adapters`; a method without adapters never needs either)."""
+    def segment_args(self) -> tuple[int, ...] | None:
+        """The layer's adapter pool as srt_lora_add_segments reads it, by address, for the fused CPU decode
+        step's direct call (None: call `add_adapters`; a method without adapters never needs either)."""
+        return None
+
+    def step_adapters(self):
+        """This step's adapter rows (`srt.lora.batch_info.LoRABatchInfo`), shared by every adapted layer;
+        None: no row of the step has an adapter, or the method has none."""
         return None
 
     def int8_weight(self, key: str = WEIGHT) -> Int8Weight | None:

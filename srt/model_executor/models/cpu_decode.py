@@ -80,7 +80,7 @@ class CpuDecodeStep:
             kernels.function(f"srt_{name}")
             for name in ("w8a8_linear", "rmsnorm", "rope", "store_kv", "decode_attention", "silu_mul")
         )
-        self._lora_add = kernels.function("srt_lora_add")
+        self._lora_add = kernels.function("srt_lora_add_segments")
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -92,8 +92,12 @@ class CpuDecodeStep:
         pool = backend.token_to_kv_pool
         self.half = int(pool.get_kv_buffer(0)[0].dtype == torch.float16)
         self.layers = []
-        # each layer's qkv, o, gate_up and down methods, which add a step's adapter products
+        # each layer's qkv, o, gate_up and down methods, which add a step's adapter products, and, where the
+        # method's pool is one the kernels read, its operands for srt_lora_add_segments by address
         self.methods = [tuple(p.method for p in _projections(layer)) for layer in model.model.layers]
+        self.lora_args = [
+            tuple(p.method.segment_args() for p in _projections(layer)) for layer in model.model.layers
+        ]
         for i, layer in enumerate(model.model.layers):
             k_buf, v_buf = pool.get_kv_buffer(i)
             self.layers.append(
@@ -190,9 +194,13 @@ class CpuDecodeStep:
             loc = loc.to(torch.int64).contiguous()
         heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]
         adapted = batch.has_adapters
-        # an adapter step's products: straight through srt_lora_add where the step has one adapter whose rows
-        # need no gathering (the pool's addresses, no Python tensor work), else through each layer's method
-        direct = [tuple(m.kernel_args() for m in methods) for methods in self.methods] if adapted else None
+        # an adapter step's products: one srt_lora_add_segments call per adapted layer on the pool's
+        # addresses (no Python tensor work), or the layer's method where its pool is not the kernels'
+        info = _step_adapters(self.methods) if adapted else None
+        adapted = info is not None
+        if adapted:
+            rows = None if info.order is None else info.order.data_ptr()
+            nseg, table = info.table.shape[0], info.table.data_ptr()
         lora_add = self._lora_add
 
         def linear(lin: _Linear, x: int, out: int) -> None:
@@ -202,14 +210,15 @@ class CpuDecodeStep:
             if args is None:
                 method.add_adapters(out, x)
             else:
-                lora_add(x.data_ptr(), m, x.shape[1], x.shape[1], *args, out.data_ptr(), out.shape[1])
+                k, o = x.shape[1], out.data_ptr()
+                lora_add(x.data_ptr(), k, k, rows, nseg, table, *args, o, out.shape[1])
 
-        for li, (layer, methods) in enumerate(zip(self.layers, self.methods, strict=True)):
+        for layer, methods, args in zip(self.layers, self.methods, self.lora_args, strict=True):
             qkv_method, o_method, gate_up_method, down_method = methods
             rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
             linear(layer.qkv, nd, qk)
             if adapted:
-                adapt(qkv_method, direct[li][0], normed, qkv)
+                adapt(qkv_method, args[0], normed, qkv)
             rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
             store_kv(
                 qk, m, width, self.q_size, self.q_size + self.kv_size, self.kv_size, loc.data_ptr(),
@@ -222,18 +231,28 @@ class CpuDecodeStep:
                 raise MemoryError("decode_attention: no memory for the scores scratch")
             linear(layer.o, at, de)
             if adapted:
-                adapt(o_method, direct[li][1], attn, delta)
+                adapt(o_method, args[1], attn, delta)
             hidden.add_(delta)
             rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
             linear(layer.gate_up, nd, gu)
             if adapted:
-                adapt(gate_up_method, direct[li][2], normed, gate_up)
+                adapt(gate_up_method, args[2], normed, gate_up)
             silu_mul(gu, m, self.inter, 2 * self.inter, ac)
             linear(layer.down, ac, de)
             if adapted:
-                adapt(down_method, direct[li][3], act, delta)
+                adapt(down_method, args[3], act, delta)
             hidden.add_(delta)
         return hidden
+
+
+def _step_adapters(methods: list[tuple]):
+    """The step's adapter rows, which every adapted layer shares (`LinearMethod.step_adapters`), or None."""
+    for layer in methods:
+        for method in layer:
+            info = method.step_adapters()
+            if info is not None:
+                return info
+    return None
 
 
 def _projections(layer) -> tuple:

@@ -23,9 +23,6 @@ from srt.lora.adapter import LoRAAdapter
 from srt.lora.batch_info import LoRABatchInfo, LoRAStep
 from srt.model_executor.layers.linear_method import WEIGHT, LinearMethod, LinearWeights
 
-# The pool's dtype where the CPU kernels multiply the factors (see LayerLoRAWeights)
-KERNEL_POOL_DTYPE = torch.float16
-
 
 @dataclass(frozen=True)
 class SubModule:
@@ -56,21 +53,18 @@ class LayerLoRAWeights:
         device: str,
         kernels=None,
     ):
-        """`kernels` (srt's CPU kernels, for an fp32 model on the CPU): a step's products in one call
-        (`CpuKernels.lora_add_segments`) instead of PyTorch matmuls per segment and sub-module, on factors
-        kept in fp16 (`KERNEL_POOL_DTYPE`), as the GPU peers keep them in their half-precision model dtype:
-        a decode step reads each adapter's whole pool once, and its bytes were a fifth of an int8 decode row."""
+        """`kernels` (srt's CPU kernels, for an fp32 pool on the CPU): a step's products in one call
+        (`CpuKernels.lora_add_segments`) instead of PyTorch matmuls per segment and sub-module."""
         self.subs = subs
         self.kernels = kernels if dtype == torch.float32 and str(device) == "cpu" else None
         self._out_offsets = torch.tensor([s.out_offset for s in subs], dtype=torch.int64)
         self._out_sizes = torch.tensor([s.out_size for s in subs], dtype=torch.int64)
         self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
         self.tp_rank = tp_rank
-        pool_dtype = KERNEL_POOL_DTYPE if self.kernels is not None else dtype
-        self.a = torch.zeros((slots, len(subs) * max_rank, in_local), dtype=pool_dtype, device=device)
+        self.a = torch.zeros((slots, len(subs) * max_rank, in_local), dtype=dtype, device=device)
         # B transposed, [slots, max rank, out]: the expand is then r row-times-matrix updates, which the CPU
         # kernel runs as contiguous vector updates of the output row
-        self.b = torch.zeros((slots, max_rank, out_local), dtype=pool_dtype, device=device)
+        self.b = torch.zeros((slots, max_rank, out_local), dtype=dtype, device=device)
 
     def segment_args(self) -> tuple[int, ...] | None:
         """srt_lora_add_segments' layer operands, after (x, k, x_stride, rows, segments, table): the pool by
@@ -116,11 +110,12 @@ class LayerLoRAWeights:
         stacked = len(self.subs)
         for seg in info.segments:
             r, rows = seg.rank, deltas[seg.start : seg.end]
-            a, b = self.a[seg.slot, : stacked * r].to(xs.dtype), self.b[seg.slot, :r].to(xs.dtype)
-            shrunk = xs[seg.start : seg.end] @ a.T
+            shrunk = xs[seg.start : seg.end] @ self.a[seg.slot, : stacked * r].T
             for sub in self.subs:
                 cols = slice(sub.out_offset, sub.out_offset + sub.out_size)
-                rows[:, cols].addmm_(shrunk[:, sub.index * r : (sub.index + 1) * r], b[:, cols])
+                rows[:, cols].addmm_(
+                    shrunk[:, sub.index * r : (sub.index + 1) * r], self.b[seg.slot, :r, cols]
+                )
         return out if info.order is None else out.index_add_(0, info.order, deltas)
 
 

@@ -1,8 +1,7 @@
 """srt_lora_add_segments, the CPU kernel behind an int8 model's adapter products
 (`CpuKernels.lora_add_segments`): every adapter of a step in one call per layer, each of its rows getting, for
 every sub-module of a fused layer, its shrink and expand added into that sub-module's own columns, as the
-PyTorch matmuls compute them from the same fp16 factors (to float rounding), leaving base rows and other
-columns alone."""
+PyTorch matmuls compute them (to float rounding), leaving base rows and other columns alone."""
 
 from __future__ import annotations
 
@@ -21,15 +20,14 @@ SIZES = torch.tensor([s for _, s in SUBS])
 
 
 def pool(slots: int, max_rank: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's pool as the kernel reads it: fp16 A [slots, sub-modules x max rank, k] and B^T [slots, max
-    rank, width]."""
+    """A layer's pool: A [slots, sub-modules x max rank, k] and B^T [slots, max rank, width]."""
     a = torch.randn(slots, len(SUBS) * max_rank, k, generator=gen)
-    return a.half(), torch.randn(slots, max_rank, WIDTH, generator=gen).half()
+    return a, torch.randn(slots, max_rank, WIDTH, generator=gen)
 
 
 def reference(out, x, row_slot: dict[int, tuple[int, int]], a, b) -> torch.Tensor:
-    """Row by row with PyTorch matmuls in fp32: row -> (slot, rank)."""
-    want, a, b = out.clone(), a.float(), b.float()
+    """Row by row with PyTorch matmuls: row -> (slot, rank)."""
+    want = out.clone()
     for row, (slot, rank) in row_slot.items():
         shrunk = x[row] @ a[slot, : len(SUBS) * rank].T
         for i, (offset, size) in enumerate(SUBS):
@@ -86,8 +84,6 @@ def test_operands_it_cannot_read_are_refused():
     table = torch.tensor([[0, 4, 0, 2]])
     with pytest.raises(TypeError):
         KERNELS.lora_add_segments(out, x.double(), None, table, a, b, OFFSETS, SIZES)
-    with pytest.raises(TypeError):  # an fp32 pool
-        KERNELS.lora_add_segments(out, x, None, table, a.float(), b.float(), OFFSETS, SIZES)
     for bad in ([[2, 4, 0, 2]], [[0, 8, 0, 2]], [[0, 4, 0, 3]], [[0, 4, 1, 0]]):  # slot, rank, end, start
         with pytest.raises(ValueError):
             KERNELS.lora_add_segments(out, x, None, torch.tensor(bad), a, b, OFFSETS, SIZES)

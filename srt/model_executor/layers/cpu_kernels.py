@@ -198,16 +198,16 @@ class CpuKernels:
         table[s] = (slot, rank, start, end), multiplies the rows rows[start:end] (rows None: the rows
         start..end themselves, every row adapted and grouped) by pool slot `slot`: a [slots, sub-modules x
         max rank, k] (an adapter of rank r keeps sub-module i's A at rows i*r..), b = B^T [slots, max rank, n]
-        (scaled), both fp16; sub-module i owns out's columns out_offsets[i].. of out_sizes[i]. fp32 rows with
-        unit column stride."""
+        (scaled); sub-module i owns out's columns out_offsets[i].. of out_sizes[i]. fp32 rows with unit column
+        stride."""
         if any(t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 for t in (out, x)):
             raise TypeError("lora_add_segments takes 2-D fp32 rows with unit column stride")
         if (
-            a.dtype != torch.float16
-            or b.dtype != torch.float16
+            a.dtype != torch.float32
+            or b.dtype != torch.float32
             or not (a.is_contiguous() and b.is_contiguous())
         ):
-            raise TypeError("lora_add_segments takes a contiguous fp16 pool")
+            raise TypeError("lora_add_segments takes a contiguous fp32 pool")
         index = (table, out_offsets, out_sizes) + (() if rows is None else (rows,))
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
             raise TypeError("lora_add_segments takes contiguous int64 rows, segments, offsets and sizes")

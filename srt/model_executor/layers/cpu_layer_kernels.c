@@ -114,38 +114,13 @@ void srt_store_kv(const float *qkv, int64_t m, int64_t row_stride, int64_t k_off
  * sub-module and adapter: an adapter's decode row was dispatch-bound (about 270 small matmuls a step, 4 ms of
  * a 12 ms step), and a step of several adapters spent ~80 us a layer in Python and index ops around the
  * products. The threads split the shrink's products and the expand's column blocks, so one token's call
- * uses every core. The pool holds the factors in fp16 (converted exactly to fp32, products and sums in
- * fp32): they are read once a step per adapter, and at fp32 a rank-16 adapter's ~19 MB a SmolLM2 step cost
- * ~1.4 ms of a ~9 ms decode row. */
-
-/* n fp16 values as fp32 (exact), by F16C where the CPU has it. */
-static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
-    int64_t i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
-    for (; i < n; i++) f[i] = half_to_float(h[i]);
-}
-
-/* x . h for fp32 x and fp16 h: h converted a block at a time, then dot_lanes' partial sums. */
-static float dot_half(const float *x, const uint16_t *h, int64_t n) {
-    float lane[LANES] = {0}, f[LANES];
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        halves_to_floats(h + i, f, LANES);
-        for (int l = 0; l < LANES; l++) lane[l] += x[i + l] * f[l];
-    }
-    float s = 0.0f;
-    for (; i < n; i++) s += x[i] * half_to_float(h[i]);
-    for (int l = 0; l < LANES; l++) s += lane[l];
-    return s;
-}
+ * uses every core. */
 
 /* One adapter's rows of a step: tokens rows[t0 .. t0 + m) of x and out (rows NULL: tokens t0 .. t0 + m
  * themselves). Added straight into out when `direct`; otherwise each output block's delta is summed from zero
  * first and then added once, as a gather, expand into zeros and index_add would (the same bits). */
 static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m, int64_t k, int64_t x_stride,
-                      const uint16_t *a, int64_t r, int64_t nsub, const uint16_t *bt, int64_t bt_stride,
+                      const float *a, int64_t r, int64_t nsub, const float *bt, int64_t bt_stride,
                       const int64_t *out_offset, const int64_t *out_size, float *out, int64_t out_stride,
                       int direct) {
     const int64_t nr = nsub * r;
@@ -160,7 +135,7 @@ static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < tg * nr; j++) {
                 const int64_t t = t0 + g0 + j / nr, row = rows ? rows[t] : t;
-                shrunk[j] = dot_half(x + row * x_stride, a + (j % nr) * k, k);
+                shrunk[j] = dot_lanes(x + row * x_stride, a + (j % nr) * k, k);
             }
             /* each output element adds its r products in the same order whichever thread owns its block */
 #pragma omp for schedule(static)
@@ -174,11 +149,11 @@ static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m
                 const int64_t c0 = b * LORA_COLUMN_BLOCK;
                 const int64_t c1 = c0 + LORA_COLUMN_BLOCK < out_size[i] ? c0 + LORA_COLUMN_BLOCK : out_size[i];
                 float *o = out + row * out_stride + out_offset[i];
-                float sum[LORA_COLUMN_BLOCK] = {0}, brow[LORA_COLUMN_BLOCK];
+                float sum[LORA_COLUMN_BLOCK] = {0};
                 float *acc = direct ? o + c0 : sum;
                 for (int64_t q = 0; q < r; q++) {
                     const float s = shrunk[t * nr + i * r + q];
-                    halves_to_floats(bt + q * bt_stride + out_offset[i] + c0, brow, c1 - c0);
+                    const float *brow = bt + q * bt_stride + out_offset[i] + c0;
                     for (int64_t c = 0; c < c1 - c0; c++) acc[c] += s * brow[c];
                 }
                 if (!direct)
@@ -191,11 +166,10 @@ static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m
 /* Every adapter of a step in one call per layer: segment s (seg[4s..4s+3] = slot, rank, start, end) is the
  * adapter in pool slot `slot` for tokens rows[start .. end) (rows NULL: the tokens start .. end themselves,
  * every row adapted and already grouped, added straight into out). a [slots, nsub * max_rank, k] and
- * bt [slots, max_rank, bt_stride] are the layer's fp16 pool (a_slot_stride, bt_slot_stride: values a
- * slot). */
+ * bt [slots, max_rank, bt_stride] are the layer's pool (a_slot_stride, bt_slot_stride: floats a slot). */
 void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const int64_t *rows, int64_t nseg,
-                           const int64_t *seg, const uint16_t *a, int64_t a_slot_stride, int64_t nsub,
-                           const uint16_t *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
+                           const int64_t *seg, const float *a, int64_t a_slot_stride, int64_t nsub,
+                           const float *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
                            const int64_t *out_size, float *out, int64_t out_stride) {
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t slot = seg[4 * s], r = seg[4 * s + 1], start = seg[4 * s + 2], end = seg[4 * s + 3];

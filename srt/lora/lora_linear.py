@@ -53,10 +53,10 @@ class LayerLoRAWeights:
         device: str,
         kernels=None,
     ):
-        """`kernels` (srt's CPU kernels, for an fp32 pool on the CPU): a step's products in one call
-        (`CpuKernels.lora_add_segments`) instead of PyTorch matmuls per segment and sub-module."""
+        """`kernels` (srt's CPU kernels, for an fp32 pool on the CPU): a step's products in one call of
+        srt_lora_add_segments instead of PyTorch matmuls per segment and sub-module."""
         self.subs = subs
-        self.kernels = kernels if dtype == torch.float32 and str(device) == "cpu" else None
+        kernels = kernels if dtype == torch.float32 and str(device) == "cpu" else None
         self._out_offsets = torch.tensor([s.out_offset for s in subs], dtype=torch.int64)
         self._out_sizes = torch.tensor([s.out_size for s in subs], dtype=torch.int64)
         self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
@@ -65,17 +65,19 @@ class LayerLoRAWeights:
         # B transposed, [slots, max rank, out]: the expand is then r row-times-matrix updates, which the CPU
         # kernel runs as contiguous vector updates of the output row
         self.b = torch.zeros((slots, max_rank, out_local), dtype=dtype, device=device)
+        # bound once, called on this pool and each step's table: both valid where they are made (the pool's
+        # shapes here, the table by LoRABatchInfo.build from loaded adapters' slots and ranks), so a layer
+        # call skips CpuKernels.lora_add_segments' per-call checks (~50 us each, 120 calls a step)
+        self._lora_add = None if kernels is None else kernels.function("srt_lora_add_segments")
+        self._segment_args = None if kernels is None else (
+            self.a.data_ptr(), self.a.stride(0), len(subs), self.b.data_ptr(), self.b.stride(0),
+            self.b.stride(1), self._out_offsets.data_ptr(), self._out_sizes.data_ptr(),
+        )  # fmt: skip
 
     def segment_args(self) -> tuple[int, ...] | None:
         """srt_lora_add_segments' layer operands, after (x, k, x_stride, rows, segments, table): the pool by
-        address (its tensors live as long as the model), for the fused CPU decode step's direct call. None
-        without the kernels."""
-        if self.kernels is None:
-            return None
-        return (
-            self.a.data_ptr(), self.a.stride(0), len(self.subs), self.b.data_ptr(), self.b.stride(0),
-            self.b.stride(1), self._out_offsets.data_ptr(), self._out_sizes.data_ptr(),
-        )  # fmt: skip
+        address (its tensors live as long as the model), for a direct call. None without the kernels."""
+        return self._segment_args
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         self.clear(slot)
@@ -97,10 +99,17 @@ class LayerLoRAWeights:
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         """`out` (the base product of `x`, in the pool's dtype) plus each adapted row's delta, in place."""
-        if self.kernels is not None and x.stride(-1) == 1 and out.stride(-1) == 1:
-            self.kernels.lora_add_segments(
-                out, x, info.order, info.table, self.a, self.b, self._out_offsets, self._out_sizes
-            )
+        if (
+            self._lora_add is not None
+            and x.stride(-1) == 1
+            and out.stride(-1) == 1
+            and x.dtype == self.a.dtype
+        ):
+            rows = None if info.order is None else info.order.data_ptr()
+            self._lora_add(
+                x.data_ptr(), x.shape[1], x.stride(0), rows, info.table.shape[0], info.table.data_ptr(),
+                *self._segment_args, out.data_ptr(), out.stride(0),
+            )  # fmt: skip
             return out
         if info.order is None:  # every row adapted, already grouped: expand straight into `out`
             xs, deltas = x, out

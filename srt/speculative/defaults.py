@@ -20,27 +20,17 @@ NGRAM_MIN_MATCH_WINDOW_SIZE = 2
 NGRAM_MAX_MATCH_WINDOW_SIZE = 12
 # --speculative-num-draft-tokens when unset: 9 positions (8 drafts). SGLang falls back to the max match window
 # (12: 11 drafts). Measured as above at a 2-token window, grounded output tok/s: 4 drafts 141, 8 drafts 176,
-# 12 drafts 165 (a verify row costs ~0.6 ms on a ~7.5 ms step, see VERIFY_STEP_TOKENS).
+# 12 drafts 165 (a verify row costs ~0.6 ms on a ~7.5 ms step, see GPU_VERIFY_STEP_TOKENS).
 NUM_DRAFT_TOKENS = 9
 
 
-# A verify step feeds each drafting request its newest token and its drafts. On the CPU a verify step of at
-# most 16 fed tokens runs through the fused decode step, one decode row each, at ~0.6 ms a row on top of a
-# ~7.5 ms decode step; past 16 it takes the extend path and costs about as much as a prefill of its tokens
-# (one sequence, 200-token context: 12 fed tokens 15.8 ms against 21.5, 16 tokens 20.3 against 25.8; a
-# decode step of 16 sequences 22 ms, their verify step of 64 tokens ~55 ms). So the drafts per request shrink
-# as the batch grows to keep a verify step within this many fed tokens: 8 drafts at batch 1, 3 at 4, 1 at 8,
-# none from 9 (speculation steps aside, the batch decodes plainly). Measured on a 2-core AMD EPYC Zen 4
-# (scripts/bench_spec.py): with 64 here, concurrency 16 ran at 0.89x of no speculation.
-VERIFY_STEP_TOKENS = 16
-# ... and on a GPU, where a verify step of a few dozen tokens costs little more than a decode step (a first
-# estimate, not measured: no GPU has run scripts/bench_spec.py yet).
+# A verify step feeds each drafting request its newest token and its drafts; the drafts per request shrink as
+# the batch grows to keep a step within a budget of fed tokens (`drafts_for_batch`; speculation steps aside,
+# the batch decodes plainly, once even one draft each would pass it). On the CPU the budget is what the fused
+# decode step takes (`spec_step.verify_step_tokens`), on a GPU, where a verify step of a few dozen tokens
+# costs little more than a decode step, this (a first estimate, not measured: no GPU has run
+# scripts/bench_spec.py yet).
 GPU_VERIFY_STEP_TOKENS = 64
-
-
-def verify_step_tokens(device: str) -> int:
-    """The verify step budget for a model on `device` (a torch device string)."""
-    return VERIFY_STEP_TOKENS if device.startswith("cpu") else GPU_VERIFY_STEP_TOKENS
 
 
 # Drafts a request with OpenAI's `prediction` may take per verify step (the batch-size rule above applies too):
@@ -59,7 +49,7 @@ def most_drafts_per_step(drafts_per_step: int) -> int:
     return max(drafts_per_step, PREDICTION_DRAFTS_PER_STEP)
 
 
-def drafts_for_batch(k: int, batch_size: int, step_tokens: int = VERIFY_STEP_TOKENS) -> int:
+def drafts_for_batch(k: int, batch_size: int, step_tokens: int) -> int:
     """Drafts each request may take in a decode step of `batch_size` requests: `k`, fewer once the step's
     fed tokens would pass `step_tokens`, 0 when even one draft each would (vLLM's rule turns speculation
     off past a batch size; this one shrinks it first)."""

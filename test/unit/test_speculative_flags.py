@@ -67,17 +67,20 @@ def test_drafts_per_step_follow_sglangs_counting():
     "batch, drafts", [(1, 11), (2, 7), (3, 4), (4, 3), (8, 1), (9, 0), (16, 0), (256, 0)]
 )
 def test_drafts_shrink_as_the_batch_grows_and_stop_past_it(batch, drafts):
-    """A verify step feeds at most VERIFY_STEP_TOKENS (16: what the fused CPU verify step takes) tokens:
-    batch x (1 + drafts)."""
-    from srt.speculative.defaults import VERIFY_STEP_TOKENS, drafts_for_batch
+    """A CPU verify step feeds at most what the fused CPU step takes (16 tokens): batch x (1 + drafts)."""
+    from srt.scheduler.spec_step import verify_step_tokens
+    from srt.speculative.defaults import drafts_for_batch
 
-    assert drafts_for_batch(11, batch) == drafts
-    assert batch * (1 + drafts) <= VERIFY_STEP_TOKENS or drafts == 0
+    budget = verify_step_tokens("cpu")
+    assert drafts_for_batch(11, batch, budget) == drafts
+    assert batch * (1 + drafts) <= budget or drafts == 0
 
 
 def test_a_gpu_verify_step_may_feed_more_tokens_than_a_cpu_one():
     """On the CPU a verify row past the fused step's 16 costs about a prompt token; on a GPU it costs little."""
-    from srt.speculative.defaults import GPU_VERIFY_STEP_TOKENS, VERIFY_STEP_TOKENS, verify_step_tokens
+    from srt.model_executor.models.cpu_decode import EXTEND_MAX_TOKENS
+    from srt.scheduler.spec_step import verify_step_tokens
+    from srt.speculative.defaults import GPU_VERIFY_STEP_TOKENS
 
-    assert verify_step_tokens("cpu") == VERIFY_STEP_TOKENS
-    assert verify_step_tokens("cuda:0") == GPU_VERIFY_STEP_TOKENS > VERIFY_STEP_TOKENS
+    assert verify_step_tokens("cpu") == EXTEND_MAX_TOKENS
+    assert verify_step_tokens("cuda:0") == GPU_VERIFY_STEP_TOKENS > EXTEND_MAX_TOKENS

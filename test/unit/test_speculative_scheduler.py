@@ -86,7 +86,7 @@ def make(model_dir: str, quant: str = "none", spec: bool = True, **overrides) ->
     totals = StepTotals()
     sched = Scheduler(args, runner, reporter=totals)
     # these tests drive batches of up to 16 requests and need them to draft: a step budget that lets them,
-    # rather than the CPU's default (VERIFY_STEP_TOKENS, test_speculative_flags.py), which stops at 9
+    # rather than the CPU's default (spec_step.verify_step_tokens, test_speculative_flags.py), which stops at 9
     sched.spec.step_tokens = TEST_STEP_TOKENS
     return sched, totals
 

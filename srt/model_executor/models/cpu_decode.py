@@ -165,9 +165,8 @@ class CpuDecodeStep:
         beyond it the extend path's attention, which reads each key once for a sequence's tokens, is the
         faster one."""
         n = batch.num_tokens
-        if not batch.is_decode:
-            return n <= EXTEND_MAX_TOKENS and (self.max_batch is None or n <= self.max_batch)
-        return self.max_batch is None or n <= self.max_batch
+        fits = self.max_batch is None or n <= self.max_batch
+        return fits and (batch.is_decode or n <= EXTEND_MAX_TOKENS)
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch

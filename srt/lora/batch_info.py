@@ -52,6 +52,12 @@ class LoRABatchInfo:
         table = torch.tensor([(s.slot, s.rank, s.start, s.end) for s in segments], dtype=torch.int64)
         return LoRABatchInfo(None if in_place else adapted[within].to(device), tuple(segments), table)
 
+    def kernel_segments(self) -> tuple[int | None, int, int]:
+        """srt_lora_add_segments' step operands (rows, nseg, seg) by address: the same for every adapted layer
+        of the step, so the fused decode step and the layers' own calls pass them alike."""
+        rows = None if self.order is None else self.order.data_ptr()
+        return rows, self.table.shape[0], self.table.data_ptr()
+
 
 class LoRAStep:
     """The current step's `LoRABatchInfo`, shared by every adapted layer. The runner is its only writer, once

@@ -105,10 +105,9 @@ class LayerLoRAWeights:
             and out.stride(-1) == 1
             and x.dtype == self.a.dtype
         ):
-            rows = None if info.order is None else info.order.data_ptr()
             self._lora_add(
-                x.data_ptr(), x.shape[1], x.stride(0), rows, info.table.shape[0], info.table.data_ptr(),
-                *self._segment_args, out.data_ptr(), out.stride(0),
+                x.data_ptr(), x.shape[1], x.stride(0), *info.kernel_segments(), *self._segment_args,
+                out.data_ptr(), out.stride(0),
             )  # fmt: skip
             return out
         if info.order is None:  # every row adapted, already grouped: expand straight into `out`

@@ -197,9 +197,7 @@ class CpuDecodeStep:
         # addresses (no Python tensor work), or the layer's method where its pool is not the kernels'
         info = _step_adapters(self.methods) if adapted else None
         adapted = info is not None
-        if adapted:
-            rows = None if info.order is None else info.order.data_ptr()
-            nseg, table = info.table.shape[0], info.table.data_ptr()
+        segments = info.kernel_segments() if adapted else None
         lora_add = self._lora_add
 
         def linear(lin: _Linear, x: int, out: int) -> None:
@@ -210,7 +208,7 @@ class CpuDecodeStep:
                 method.add_adapters(out, x)
             else:
                 k, o = x.shape[1], out.data_ptr()
-                lora_add(x.data_ptr(), k, k, rows, nseg, table, *args, o, out.shape[1])
+                lora_add(x.data_ptr(), k, k, *segments, *args, o, out.shape[1])
 
         for layer, methods, args in zip(self.layers, self.methods, self.lora_args, strict=True):
             qkv_method, o_method, gate_up_method, down_method = methods

@@ -8,6 +8,8 @@ reader never sees a half-written directory. The caller (`srt.model_source`) hold
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -76,12 +78,43 @@ CHAT_TEMPLATES = {"gemma3_text": GEMMA3_CHAT_TEMPLATE}
 END_OF_TURN_TOKENS = {"gemma3_text": "<end_of_turn>"}
 
 
+@contextlib.contextmanager
+def parsed_once():
+    """While converting, one `gguf.GGUFReader` per file and one tensor-name map per (architecture, layers).
+
+    transformers parses the whole file anew for the tokenizer, the config, the weights and the generation
+    config (~4 s each for SmolLM2's 49k-entry vocabulary), and rebuilds gguf's tensor-name map for every
+    module it maps (~400 times, ~6 s): about 19 of a first start's 26 s. It imports both from `gguf` where it
+    calls them, so sharing them here is seen there; the readers are read-only memory maps."""
+    import gguf
+
+    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(make_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
+
+
 def convert(src: str, dst: str) -> float:
     """Convert `src` (.gguf) into directory `dst`; returns the seconds it took."""
+    start = time.monotonic()
+    with parsed_once():
+        return _convert(src, dst, start)
+
+
+def _convert(src: str, dst: str, start: float) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    start = time.monotonic()
     gguf_dir, gguf_name = os.path.split(os.path.abspath(src))
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)

@@ -211,3 +211,30 @@ def test_the_gemma3_template_renders_gemmas_turns():
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
         "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+def test_a_conversion_parses_each_gguf_once_and_restores_gguf_after(tmp_path):
+    """transformers opens the file once per part it reads (tokenizer, config, weights, generation config);
+    inside `parsed_once` they share one reader and one tensor-name map, and gguf is itself again after."""
+    import gguf
+    import numpy as np
+
+    from srt.model_executor.gguf_convert import parsed_once
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(os.path.join(str(tmp_path), ".", "tiny.gguf")) is first
+        assert first.get_tensor(0).name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (make_reader, make_map)
+    assert gguf.GGUFReader(path) is not first

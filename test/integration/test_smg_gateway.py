@@ -41,7 +41,7 @@ pytestmark = [
 
 MODEL = "SmolLM2-135M-Instruct"
 KV_TOKENS = 8192  # a small pool per worker: two workers share this machine
-GROUPS, PER_GROUP = 3, 6  # odd: round robin sends each group to both workers
+GROUPS, PER_GROUP = 3, 4  # odd: round robin sends each group to both workers
 TIMEOUT = 60.0  # per request: a request still open after this has hung
 LONG_TOKENS = 64  # in-flight requests of the kill test: still decoding when the worker dies
 IN_FLIGHT = 4

@@ -3,6 +3,8 @@
 Prints batch-1 decode tokens/s, aggregate decode tokens/s at several batch sizes, and prefill tokens/s of
 one long prompt. Usage: python scripts/bench_model_forward.py [--model-path DIR_OR_GGUF] [--context 256]
 
+`--verify-rows N` also times batch-1 verify steps of 1..N fed tokens (logits for every row) after `--context`
+cached tokens, and prints them as `--step-ms` for scripts/spec_replay.py.
 `--mixed NEW ROWS` also times a mixed step: one sequence extends by NEW tokens after a `--mixed-prefix`
 cached prefix while ROWS sequences of `--context` cached tokens decode one each (a concurrency-64 step is
 about 130 and 36). `--kernel-times` adds the int8 model's C kernels' share of each step, kernel by kernel.
@@ -120,6 +122,35 @@ def time_mixed(runner: ModelRunner, new: int, prefix: int, rows: int, context: i
         start = time.perf_counter()
         runner.forward(batch)
         times.append(time.perf_counter() - start)
+    return statistics.median(times[WARMUP_STEPS:])
+
+
+def time_verify(runner: ModelRunner, rows: int, context: int, steps: int) -> float:
+    """Median seconds of a batch-1 verify step: `rows` fed tokens (the newest and its drafts) after `context`
+    cached ones, with logits for every row, as the scheduler's verify step asks."""
+    table, allocator = runner.req_to_token_pool.req_to_token, runner.token_to_kv_pool_allocator
+    seqs, seq_tensor = fill_sequences(runner, 1, context)
+    times = []
+    for _ in range(WARMUP_STEPS + steps):
+        slots = allocator.alloc(rows)
+        table[seqs[0], context : context + rows] = slots
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            batch_size=1,
+            input_ids=torch.full((rows,), TOKEN_ID, dtype=torch.int64),
+            positions=torch.arange(context, context + rows, dtype=torch.int64),
+            out_cache_loc=slots,
+            req_pool_indices=seq_tensor,
+            seq_lens=torch.tensor([context + rows]),
+            seq_lens_cpu=[context + rows],
+            extend_prefix_lens_cpu=[context],
+            extend_seq_lens_cpu=[rows],
+            logit_rows=torch.arange(rows, dtype=torch.int64),
+        )
+        start = time.perf_counter()
+        runner.forward(batch).argmax(-1)
+        times.append(time.perf_counter() - start)
+        allocator.free(slots)
     return statistics.median(times[WARMUP_STEPS:])
 
 
@@ -241,6 +272,7 @@ def main() -> None:
     parser.add_argument("--mixed", type=int, nargs=2, metavar=("NEW", "ROWS"), help="also time a mixed step")
     parser.add_argument("--mixed-prefix", type=int, default=128, help="cached prompt tokens before NEW")
     parser.add_argument("--kernel-times", action="store_true", help="each C kernel's share of a step")
+    parser.add_argument("--verify-rows", type=int, default=0, help="also time verify steps of 1..N rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
@@ -270,7 +302,7 @@ def main() -> None:
                 f" | hf {hf_step * 1e3:7.1f} ms/step {bs / hf_step:7.1f} tok/s | srt/hf {hf_step / step:.2f}x"
             )
         logger.info(line)
-    seconds = time_prefill(runner, args.prefill, repeats=3)
+    seconds = seconds_prefill = time_prefill(runner, args.prefill, repeats=3)
     line = f"prefill {args.prefill} tokens: {seconds * 1e3:7.1f} ms {args.prefill / seconds:7.1f} tok/s"
     if hf is not None:
         hf_seconds = time_hf_prefill(hf, args.prefill, repeats=3)
@@ -280,6 +312,16 @@ def main() -> None:
         timed_with_kernels(
             args, f"prefill {args.prefill} tokens", lambda: time_prefill(runner, args.prefill, repeats=3), 3
         )
+    if args.verify_rows:
+        # one rows:ms pair a step size, and last the prefill's ms a prompt token (scripts/spec_replay.py)
+        table = {
+            r: time_verify(runner, r, args.context, max(args.steps, 15))
+            for r in range(1, args.verify_rows + 1)
+        }
+        for r, seconds in table.items():
+            logger.info("verify step, batch 1, %2d rows after %d: %6.2f ms", r, args.context, seconds * 1e3)
+        pairs = ",".join(f"{r}:{seconds * 1e3:.2f}" for r, seconds in table.items())
+        logger.info("--step-ms %s --prefill-ms-per-token %.3f", pairs, seconds_prefill * 1e3 / args.prefill)
     if args.mixed:
         new, rows = args.mixed
         timed_with_kernels(

@@ -34,7 +34,6 @@ from srt.speculative.defaults import (
     DRAFT_MODEL_ALGORITHM,
     GPU_VERIFY_STEP_TOKENS,
     PREDICTION_DRAFTS_PER_STEP,
-    PREDICTION_MIN_MATCH,
     drafts_for_batch,
 )
 from srt.speculative.ngram import NgramProposer
@@ -107,11 +106,7 @@ class SpecDecoder:
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
         self.step_tokens = verify_step_tokens(str(target.device))  # the most a verify step feeds
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
-        self.predictions = PredictionProposer(
-            min_n=PREDICTION_MIN_MATCH,
-            max_n=args.speculative_ngram_max_match_window_size,
-            k=PREDICTION_DRAFTS_PER_STEP,
-        )
+        self.predictions = PredictionProposer(max_n=args.speculative_ngram_max_match_window_size)
         self.sampler = sampler
         self.context_len = context_len
 

@@ -11,11 +11,12 @@ PER_REQUEST_SPEC_METRICS = ("summary",)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # the algorithm whose drafts come from a second model (--speculative-draft-model-path)
 DRAFT_MODEL_ALGORITHM = "STANDALONE"
-# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup. SGLang's is 1; srt's 2,
-# measured (scripts/bench_spec.py, batch 1, 8 drafts, 2-core AMD EPYC Zen 4, docs/benchmarks), grounded / open
-# output tok/s: 1 token 129 / 133, 2 tokens 176 / 142, 3 tokens 158 / 140 (no speculation: ~93 / ~115). A
-# single matching token drafts mostly rejected tokens.
-NGRAM_MIN_MATCH_WINDOW_SIZE = 2
+# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup (SGLang's, 1). A single
+# matching token drafts mostly rejected tokens: with 8 drafts whatever the match, 1 token measured 129 / 133
+# grounded / open output tok/s against 176 / 142 for 2 (scripts/bench_spec.py, batch 1, 2-core AMD EPYC Zen
+# 4). Under the short-match rule below such a match drafts only SHORT_MATCH_DRAFTS, and 1 token replays best
+# (scripts/spec_replay.py, same machine): 1.98x / 1.35x of no speculation against 1.95x / 1.34x for 2.
+NGRAM_MIN_MATCH_WINDOW_SIZE = 1
 # --speculative-ngram-max-match-window-size: longest suffix compared (SGLang: 12).
 NGRAM_MAX_MATCH_WINDOW_SIZE = 12
 # --speculative-num-draft-tokens when unset: 9 positions (8 drafts). SGLang falls back to the max match window
@@ -38,10 +39,22 @@ GPU_VERIFY_STEP_TOKENS = 64
 # same as 7 on the grounded workload (150 against 152 output tok/s, acceptance length 9.1 against 6.1): the
 # steps that cost are those where the output has left the prediction, not the drafts' length.
 PREDICTION_DRAFTS_PER_STEP = 7
-# The shortest tail of the output that realigns a prediction after an edit (its own, not the NGRAM flag's): a
-# 2-token tail measured slower (124 against 150 output tok/s): it realigns wrongly after edits, and each
-# wrong alignment costs a verify step of rejected drafts.
-PREDICTION_MIN_MATCH = 3
+# The shortest tail of the output that realigns a prediction after an edit (its own, not the NGRAM flag's).
+# One token: with short matches drafting only SHORT_MATCH_DRAFTS (below), a wrong alignment costs little and
+# a right one resumes copying a few steps sooner. Replayed on the grounded workload (scripts/spec_replay.py,
+# 2-core AMD EPYC Zen 4): 1 token 1.71x, 2 tokens 1.67x of no speculation; 3 tokens with 7 drafts whatever
+# the match (the rule before) 1.60x, and measured slower with a 2-token tail (124 against 150 output tok/s).
+PREDICTION_MIN_MATCH = 1
+
+# A lookup whose match is shorter than SHORT_MATCH_TOKENS drafts at most SHORT_MATCH_DRAFTS tokens (NGRAM and
+# predictions alike): a short match is often a coincidence, and on the CPU a verify step of up to 4 fed
+# tokens costs little more than a decode step (a batch-1 SmolLM2 step after 300 tokens: 1 row 7.4 ms, 4 rows
+# 8.7, 5 rows 10.0, 8 rows 12.4, 9 rows 14.0; the int8 kernel multiplies tokens 4 at a time), while every
+# fed row past it costs ~1 ms. Replayed (scripts/spec_replay.py, 2-core AMD EPYC Zen 4), NGRAM with a
+# 2-token window and 8 drafts, grounded / open: 1.88x / 1.26x of no speculation with 8 drafts whatever the
+# match, 1.95x / 1.34x with this rule (with 3 drafts below 3 tokens instead of 4: 1.94x / 1.34x).
+SHORT_MATCH_TOKENS = 4
+SHORT_MATCH_DRAFTS = 3
 
 
 def most_drafts_per_step(drafts_per_step: int) -> int:

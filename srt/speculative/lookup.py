@@ -17,6 +17,8 @@ from srt.speculative.defaults import (
     NGRAM_MAX_MATCH_WINDOW_SIZE,
     NGRAM_MIN_MATCH_WINDOW_SIZE,
     NUM_DRAFT_TOKENS,
+    SHORT_MATCH_DRAFTS,
+    SHORT_MATCH_TOKENS,
     drafts_per_step,
 )
 from srt.speculative.proposer import Proposer
@@ -49,14 +51,31 @@ def longest_suffix_match(
     return best, ends[lengths == best]
 
 
+@dataclass(frozen=True)
+class DraftLength:
+    """How many tokens a match of n tokens may draft, of at most k: a match shorter than `short_match` at
+    most `short_drafts` (defaults.SHORT_MATCH_TOKENS says why). `short_match` 0: every match drafts k."""
+
+    short_match: int = SHORT_MATCH_TOKENS
+    short_drafts: int = SHORT_MATCH_DRAFTS
+
+    def __call__(self, n: int, k: int) -> int:
+        return min(k, self.short_drafts) if n < self.short_match else k
+
+
+EVERY_MATCH_DRAFTS_K = DraftLength(0, 0)
+
+
 @dataclass
 class LookupProposer(Proposer, ABC):
     """A proposer that copies the tokens following a match: suffixes of min_n..max_n tokens anchor it
-    (`--speculative-ngram-{min,max}-match-window-size`), and it drafts at most k tokens a step."""
+    (`--speculative-ngram-{min,max}-match-window-size`), and it drafts at most k tokens a step, fewer after
+    a short match (`length`)."""
 
     min_n: int = NGRAM_MIN_MATCH_WINDOW_SIZE
     max_n: int = NGRAM_MAX_MATCH_WINDOW_SIZE
     k: int = drafts_per_step(NUM_DRAFT_TOKENS)
+    length: DraftLength = DraftLength()
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:

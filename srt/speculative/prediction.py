@@ -5,7 +5,8 @@ Alignment rule (stateless, recomputed every step from the output so far):
 - nothing generated yet: draft the prediction's first k tokens;
 - otherwise find the largest n in [min_n, max_n] such that the output's last n tokens occur in the
   prediction; among those occurrences take the one ending closest to where an unedited copy would be (index
-  `len(output) - 1`; a tie goes to the earlier), and draft the up to k tokens after it;
+  `len(output) - 1`; a tie goes to the earlier), and draft the up to k tokens after it (fewer after a short
+  match: `DraftLength`);
 - no occurrence of even min_n tokens, or the occurrence ends the prediction: no draft.
 An exact copy is thus drafted entirely (its suffix matches at the copy position, which is also the closest).
 After an edit the output's tail stops matching; once the model is back on the predicted text, its last
@@ -21,8 +22,9 @@ from typing import Protocol
 
 import numpy as np
 
+from srt.speculative.defaults import PREDICTION_DRAFTS_PER_STEP, PREDICTION_MIN_MATCH
 from srt.speculative.history import TOKEN_DTYPE
-from srt.speculative.lookup import LookupProposer, longest_suffix_match
+from srt.speculative.lookup import EVERY_MATCH_DRAFTS_K, DraftLength, LookupProposer, longest_suffix_match
 from srt.speculative.proposer import Drafts, SpecRequest
 
 
@@ -31,7 +33,13 @@ class PredictionRequest(SpecRequest, Protocol):
 
 
 def continue_prediction(
-    prediction: np.ndarray, output_tail: np.ndarray, output_len: int, min_n: int, max_n: int, k: int
+    prediction: np.ndarray,
+    output_tail: np.ndarray,
+    output_len: int,
+    min_n: int,
+    max_n: int,
+    k: int,
+    length: DraftLength = EVERY_MATCH_DRAFTS_K,
 ) -> np.ndarray:
     """The prediction's next up to k tokens after an output of `output_len` tokens ending in `output_tail`
     (its last `max_n` or more tokens), by the alignment rule above."""
@@ -43,11 +51,13 @@ def continue_prediction(
     if n == 0:
         return prediction[:0]
     end = int(ends[np.abs(ends - (output_len - 1)).argmin()])
-    return prediction[end + 1 : end + 1 + k]
+    return prediction[end + 1 : end + 1 + length(n, k)]
 
 
 @dataclass
 class PredictionProposer(LookupProposer):
+    min_n: int = PREDICTION_MIN_MATCH  # its own realignment window, not the NGRAM flag's
+    k: int = PREDICTION_DRAFTS_PER_STEP
     # each request's prediction as an array, converted once
     predictions: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
 
@@ -62,7 +72,9 @@ class PredictionProposer(LookupProposer):
             if prediction is None:
                 prediction = self.predictions[req.rid] = np.asarray(req.prediction_ids, dtype=TOKEN_DTYPE)
             tail = np.asarray(req.output_ids[-self.max_n :], dtype=TOKEN_DTYPE)
-            found = continue_prediction(prediction, tail, len(req.output_ids), self.min_n, self.max_n, k)
+            found = continue_prediction(
+                prediction, tail, len(req.output_ids), self.min_n, self.max_n, k, self.length
+            )
             drafts.append(found.tolist())
         return Drafts(drafts)
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from srt.speculative.defaults import NGRAM_MAX_MATCH_WINDOW_SIZE, NUM_DRAFT_TOKENS, drafts_per_step
+from srt.speculative.defaults import (
+    NGRAM_MAX_MATCH_WINDOW_SIZE,
+    NUM_DRAFT_TOKENS,
+    SHORT_MATCH_DRAFTS,
+    SHORT_MATCH_TOKENS,
+    drafts_per_step,
+)
+from srt.speculative.lookup import EVERY_MATCH_DRAFTS_K, DraftLength
 from srt.speculative.ngram import NgramProposer, prompt_lookup
 from srt.speculative.prediction import PredictionProposer
 from srt.speculative.proposer import draft_len_limit
@@ -26,8 +33,10 @@ class FakeReq:
     prediction_ids: list[int] | None = None
 
 
-def lookup(tokens: list[int], min_n: int = 1, max_n: int = 12, k: int = 8) -> list[int]:
-    return prompt_lookup(np.asarray(tokens, dtype=np.int32), min_n, max_n, k).tolist()
+def lookup(
+    tokens: list[int], min_n: int = 1, max_n: int = 12, k: int = 8, length: DraftLength = EVERY_MATCH_DRAFTS_K
+) -> list[int]:
+    return prompt_lookup(np.asarray(tokens, dtype=np.int32), min_n, max_n, k, length).tolist()
 
 
 def reference_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -137,7 +146,21 @@ def test_the_incremental_history_equals_a_fresh_conversion_over_a_long_generatio
     for _ in range(200):
         req.output_ids += [rng.randrange(20) for _ in range(rng.randint(1, 4))]
         got = proposer.propose([req], [4]).token_ids[0]
-        assert got == lookup(req.origin_input_ids + req.output_ids, 1, 5, 4)
+        assert got == lookup(req.origin_input_ids + req.output_ids, 1, 5, 4, proposer.length)
+
+
+def test_a_short_match_drafts_a_few_tokens_and_a_long_one_drafts_k():
+    """A match of fewer than SHORT_MATCH_TOKENS tokens is often a coincidence: it drafts at most
+    SHORT_MATCH_DRAFTS; the proposer's default length applies the rule, the bare lookup does not."""
+    assert DraftLength()(SHORT_MATCH_TOKENS - 1, 8) == SHORT_MATCH_DRAFTS == 3
+    assert DraftLength()(SHORT_MATCH_TOKENS, 8) == 8 and DraftLength()(1, 2) == 2
+    assert EVERY_MATCH_DRAFTS_K(1, 8) == 8
+    proposer = NgramProposer(min_n=1, max_n=12, k=8)
+    follow = list(range(100, 120))
+    short = FakeReq("short", [5, 6] + follow, [70, 5, 6])  # the last 2 tokens match
+    long = FakeReq("long", [1, 2, 3, 4] + follow, [70, 1, 2, 3, 4])  # the last 4 tokens match
+    assert proposer.propose([short, long], [8, 8]).token_ids == [follow[:SHORT_MATCH_DRAFTS], follow[:8]]
+    assert lookup(short.origin_input_ids + short.output_ids, 1, 12, 8) == follow[:8]
 
 
 def test_window_sizes_are_checked():
@@ -161,7 +184,8 @@ def test_an_exact_copy_of_the_prediction_is_drafted_entirely_at_every_step():
     rng = random.Random(3)
     block = [rng.randrange(50) for _ in range(8)]
     prediction = block + [rng.randrange(50) for _ in range(10)] + block + [1, 2, 3]  # a repeated block
-    proposer = PredictionProposer(min_n=1, max_n=3, k=4)  # a window shorter than the block: ties happen
+    # a window shorter than the block: ties happen (every match drafts k: the alignment alone is tested)
+    proposer = PredictionProposer(min_n=1, max_n=3, k=4, length=EVERY_MATCH_DRAFTS_K)
     for produced in range(len(prediction) + 1):
         expected = prediction[produced : produced + 4]
         assert predict(proposer, prediction, prediction[:produced]) == expected, produced
@@ -170,7 +194,7 @@ def test_an_exact_copy_of_the_prediction_is_drafted_entirely_at_every_step():
 def test_after_an_edit_drafting_resynchronises_just_past_the_changed_span():
     prediction = list(range(100, 160))
     edited = prediction[:20] + [1, 2, 3] + prediction[25:]  # five tokens replaced by three
-    proposer = PredictionProposer(min_n=1, max_n=12, k=4)
+    proposer = PredictionProposer(min_n=1, max_n=12, k=4, length=EVERY_MATCH_DRAFTS_K)
     for produced in range(len(edited) + 1):
         draft = predict(proposer, prediction, edited[:produced])
         if produced <= 20:  # the prediction as it stands, the edit is not known yet
@@ -179,6 +203,17 @@ def test_after_an_edit_drafting_resynchronises_just_past_the_changed_span():
             assert draft == [], produced
         else:  # from the first predicted token after the span on, the edited text exactly
             assert draft == edited[produced : produced + 4], produced
+
+
+def test_after_an_edit_a_prediction_realigns_on_one_token_with_a_few_drafts_then_drafts_k():
+    prediction = list(range(100, 160))
+    edited = prediction[:20] + [1, 2, 3] + prediction[25:]
+    proposer = PredictionProposer(k=7)  # the defaults: realign on one token, short matches draft a few
+    assert proposer.min_n == 1
+    for produced in range(24, 24 + SHORT_MATCH_TOKENS + 1):
+        n = produced - 23  # tokens of the prediction produced since the edit: the match
+        k = SHORT_MATCH_DRAFTS if n < SHORT_MATCH_TOKENS else 7
+        assert predict(proposer, prediction, edited[:produced], limit=7) == edited[produced : produced + k]
 
 
 def test_requests_without_prediction_or_budget_get_no_draft():
@@ -215,7 +250,9 @@ def test_the_proposer_and_the_server_share_the_defaults_and_count_the_verified_r
     assert drafts_per_step(NUM_DRAFT_TOKENS) == NUM_DRAFT_TOKENS - 1 == NgramProposer().k
     args = ServerArgs(speculative_algorithm="NGRAM")
     assert args.speculative_drafts_per_step == NgramProposer().k
-    assert args.speculative_ngram_max_match_window_size == NGRAM_MAX_MATCH_WINDOW_SIZE == NgramProposer().max_n
+    assert (
+        args.speculative_ngram_max_match_window_size == NGRAM_MAX_MATCH_WINDOW_SIZE == NgramProposer().max_n
+    )
     assert args.speculative_ngram_min_match_window_size == NgramProposer().min_n
 
 

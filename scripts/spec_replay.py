@@ -150,18 +150,18 @@ def configurations(k: int) -> dict[str, tuple[str, Callable[[], LookupProposer]]
     """name: (which answers, proposer factory): srt's defaults, then the rules they were chosen against."""
     every = EVERY_MATCH_DRAFTS_K
     return {
-        "NGRAM (srt's defaults: 1-token window, 3 drafts below 4 tokens)": (
+        "NGRAM (srt's defaults: 2-token window, 3 drafts below 4 tokens)": (
             "both",
             lambda: NgramProposer(k=k),
         ),
-        "NGRAM, 2-token window": ("both", lambda: NgramProposer(min_n=2, k=k)),
+        "NGRAM, 1-token window": ("both", lambda: NgramProposer(min_n=1, k=k)),
         "NGRAM, 2-token window, k drafts whatever the match": (
             "both",
-            lambda: NgramProposer(min_n=2, k=k, length=every),
+            lambda: NgramProposer(k=k, length=every),
         ),
         "NGRAM, 2-token window, 3 drafts below 3 tokens": (
             "both",
-            lambda: NgramProposer(min_n=2, k=k, length=DraftLength(3, 3)),
+            lambda: NgramProposer(k=k, length=DraftLength(3, 3)),
         ),
         "prediction (srt's defaults: 1-token window, 7 drafts, 3 below 4 tokens)": (
             "grounded",

@@ -11,12 +11,13 @@ PER_REQUEST_SPEC_METRICS = ("summary",)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # the algorithm whose drafts come from a second model (--speculative-draft-model-path)
 DRAFT_MODEL_ALGORITHM = "STANDALONE"
-# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup (SGLang's, 1). A single
-# matching token drafts mostly rejected tokens: with 8 drafts whatever the match, 1 token measured 129 / 133
-# grounded / open output tok/s against 176 / 142 for 2 (scripts/bench_spec.py, batch 1, 2-core AMD EPYC Zen
-# 4). Under the short-match rule below such a match drafts only SHORT_MATCH_DRAFTS, and 1 token replays best
-# (scripts/spec_replay.py, same machine): 1.98x / 1.35x of no speculation against 1.95x / 1.34x for 2.
-NGRAM_MIN_MATCH_WINDOW_SIZE = 1
+# --speculative-ngram-min-match-window-size: shortest suffix that may anchor a lookup. SGLang's is 1; srt's 2.
+# With 8 drafts whatever the match, 1 token measured 129 / 133 grounded / open output tok/s against 176 / 142
+# for 2 (scripts/bench_spec.py, batch 1, 2-core AMD EPYC Zen 4). Under the short-match rule below a 1-token
+# match drafts only SHORT_MATCH_DRAFTS and replays a little better at batch 1 (scripts/spec_replay.py: 1.98x /
+# 1.35x of no speculation against 1.95x / 1.34x), but with it concurrency 16 ran at 0.84x / 0.93x of no
+# speculation in two rounds (its requests draft on single-token matches while the batch drains): 2 stays.
+NGRAM_MIN_MATCH_WINDOW_SIZE = 2
 # --speculative-ngram-max-match-window-size: longest suffix compared (SGLang: 12).
 NGRAM_MAX_MATCH_WINDOW_SIZE = 12
 # --speculative-num-draft-tokens when unset: 9 positions (8 drafts). SGLang falls back to the max match window

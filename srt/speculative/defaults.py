@@ -40,20 +40,22 @@ GPU_VERIFY_STEP_TOKENS = 64
 # same as 7 on the grounded workload (150 against 152 output tok/s, acceptance length 9.1 against 6.1): the
 # steps that cost are those where the output has left the prediction, not the drafts' length.
 PREDICTION_DRAFTS_PER_STEP = 7
-# The shortest tail of the output that realigns a prediction after an edit (its own, not the NGRAM flag's).
-# One token: with short matches drafting only SHORT_MATCH_DRAFTS (below), a wrong alignment costs little and
-# a right one resumes copying a few steps sooner. Replayed on the grounded workload (scripts/spec_replay.py,
-# 2-core AMD EPYC Zen 4): 1 token 1.71x, 2 tokens 1.67x of no speculation; 3 tokens with 7 drafts whatever
-# the match (the rule before) 1.60x, and measured slower with a 2-token tail (124 against 150 output tok/s).
-PREDICTION_MIN_MATCH = 1
+# The shortest tail of the output that realigns a prediction after an edit (its own, not the NGRAM flag's): a
+# 2-token tail measured slower (124 against 150 output tok/s): it realigns wrongly after edits, and each
+# wrong alignment costs a verify step of rejected drafts. A prediction drafts its k whatever the match's
+# length: the short-match rule below replayed better for it (1.71x against 1.60x with a 1-token tail), but
+# on the server 16 grounded prompts ran at 114 output tok/s with it against 122 without (a 4-row verify step
+# cost 1.28x a decode step there, not the 1.17x of the runner alone; 2-core AMD EPYC Zen 4).
+PREDICTION_MIN_MATCH = 3
 
-# A lookup whose match is shorter than SHORT_MATCH_TOKENS drafts at most SHORT_MATCH_DRAFTS tokens (NGRAM and
-# predictions alike): a short match is often a coincidence, and on the CPU a verify step of up to 4 fed
+# An NGRAM lookup whose match is shorter than SHORT_MATCH_TOKENS drafts at most SHORT_MATCH_DRAFTS tokens: a
+# short match is often a coincidence, and on the CPU a verify step of up to 4 fed
 # tokens costs little more than a decode step (a batch-1 SmolLM2 step after 300 tokens: 1 row 7.4 ms, 4 rows
 # 8.7, 5 rows 10.0, 8 rows 12.4, 9 rows 14.0; the int8 kernel multiplies tokens 4 at a time), while every
 # fed row past it costs ~1 ms. Replayed (scripts/spec_replay.py, 2-core AMD EPYC Zen 4), NGRAM with a
 # 2-token window and 8 drafts, grounded / open: 1.88x / 1.26x of no speculation with 8 drafts whatever the
-# match, 1.95x / 1.34x with this rule (with 3 drafts below 3 tokens instead of 4: 1.94x / 1.34x).
+# match, 1.95x / 1.34x with this rule (with 3 drafts below 3 tokens instead of 4: 1.94x / 1.34x). Measured
+# (scripts/bench_spec.py, 3 rounds): grounded 1.82x, open 1.47x, concurrency 16 0.98x of no speculation.
 SHORT_MATCH_TOKENS = 4
 SHORT_MATCH_DRAFTS = 3
 

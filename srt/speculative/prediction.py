@@ -5,8 +5,7 @@ Alignment rule (stateless, recomputed every step from the output so far):
 - nothing generated yet: draft the prediction's first k tokens;
 - otherwise find the largest n in [min_n, max_n] such that the output's last n tokens occur in the
   prediction; among those occurrences take the one ending closest to where an unedited copy would be (index
-  `len(output) - 1`; a tie goes to the earlier), and draft the up to k tokens after it (fewer after a short
-  match: `DraftLength`);
+  `len(output) - 1`; a tie goes to the earlier), and draft the up to k tokens after it;
 - no occurrence of even min_n tokens, or the occurrence ends the prediction: no draft.
 An exact copy is thus drafted entirely (its suffix matches at the copy position, which is also the closest).
 After an edit the output's tail stops matching; once the model is back on the predicted text, its last
@@ -58,6 +57,7 @@ def continue_prediction(
 class PredictionProposer(LookupProposer):
     min_n: int = PREDICTION_MIN_MATCH  # its own realignment window, not the NGRAM flag's
     k: int = PREDICTION_DRAFTS_PER_STEP
+    length: DraftLength = EVERY_MATCH_DRAFTS_K  # no short-match rule (defaults.PREDICTION_MIN_MATCH says why)
     # each request's prediction as an array, converted once
     predictions: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
 

@@ -15,6 +15,7 @@ import pytest
 from srt.speculative.defaults import (
     NGRAM_MAX_MATCH_WINDOW_SIZE,
     NUM_DRAFT_TOKENS,
+    PREDICTION_MIN_MATCH,
     SHORT_MATCH_DRAFTS,
     SHORT_MATCH_TOKENS,
     drafts_per_step,
@@ -205,15 +206,21 @@ def test_after_an_edit_drafting_resynchronises_just_past_the_changed_span():
             assert draft == edited[produced : produced + 4], produced
 
 
-def test_after_an_edit_a_prediction_realigns_on_one_token_with_a_few_drafts_then_drafts_k():
+def test_after_an_edit_a_prediction_realigns_on_its_own_window_and_drafts_k_at_once():
+    """The prediction's defaults: a 3-token tail realigns it (not NGRAM's window), and it drafts k from the
+    first step back on the text; NGRAM's short-match rule does not apply to a client's own text."""
     prediction = list(range(100, 160))
     edited = prediction[:20] + [1, 2, 3] + prediction[25:]
-    proposer = PredictionProposer(k=7)  # the defaults: realign on one token, short matches draft a few
-    assert proposer.min_n == 1
-    for produced in range(24, 24 + SHORT_MATCH_TOKENS + 1):
-        n = produced - 23  # tokens of the prediction produced since the edit: the match
-        k = SHORT_MATCH_DRAFTS if n < SHORT_MATCH_TOKENS else 7
-        assert predict(proposer, prediction, edited[:produced], limit=7) == edited[produced : produced + k]
+    proposer = PredictionProposer(k=7)
+    assert (
+        (proposer.min_n, proposer.length)
+        == (PREDICTION_MIN_MATCH, EVERY_MATCH_DRAFTS_K)
+        == (3, EVERY_MATCH_DRAFTS_K)
+    )
+    for produced in range(24, 24 + PREDICTION_MIN_MATCH - 1):  # fewer than 3 tokens back on the text
+        assert predict(proposer, prediction, edited[:produced], limit=7) == [], produced
+    for produced in range(24 + PREDICTION_MIN_MATCH - 1, 32):
+        assert predict(proposer, prediction, edited[:produced], limit=7) == edited[produced : produced + 7]
 
 
 def test_requests_without_prediction_or_budget_get_no_draft():

@@ -9,7 +9,11 @@ layer's *output* on such inputs moves as little as possible. The int8 format and
 unchanged: only which level each weight gets differs.
 
 Cost: a Python loop over input channels (not at run time: once per checkpoint, then cached), in blocks whose
-updates are matrix products.
+updates are matrix products. The weight is worked on transposed, so that one input channel's weights are a
+contiguous row and each step's error feedback is one in-place rank-1 update (`addr_`): against a column
+layout with a temporary per step, SmolLM2's 49152-row head rounds in 0.7 s instead of 2.5 and a 576 x 1536
+layer in 0.24 s instead of 0.37 (2-core AMD EPYC Zen 4). The float operations' order differs, so about 3 in
+10,000 levels land on the other side of a tie.
 """
 
 from __future__ import annotations
@@ -36,23 +40,26 @@ def quantize_per_channel_gptq(w: torch.Tensor, hessian: torch.Tensor, damp: floa
     # (its row of H^-1 is then zero beyond the diagonal), never zeroed, as other text may well use it.
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
-    work = w.clone()
     h.diagonal().add_(damp * torch.diagonal(h).mean())
     # Upper Cholesky factor of H^-1: row i holds how channel i's error moves the channels after it.
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    q = torch.empty((n, k), dtype=torch.int8)
+    work = w.t().contiguous()  # [K, N]: row i holds input channel i's weights
+    q = torch.empty((k, n), dtype=torch.int8)
     inv_scale = 1.0 / scale
+    level = torch.empty(n)
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
-        block = work[:, b0:b1].clone()
+        block = work[b0:b1]  # a view: the feedback lands in `work` itself
         errors = torch.empty_like(block)
         ub = u[b0:b1, b0:b1]
+        pivots = ub.diagonal().tolist()
         for i in range(b1 - b0):
-            col = block[:, i]
-            level = torch.round(col * inv_scale).clamp_(-INT8_MAX, INT8_MAX)
-            q[:, b0 + i] = level.to(torch.int8)
-            err = (col - level * scale) / ub[i, i]
-            block[:, i:].sub_(err.unsqueeze(1) * ub[i, i:].unsqueeze(0))
-            errors[:, i] = err
-        work[:, b1:].sub_(errors @ u[b0:b1, b1:])
-    return Int8Weight(q.contiguous(), scale.contiguous())
+            row, err = block[i], errors[i]
+            torch.mul(row, inv_scale, out=level).round_().clamp_(-INT8_MAX, INT8_MAX)
+            q[b0 + i].copy_(level)
+            torch.addcmul(row, level, scale, value=-1.0, out=err).div_(pivots[i])
+            if i + 1 < b1 - b0:
+                block[i + 1 :].addr_(ub[i, i + 1 :], err, alpha=-1.0)
+        if b1 < k:
+            work[b1:].addmm_(u[b0:b1, b1:].t(), errors, alpha=-1.0)
+    return Int8Weight(q.t().contiguous(), scale.contiguous())

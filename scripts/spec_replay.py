@@ -10,7 +10,7 @@ rows costs on the machine (`--step-ms`, from `scripts/bench_model_forward.py --v
 its prefill; the ratio is against one decode step a token. The bound: at every step draft the longest run
 of the answer's next tokens that occurs anywhere in the prompt and the output so far, of the length that
 maximizes tokens per millisecond: no lookup proposer, predictions included (their text is in the prompt
-here), can do better.
+here), does better at any step (a bound step by step: the test checks proposers against it).
 
     python -m srt.launch_server --port 30000 &
     python scripts/bench_model_forward.py --batch-sizes 1 --context 300 --verify-rows 16   # prints --step-ms

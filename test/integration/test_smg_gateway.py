@@ -68,16 +68,18 @@ def urls(workers: list[ServerHandle]) -> list[str]:
     return [w.base_url for w in workers]
 
 
-def idle_metrics(worker: ServerHandle) -> str:
-    """The worker's /metrics once nothing runs or waits there and the schedulers' counters are flushed."""
+def idle_metrics(*workers: ServerHandle) -> list[str]:
+    """Each worker's /metrics once nothing runs or waits on any of them and the schedulers' counters are
+    flushed (one settling wait for all of them)."""
     deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        load = httpx.get(f"{worker.base_url}/v1/loads", timeout=5).json()["loads"]
-        if all(r["num_running_reqs"] == r["num_waiting_reqs"] == 0 for r in load):
-            break
-        time.sleep(0.2)
+    for worker in workers:
+        while time.monotonic() < deadline:
+            load = httpx.get(f"{worker.base_url}/v1/loads", timeout=5).json()["loads"]
+            if all(r["num_running_reqs"] == r["num_waiting_reqs"] == 0 for r in load):
+                break
+            time.sleep(0.2)
     time.sleep(SETTLE_SECONDS)
-    return httpx.get(f"{worker.base_url}/metrics", timeout=5).text
+    return [httpx.get(f"{worker.base_url}/metrics", timeout=5).text for worker in workers]
 
 
 def request_counters(metrics_text: str) -> tuple[float, float, float]:
@@ -142,9 +144,9 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(workers
         with running_gateway(urls(workers), policy) as gw:
             flushed = httpx.post(f"{gw.base_url}/flush_cache", timeout=30)  # the gateway fans it out
             assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2, flushed.text
-            before = [idle_metrics(w) for w in workers]
+            before = idle_metrics(*workers)
             sent_prompt, sent_completion = run_workload(gw.base_url, prompts)
-            after = [idle_metrics(w) for w in workers]
+            after = idle_metrics(*workers)
         counted = [
             [a - b for a, b in zip(request_counters(x), request_counters(y), strict=True)]
             for x, y in zip(after, before, strict=True)
@@ -195,11 +197,11 @@ def test_a_worker_killed_mid_load_is_routed_around(workers):
         assert len(outcomes) == IN_FLIGHT
         assert any(o != "ok" for o in outcomes.values()), "no request was in flight on the killed worker"
 
-        before = idle_metrics(survivor)
+        [before] = idle_metrics(survivor)
         sent_prompt, sent_completion = run_workload(
             gw.base_url, [f"After the failure {i}:" for i in range(6)]
         )
-        after = idle_metrics(survivor)
+        [after] = idle_metrics(survivor)
     served = [a - b for a, b in zip(request_counters(after), request_counters(before), strict=True)]
     assert served == [6, sent_prompt, sent_completion]
     assert httpx.get(f"{survivor.base_url}/health", timeout=5).status_code == 200

@@ -183,6 +183,9 @@ def main() -> None:
     p.add_argument(
         "--answers", default=None, help="JSON of recorded answers: read if it exists, else written"
     )
+    p.add_argument(
+        "--model-path", default=None, help="the served model's tokenizer (default: the embedded model)"
+    )
     p.add_argument("--workload", default=DEFAULT_WORKLOAD)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--step-ms", required=True, help="rows:ms,... a batch-1 verify step's cost by fed rows")
@@ -205,7 +208,7 @@ def main() -> None:
         if not args.base_url:
             p.error("--base-url is needed to record the answers")
         answers = record(
-            args.base_url, load_tokenizer(resolve_model_dir(None)), args.max_tokens, args.workload
+            args.base_url, load_tokenizer(resolve_model_dir(args.model_path)), args.max_tokens, args.workload
         )
         if args.answers:
             with open(args.answers, "w") as f:

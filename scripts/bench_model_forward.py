@@ -302,7 +302,7 @@ def main() -> None:
                 f" | hf {hf_step * 1e3:7.1f} ms/step {bs / hf_step:7.1f} tok/s | srt/hf {hf_step / step:.2f}x"
             )
         logger.info(line)
-    seconds = seconds_prefill = time_prefill(runner, args.prefill, repeats=3)
+    seconds = time_prefill(runner, args.prefill, repeats=3)
     line = f"prefill {args.prefill} tokens: {seconds * 1e3:7.1f} ms {args.prefill / seconds:7.1f} tok/s"
     if hf is not None:
         hf_seconds = time_hf_prefill(hf, args.prefill, repeats=3)
@@ -318,10 +318,10 @@ def main() -> None:
             r: time_verify(runner, r, args.context, max(args.steps, 15))
             for r in range(1, args.verify_rows + 1)
         }
-        for r, seconds in table.items():
-            logger.info("verify step, batch 1, %2d rows after %d: %6.2f ms", r, args.context, seconds * 1e3)
-        pairs = ",".join(f"{r}:{seconds * 1e3:.2f}" for r, seconds in table.items())
-        logger.info("--step-ms %s --prefill-ms-per-token %.3f", pairs, seconds_prefill * 1e3 / args.prefill)
+        for r, step in table.items():
+            logger.info("verify step, batch 1, %2d rows after %d: %6.2f ms", r, args.context, step * 1e3)
+        pairs = ",".join(f"{r}:{step * 1e3:.2f}" for r, step in table.items())
+        logger.info("--step-ms %s --prefill-ms-per-token %.3f", pairs, seconds * 1e3 / args.prefill)
     if args.mixed:
         new, rows = args.mixed
         timed_with_kernels(

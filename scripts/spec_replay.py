@@ -99,13 +99,19 @@ def accepted(drafts: list[int], answer: list[int], at: int) -> int:
     return n
 
 
+def prefill_and_plain_ms(a: Answer, cost: StepCost) -> tuple[float, float]:
+    """The answer's prefill, and its whole time without speculation (the prefill, then a decode step a token)."""
+    prefill = cost.prefill_ms_per_token * len(a.prompt_ids)
+    return prefill, prefill + cost(1) * (len(a.output_ids) - 1)
+
+
 def replay(answers: list[Answer], make: Callable[[], LookupProposer], cost: StepCost) -> tuple[float, int]:
     """(speed-up over no speculation, verify and decode steps) of one proposer over every answer."""
     spec_ms = plain_ms = 0.0
     steps = 0
     for i, a in enumerate(answers):
-        proposer, prefill = make(), cost.prefill_ms_per_token * len(a.prompt_ids)
-        plain_ms += prefill + cost(1) * (len(a.output_ids) - 1)
+        proposer, (prefill, plain) = make(), prefill_and_plain_ms(a, cost)
+        plain_ms += plain
         spec_ms += prefill
         req = ReplayReq(str(i), a.prompt_ids, a.output_ids[:1], a.prediction_ids)
         at = 1  # the prefill gave the first token
@@ -137,8 +143,8 @@ def bound(answers: list[Answer], cost: StepCost, most: int) -> tuple[float, int]
     steps = 0
     best = {m: max(range(m + 1), key=lambda d: (d + 1) / cost(d + 1)) for m in range(most + 1)}
     for a in answers:
-        prefill = cost.prefill_ms_per_token * len(a.prompt_ids)
-        plain_ms += prefill + cost(1) * (len(a.output_ids) - 1)
+        prefill, plain = prefill_and_plain_ms(a, cost)
+        plain_ms += plain
         spec_ms += prefill
         at = 1
         while at < len(a.output_ids):

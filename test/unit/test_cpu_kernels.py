@@ -179,6 +179,37 @@ def test_rmsnorm_and_silu_mul_agree_with_pytorch_and_are_row_independent(kernels
     assert torch.equal(kernels.silu_mul(gate_up[7:8], 200), got[7:8])
 
 
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory) -> cpu_kernels.CpuKernels:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SRT_CACHE_DIR", str(tmp_path_factory.mktemp("portable_reference")))
+    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
+    built = cpu_kernels.CpuKernels(cpu_kernels.build(flags=flags))
+    mp.undo()
+    return built
+
+
+def test_the_lane_reductions_give_the_portable_loops_bits_in_every_variant(kernels, portable):
+    """RMSNorm's sum of squares and the LoRA shrink keep 16 partial sums, whether the compiler vectorizes
+    the loop or the kernel spells out the SIMD: a variant that summed in another order would give the
+    fused decode step other bits than the module path on another machine."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 1545, generator=gen) * 2.0  # not a multiple of 16: the tail too
+    w = torch.randn(1545, generator=gen)
+    assert torch.equal(kernels.rmsnorm(x, w, 1e-6), portable.rmsnorm(x, w, 1e-6))
+    a = torch.randn(2, 2 * 8, 1545, generator=gen) * 0.1
+    b = torch.randn(2, 8, 40, generator=gen) * 0.1
+    table = torch.tensor([[1, 8, 0, 2], [0, 8, 2, 5]], dtype=torch.int64)
+    offsets, sizes = torch.tensor([0, 24], dtype=torch.int64), torch.tensor([24, 16], dtype=torch.int64)
+    outs = []
+    for built in (kernels, portable):
+        out = torch.ones(5, 40)
+        built.lora_add_segments(out, x, None, table, a, b, offsets, sizes)
+        outs.append(out)
+    assert not torch.equal(outs[0], torch.ones(5, 40))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_the_kernels_refuse_tensors_they_cannot_read(kernels):
     with pytest.raises(TypeError, match="fp32 CPU"):
         kernels.rmsnorm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)

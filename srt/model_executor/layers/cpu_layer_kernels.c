@@ -12,6 +12,21 @@
 static float dot_lanes(const float *a, const float *b, int64_t n) {
     float lane[LANES] = {0};
     int64_t i = 0;
+#if defined(__AVX512F__)
+    /* the same lanes in one register: GCC left the loop below scalar where it inlined it into an OpenMP
+     * region (the LoRA shrink: a step's 120 adapted layers took 2.1 ms on one core, 1.0 ms so) */
+    __m512 v = _mm512_setzero_ps();
+    for (; i + LANES <= n; i += LANES) v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    _mm512_storeu_ps(lane, v);
+#elif defined(__AVX__)
+    __m256 v0 = _mm256_setzero_ps(), v1 = v0;
+    for (; i + LANES <= n; i += LANES) {
+        v0 = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        v1 = _mm256_add_ps(v1, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+    }
+    _mm256_storeu_ps(lane, v0);
+    _mm256_storeu_ps(lane + 8, v1);
+#endif
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
     float s = 0.0f;

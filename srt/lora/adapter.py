@@ -183,4 +183,7 @@ def _checked_pair(
             f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit this base model's "
             f"{fan_in} inputs and {fan_out} outputs (an adapter of another base model?)",
         )
+    for which, t in (("lora_A", a), ("lora_B", b)):
+        if not bool(torch.isfinite(t).all()):  # every output of the adapter would be NaN
+            raise AdapterError(name, f"{module}: {which} holds values that are not finite")
     return a.float().contiguous(), b.float().contiguous()

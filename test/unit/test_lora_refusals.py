@@ -79,6 +79,7 @@ CASES: list[tuple[str, Callable[[Path, dict], Path], str]] = [
     ("another base model's shapes", lambda d, s: rewrite_tensors(write_adapter(d, s), grow_input) or d, "another base model"),
     ("an A without its B", lambda d, s: rewrite_tensors(write_adapter(d, s), lambda t: t.pop(first(t, "lora_B.weight"))) or d, "without its pair"),
     ("an embedding adapter's tensor", lambda d, s: rewrite_tensors(write_adapter(d, s), lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)})) or d, "not a LoRA A or B weight"),
+    ("a factor that is not finite", lambda d, s: rewrite_tensors(write_adapter(d, s), lambda t: t[first(t, "lora_B.weight")].view(-1)[3:5].fill_(float("nan"))) or d, "lora_B holds values that are not finite"),
     ("no weights at all", lambda d, s: rewrite_tensors(write_adapter(d, s), lambda t: t.clear()) or d, "holds no LoRA weights"),
 ]  # fmt: skip
 

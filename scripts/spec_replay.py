@@ -172,10 +172,12 @@ def configurations(k: int) -> dict[str, tuple[str, Callable[[], LookupProposer]]
             "both",
             lambda: NgramProposer(k=k, length=DraftLength(3, 3)),
         ),
-        "prediction (srt's defaults: 3-token window, 7 drafts whatever the match)": (
+        "prediction (srt's defaults: 3-token window, 7 drafts whatever the match; or its own tokens' NGRAM "
+        "match where longer)": (
             "grounded",
             lambda: PredictionProposer(),
         ),
+        "prediction alone": ("grounded", lambda: PredictionProposer(own_tokens=None)),
         "prediction, 1-token window, 3 drafts below 4 tokens": (
             "grounded",
             lambda: PredictionProposer(min_n=1, length=DraftLength()),

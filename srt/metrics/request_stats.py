@@ -150,6 +150,11 @@ class FinishedRequestStats:
             "labels": self.labels or {},
             **self.timings(),
             **({"spec_decoding": self.spec.vllm_block()} if self.spec is not None else {}),
+            **(
+                {"prediction": self.spec.prediction_usage()}
+                if self.spec is not None and self.spec.prediction_draft_tokens
+                else {}
+            ),
             **({"lora_name": self.lora_name} if self.lora_name is not None else {}),
         }
 

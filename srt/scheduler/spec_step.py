@@ -106,7 +106,15 @@ class SpecDecoder:
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
         self.step_tokens = verify_step_tokens(str(target.device))  # the most a verify step feeds
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
-        self.predictions = PredictionProposer(max_n=args.speculative_ngram_max_match_window_size)
+        min_n, max_n = (
+            args.speculative_ngram_min_match_window_size,
+            args.speculative_ngram_max_match_window_size,
+        )
+        # a prediction's requests also look up their own tokens, by NGRAM's windows
+        own_tokens = NgramProposer(min_n=min_n, max_n=max_n, k=PREDICTION_DRAFTS_PER_STEP)
+        self.predictions = PredictionProposer(max_n=max_n, own_tokens=own_tokens)
+        # the requests whose drafts of the current step came from their prediction (OpenAI's usage fields)
+        self._from_prediction: set[str] = set()
         self.sampler = sampler
         self.context_len = context_len
 
@@ -135,6 +143,7 @@ class SpecDecoder:
         guessed = [i for i in chosen if not reqs[i].prediction_ids] if self.proposer is not None else []
         out: list[list[int]] = [[] for _ in reqs]
         found = 0
+        self._from_prediction.clear()
         for proposer, which, most in (
             (self.predictions, predicted, PREDICTION_DRAFTS_PER_STEP),
             (self.proposer, guessed, self.k),
@@ -144,8 +153,11 @@ class SpecDecoder:
                 continue
             limits = [draft_len_limit(k, self._tokens_left(reqs[i])) for i in which]
             drafts = proposer.propose([reqs[i] for i in which], limits)
-            for i, ids in zip(which, drafts.token_ids, strict=True):
+            sourced = drafts.from_prediction or (False,) * len(which)
+            for i, ids, predicted in zip(which, drafts.token_ids, sourced, strict=True):
                 out[i] = ids[: max(spare_slots, 0)]
+                if predicted and out[i]:
+                    self._from_prediction.add(reqs[i].rid)
                 spare_slots -= len(out[i])
                 found += len(out[i])
         return out if found else None
@@ -225,11 +237,11 @@ class SpecDecoder:
             allocator.free(fed_slots[torch.tensor(rejected, device=fed_slots.device)])
         # a draft counts as accepted once it is output: a stop inside an accepted run drops the rest
         kept = [min(a, n) for a, n in zip(accepted, taken, strict=True)]
-        for req, run, a in zip(reqs, drafts, kept, strict=True):
+        predicted = [r.rid in self._from_prediction for r in reqs]
+        for req, run, a, p in zip(reqs, drafts, kept, predicted, strict=True):
             if req.spec_stats is None:
                 req.spec_stats = SpecRequestStats()
-            req.spec_stats.record(len(run), a)
-        predicted = [bool(r.prediction_ids) for r in reqs]
+            req.spec_stats.record(len(run), a, p)
         return taken, SpecStepStats.from_counts([len(r) for r in drafts], kept, predicted)
 
     def _apply_context_rules(

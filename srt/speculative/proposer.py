@@ -37,6 +37,9 @@ class Drafts:
 
     token_ids: list[list[int]]
     probs: torch.Tensor | None = None
+    # per request, whether its drafts came from its `prediction` (OpenAI's accepted / rejected prediction
+    # tokens count only those); None: none did
+    from_prediction: tuple[bool, ...] | None = None
 
     @property
     def lengths(self) -> list[int]:

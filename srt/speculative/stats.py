@@ -16,6 +16,9 @@ Definitions (k = drafts a request was given in a step, a = how many of them were
   prefill's token as if a step had emitted it; srt does not;
 - accept rate (SGLang `spec_accept_rate`, vLLM `draft_acceptance_rate`) = accepted / draft_tokens, in [0, 1].
 Both ratios are None before the first spec step.
+- `prediction_draft_tokens` and `prediction_accepted_tokens`: the part of `draft_tokens` and `accepted_tokens`
+  whose drafts came from the request's `prediction` (a request with one may also draft from its own tokens);
+  OpenAI's `accepted_prediction_tokens` and `rejected_prediction_tokens` are made of these alone.
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ class SpecRequestStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
+    prediction_draft_tokens: int = 0
+    prediction_accepted_tokens: int = 0
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One verify step's outcome for this request (a step with no draft changes nothing)."""
+    def record(self, num_drafts: int, num_accepted: int, from_prediction: bool = False) -> None:
+        """One verify step's outcome for this request (a step with no draft changes nothing);
+        `from_prediction`: its drafts came from the request's prediction."""
         if not 0 <= num_accepted <= num_drafts:
             raise ValueError(f"accepted {num_accepted} of {num_drafts} drafts")
         if num_drafts == 0:
@@ -40,6 +46,9 @@ class SpecRequestStats:
         self.verify_steps += 1
         self.draft_tokens += num_drafts
         self.accepted_tokens += num_accepted
+        if from_prediction:
+            self.prediction_draft_tokens += num_drafts
+            self.prediction_accepted_tokens += num_accepted
         if len(self.accepted_histogram) <= num_accepted:
             self.accepted_histogram.extend([0] * (num_accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[num_accepted] += 1
@@ -49,6 +58,8 @@ class SpecRequestStats:
         self.verify_steps += other.verify_steps
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
+        self.prediction_draft_tokens += other.prediction_draft_tokens
+        self.prediction_accepted_tokens += other.prediction_accepted_tokens
         hist = other.accepted_histogram
         if len(self.accepted_histogram) < len(hist):
             self.accepted_histogram.extend([0] * (len(hist) - len(self.accepted_histogram)))
@@ -86,11 +97,12 @@ class SpecRequestStats:
         }
 
     def prediction_usage(self) -> dict:
-        """OpenAI's `completion_tokens_details` for a request whose drafts came from its prediction: accepted
-        are the prediction's tokens the model confirmed, rejected those it computed and threw away."""
+        """OpenAI's `completion_tokens_details` for a request with a prediction: accepted are the prediction's
+        tokens the model confirmed, rejected those it computed and threw away (drafts from the request's own
+        tokens are neither)."""
         return {
-            "accepted_prediction_tokens": self.accepted_tokens,
-            "rejected_prediction_tokens": self.draft_tokens - self.accepted_tokens,
+            "accepted_prediction_tokens": self.prediction_accepted_tokens,
+            "rejected_prediction_tokens": self.prediction_draft_tokens - self.prediction_accepted_tokens,
         }
 
 

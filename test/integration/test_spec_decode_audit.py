@@ -131,7 +131,9 @@ def test_per_position_counts_never_increase_and_sum_to_the_accepted_drafts(run):
 
 def test_each_response_block_is_the_sum_of_its_choices_exports(run):
     """vLLM's per-response block, and for predictions OpenAI's usage details, are the exported figures of
-    the response's choices added up; the prediction counters are the usage details summed."""
+    the response's choices added up (the prediction's own counts: a request with a prediction also drafts
+    from its own tokens where the prediction has nothing); the prediction counters are the usage details
+    summed."""
     by_rid = {r["rid"]: r for r in run["records"]}
     predicted_usage = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
     for answer in run["answers"]:
@@ -144,13 +146,14 @@ def test_each_response_block_is_the_sum_of_its_choices_exports(run):
             assert block[key] == sum(b[key] for b in blocks if b), key
         details = answer["usage"].get("completion_tokens_details")
         if details is not None:
-            assert details["accepted_prediction_tokens"] == block["num_accepted_draft_tokens"]
-            assert (
-                details["rejected_prediction_tokens"]
-                == block["num_draft_tokens"] - block["num_accepted_draft_tokens"]
-            )
+            exported = [by_rid[rid].get("prediction") for rid in rids]
             for key in predicted_usage:
+                assert details[key] == sum(p[key] for p in exported if p), key
                 predicted_usage[key] += details[key]
+            # the prediction's drafts are some of the response's drafts (the rest: its own tokens')
+            spent = details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+            assert details["accepted_prediction_tokens"] <= block["num_accepted_draft_tokens"]
+            assert spent <= block["num_draft_tokens"]
     s = run["samples"]
     assert predicted_usage["accepted_prediction_tokens"] > 0
     assert (

@@ -223,6 +223,21 @@ def test_after_an_edit_a_prediction_realigns_on_its_own_window_and_drafts_k_at_o
         assert predict(proposer, prediction, edited[:produced], limit=7) == edited[produced : produced + 7]
 
 
+def test_where_the_prediction_has_nothing_the_requests_own_tokens_draft_unflagged():
+    """Inside an edit the prediction drafts nothing; if the output is copying its prompt there, NGRAM's
+    lookup over the request's own tokens drafts instead, and `from_prediction` says so (OpenAI's prediction
+    token counts leave those drafts out). With `own_tokens=None` the prediction alone drafts."""
+    quoted = list(range(300, 320))
+    prediction = list(range(100, 140))
+    req = FakeReq("p", [7, 8] + quoted + [9], prediction[:10] + quoted[:6], prediction)
+    drafts = PredictionProposer(k=4).propose([req], [4])
+    assert drafts.token_ids == [quoted[6:10]] and drafts.from_prediction == (False,)
+    assert PredictionProposer(k=4, own_tokens=None).propose([req], [4]).token_ids == [[]]
+    on_text = FakeReq("q", [7, 8] + quoted, prediction[:12], prediction)
+    drafts = PredictionProposer(k=4).propose([on_text], [4])
+    assert drafts.token_ids == [prediction[12:16]] and drafts.from_prediction == (True,)
+
+
 def test_requests_without_prediction_or_budget_get_no_draft():
     proposer = PredictionProposer(k=4)
     reqs = [FakeReq("a", [1], [], None), FakeReq("b", [1], [], []), FakeReq("c", [1], [], [5, 6, 7])]

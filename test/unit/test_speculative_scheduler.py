@@ -575,7 +575,8 @@ def predicted_requests(reference: dict[str, list[int]]):
 def test_greedy_output_is_the_same_with_predictions(tiny_model_dir, quant, reference, spec):
     """A prediction drafts on any server, the server's algorithm or none; the output is the model's, not the
     prediction's; every slot is accounted for after each step; the prediction's counts in the step totals
-    are the per-request figures of the requests that carried one."""
+    are the per-request figures of the requests that carried one, counting only the drafts their prediction
+    gave (past an edit a request may draft from its own tokens)."""
     sched, totals = make(tiny_model_dir, quant, spec=spec)
     reqs = predicted_requests(reference)
     res = drive(sched, {0: reqs[:6], 3: reqs[6:]}, on_step=assert_every_slot_accounted)
@@ -584,11 +585,12 @@ def test_greedy_output_is_the_same_with_predictions(tiny_model_dir, quant, refer
     assert all(f is not None for f in with_prediction)
     drafted = sum(s.num_prediction_draft_tokens for s in totals.steps)
     accepted = sum(s.num_accepted_prediction_tokens for s in totals.steps)
-    assert drafted == sum(f.draft_tokens for f in with_prediction)
-    assert accepted == sum(f.accepted_tokens for f in with_prediction)
+    assert drafted == sum(f.prediction_draft_tokens for f in with_prediction)
+    assert accepted == sum(f.prediction_accepted_tokens for f in with_prediction)
+    assert all(f.prediction_draft_tokens <= f.draft_tokens for f in with_prediction)
     assert 0 < accepted < drafted, "edited predictions must have drafts rejected, exact ones accepted"
     exact = [res[r.rid].spec_stats for r in reqs[:-1:2]]
-    assert all(f.accepted_tokens == f.draft_tokens for f in exact)  # an exact prediction is all accepted
+    assert all(f.prediction_accepted_tokens == f.prediction_draft_tokens for f in exact)
     unpredicted = res[reqs[-1].rid].spec_stats
     assert (unpredicted is None) == (
         not spec
@@ -596,6 +598,7 @@ def test_greedy_output_is_the_same_with_predictions(tiny_model_dir, quant, refer
     assert_pool_whole(sched)
     assert_cache_holds_only_output(sched, reference)
     assert not sched.spec.predictions.predictions  # released when each request finished
+    assert not len(sched.spec.predictions.own_tokens.histories)
 
 
 def test_a_prediction_takes_more_drafts_a_step_than_ngram(tiny_model_dir, reference):

@@ -59,7 +59,21 @@ def test_sglang_and_vllm_fields_are_the_same_counters_under_their_names():
         "draft_acceptance_rate": 5 / 6,
         "acceptance_histogram": [0, 0, 1, 1],
     }
+
+
+def test_openai_prediction_tokens_count_only_the_drafts_the_prediction_gave():
+    """A request with a prediction drafts from its own tokens where the prediction has nothing: those drafts
+    are speculation like any other, but neither accepted nor rejected prediction tokens."""
+    stats = SpecRequestStats()
+    for drafts, accepted, from_prediction in ((3, 2, True), (3, 3, True), (4, 1, False), (0, 0, True)):
+        stats.record(drafts, accepted, from_prediction)
+    assert (stats.draft_tokens, stats.accepted_tokens) == (10, 6)
+    assert (stats.prediction_draft_tokens, stats.prediction_accepted_tokens) == (6, 5)
     assert stats.prediction_usage() == {"accepted_prediction_tokens": 5, "rejected_prediction_tokens": 1}
+    total = SpecRequestStats()
+    total.add(stats)
+    total.add(stats)
+    assert total.prediction_usage() == {"accepted_prediction_tokens": 10, "rejected_prediction_tokens": 2}
 
 
 def test_step_totals_count_requests_with_drafts_and_acceptances_per_position():
@@ -93,7 +107,7 @@ def test_openai_usage_reports_prediction_tokens_only_for_a_request_with_a_predic
     choices = [ChoiceAcc(completion_tokens=9), ChoiceAcc(completion_tokens=5), ChoiceAcc(completion_tokens=3)]
     for c, (k, acc) in zip(choices[:2], ((7, 5), (6, 6)), strict=True):
         c.spec_stats = SpecRequestStats()
-        c.spec_stats.record(k, acc)
+        c.spec_stats.record(k, acc, from_prediction=True)
     assert "completion_tokens_details" not in usage(choices, 3)
     details = usage(choices, 3, predicted=True)["completion_tokens_details"]
     assert details == {"accepted_prediction_tokens": 11, "rejected_prediction_tokens": 2}

@@ -16,7 +16,8 @@ from test.integration.conftest import running_server
 pytestmark = pytest.mark.slow
 
 KV_TOKENS = 512
-NUM_REQUESTS = 200
+# ~6x what the pool holds at once (the prompts share prefixes): queued, retracted, re-prefilled
+NUM_REQUESTS = 120
 MAX_TOKENS = 20
 PROMPTS = [
     f"Item {i}: the {w} is"
@@ -82,7 +83,7 @@ def test_overload_completes_every_request_with_its_solo_output(server_fixture, r
     small_server = request.getfixturevalue(server_fixture)
     alone = {p: complete(small_server, p, MAX_TOKENS)["choices"][0]["text"] for p in PROMPTS}
     prompt_tokens = complete(small_server, PROMPTS[0], 1)["usage"]["prompt_tokens"]
-    assert NUM_REQUESTS * (prompt_tokens + MAX_TOKENS) >= 9 * KV_TOKENS  # ~10x what fits at once
+    assert NUM_REQUESTS * (prompt_tokens + MAX_TOKENS) >= 5 * KV_TOKENS
 
     async def run() -> list[dict]:
         limits = httpx.Limits(max_connections=NUM_REQUESTS + 10)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 
 import torch
 
@@ -42,7 +41,6 @@ from srt.sampling.sampler import Sampler, make_generator
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, TEST_FAULT_ENV, fail_request
 from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS, MixedChunkBudget, mixed_chunk_enabled
-from srt.scheduler.prompt_logprobs import plan_prompt_logprobs
 from srt.scheduler.request_checks import refusal
 from srt.scheduler.schedule_batch import Req, build_token_output
 from srt.scheduler.schedule_policy import (
@@ -59,14 +57,12 @@ from srt.scheduler.scheduler_lora import SchedulerLoRA
 from srt.scheduler.scheduler_tracing import SchedulerTracing
 from srt.scheduler.spec_step import SpecDecoder
 from srt.scheduler.step_builder import StepBuilder
+from srt.scheduler.step_executor import StepExecutor
 from srt.scheduler.step_hooks import NullReporter, SchedulerLoad, StepReporter
 from srt.scheduler.step_sampler import IsolatingSampler
-from srt.scheduler.token_append import append_tokens
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-# `--log-level debug`: every forward step's shape and time, for reading a workload step by step
-STEP_DEBUG_LINE = "step: %d prefill tokens, %d decode rows, forward %.1f ms"
 TOO_LARGE_FOR_KV = "the KV cache cannot hold this request"
 
 
@@ -138,6 +134,10 @@ class Scheduler:
         # decode steps in which some request drafts (--speculative-algorithm, or a request's `prediction`)
         # become verify steps
         self.spec = SpecDecoder(server_args, self.sampler.sampler, self.context_len, model_runner)
+        self.executor = StepExecutor(
+            model_runner, self.builder, self.tree_cache, self.sampler, self.grammar, self.spec,
+            self.reporter, self.tracing, self.mixed_budget, finish=self._finish_in_step,
+        )  # fmt: skip
 
     # ---- inputs ----
     def handle(self, msg) -> FlushCacheReqOutput | LoRAAdapterReqOutput | None:
@@ -374,167 +374,39 @@ class Scheduler:
         adder.add_chunked_req(self.chunked_req, at_most=at_most, at_least=MIN_MIXED_PREFILL_TOKENS)
 
     def _run_extend(self, reqs: list[Req], decode: list[Req]) -> list[Req]:
-        """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step that also decodes
-        one token for each running request."""
-        now = time.monotonic()
-        new_seqs = queries = hits = 0
-        for req in reqs:
-            if req.scheduled_ts is None:
-                req.scheduled_ts = now
-                req.cached_tokens = req.kv_len
-                new_seqs += 1
-                queries += len(req.origin_input_ids)
-                hits += req.kv_len
-        total = sum(r.extend_len for r in reqs)
-        plan = plan_prompt_logprobs(reqs)
-        drafts = None
-        if decode and plan is None:  # the running requests may draft in a mixed step too
-            spare = self.allocator.available_size() + self.tree_cache.evictable_size() - total - len(decode)
-            drafts = self.spec.propose(decode, spare, prefill_tokens=total)
-            self.reporter.on_draft_budget(self.spec.k_in_effect)
-        if drafts is not None:
-            verifying = [r for r, d in zip(decode, drafts, strict=True) if d]
-            runs = [d for d in drafts if d]
-            plain = [r for r, d in zip(decode, drafts, strict=True) if not d]
-            batch = self.builder.verify(verifying, runs, plain, prefill=reqs)
-        else:
-            batch = self.builder.extend(reqs, decode, **(plan.batch_fields() if plan else {}))
-        t0 = time.perf_counter()
-        if plan is None:
-            logits = self.runner.forward(batch)
-        else:
-            logits, scores = self.runner.forward_with_prompt_logprobs(batch)
-            plan.deliver(scores)
-        forward_seconds = time.perf_counter() - t0
-        self.tracing.on_prefill_step(reqs, now, time.monotonic())
-        self._observe_step(total, batch.num_tokens - total, forward_seconds)
-        for req in reqs:
-            req.kv_len += req.extend_len
-            req.extend_len = 0
-        decode_tokens = len(decode)
-        if drafts is not None:  # rows: each prefill's last, the verify runs, the plain decodes
-            verify_rows = sum(len(r) + 1 for r in runs)
-            rows = slice(len(reqs), len(reqs) + verify_rows)
-            slots = batch.out_cache_loc[total : total + verify_rows]
-            taken = self._accept_drafts(logits[rows], verifying, runs, slots)
-            decode_tokens = sum(taken) + len(plain)
-            first_plain = len(reqs) + verify_rows
-            decode = plain
-        else:
-            first_plain = len(reqs)
-        for req in decode:
-            req.kv_len += 1
-        done = [i for i, r in enumerate(reqs) if not r.is_chunked and r.sampling_params.max_new_tokens > 0]
-        for req in reqs:
-            if req.is_chunked:
-                self.tree_cache.cache_unfinished_req(req)
-            elif req.sampling_params.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
-                req.finished_reason = FinishReason("length")
-                self._release(req)
-                self._report_finished(req)
-        # decoding requests first: a steady running batch keeps its order, and its sampling batch
-        rows = [first_plain + i for i in range(len(decode))] + done
-        sampled = decode + [reqs[i] for i in done]
-        if sampled:
-            in_order = rows == list(range(logits.shape[0]))
-            self._sample_and_append(logits if in_order else logits[rows], sampled)
-        if decode or drafts is not None:
+        """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step (StepExecutor)."""
+        out = self.executor.extend(reqs, decode)
+        if out.decoded:
             self._after_decode()
-        self.running.extend(r for r in (reqs[i] for i in done) if not r.finished)
-        report = dict(
-            new_seqs=new_seqs,
-            new_tokens=total,
-            cached_tokens=hits,
-            prefix_queries=queries,
-            prefix_hits=hits,
-            forward_seconds=forward_seconds,
+        self.running.extend(r for r in out.prefilled if not r.finished)
+        self.reporter.on_prefill(
+            self.load(),
+            decode_tokens=out.decode_tokens,
+            forward_seconds=out.forward_seconds,
+            **out.prefill_report,
         )
-        self.reporter.on_prefill(self.load(), decode_tokens=decode_tokens, **report)
-        return reqs + (verifying + plain if drafts is not None else decode)
+        return out.stepped
 
     def _run_decode(self) -> list[Req]:
+        """A decode (or verify) step of the running batch, after retracting what its KV cannot hold."""
         self._ensure_decode_memory()
-        reqs = self.running
-        if not reqs:
+        if not self.running:
             return []
-        spare = self.allocator.available_size() + self.tree_cache.evictable_size() - len(reqs)
-        drafts = self.spec.propose(reqs, spare)
-        self.reporter.on_draft_budget(self.spec.k_in_effect)
-        if drafts is not None:
-            return self._run_verify(reqs, drafts)
-        batch = self.builder.decode(reqs)
-        t0 = time.perf_counter()
-        logits = self.runner.forward(batch)
-        forward_seconds = time.perf_counter() - t0
-        self._observe_step(0, len(reqs), forward_seconds)
-        for req in reqs:
-            req.kv_len += 1
-        self._sample_and_append(logits, reqs)
-        self._after_decode()
-        self.reporter.on_decode(self.load(), num_tokens=len(reqs), forward_seconds=forward_seconds)
-        return reqs
-
-    def _run_verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
-        """A decode step in which some requests have drafts: one extend step feeds each of them its newest
-        token and its drafts, the others their newest token alone (sampled as in a decode step). A drafting
-        request appends its accepted drafts and one more token, stopping where a stop condition is met; the
-        KV slots of positions whose token it did not append go back to the allocator, so its KV still covers
-        exactly `kv_token_ids` and nothing rejected can reach the prefix cache."""
-        verifying = [r for r, d in zip(reqs, drafts, strict=True) if d]
-        runs = [d for d in drafts if d]
-        plain = [r for r, d in zip(reqs, drafts, strict=True) if not d]
-        batch = self.builder.verify(verifying, runs, plain)
-        t0 = time.perf_counter()
-        logits = self.runner.forward(batch)
-        forward_seconds = time.perf_counter() - t0
-        self._observe_step(0, batch.num_tokens, forward_seconds)
-        verify_rows = batch.num_tokens - len(plain)
-        taken = self._accept_drafts(logits[:verify_rows], verifying, runs, batch.out_cache_loc[:verify_rows])
-        for req in plain:
-            req.kv_len += 1
-        if plain:
-            self._sample_and_append(logits[verify_rows:], plain)
+        out = self.executor.decode(self.running)
         self._after_decode()
         self.reporter.on_decode(
-            self.load(), num_tokens=sum(taken) + len(plain), forward_seconds=forward_seconds
+            self.load(), num_tokens=out.decode_tokens, forward_seconds=out.forward_seconds
         )
-        return reqs
-
-    def _accept_drafts(
-        self, logits: torch.Tensor, verifying: list[Req], runs: list[list[int]], fed_slots: torch.Tensor
-    ) -> list[int]:
-        """The drafting requests' part of a verify step (`SpecDecoder.accept`), its figures reported and the
-        requests it finished released. Returns how many tokens each took."""
-        taken, totals = self.spec.accept(
-            logits, verifying, runs, fed_slots, self.allocator, self.eos_token_ids, self.context_len
-        )
-        self.reporter.on_verify(totals)
-        for req in verifying:
-            if req.finished:
-                self._release(req)
-                self._report_finished(req)
-        return taken
+        return out.stepped
 
     def _after_decode(self) -> None:
         self.running = [r for r in self.running if not r.finished]
         self.new_token_ratio = decayed_new_token_ratio(self.new_token_ratio)
 
-    def _observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
-        if self.mixed_budget is not None:
-            self.mixed_budget.observe(prefill_tokens, decode_tokens, seconds)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(STEP_DEBUG_LINE, prefill_tokens, decode_tokens, seconds * 1e3)
-
-    def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        mask = self.grammar.mask(reqs)
-        out = self.sampler.sample(logits, reqs, mask)
-        append_tokens(out, reqs, time.monotonic(), self.eos_token_ids, self.context_len)
-        if mask is not None:
-            self.grammar.advance(reqs, out.next_token_ids, mask)
-        for req in reqs:
-            if req.finished:
-                self._release(req)
-                self._report_finished(req)
+    def _finish_in_step(self, req: Req) -> None:
+        """A request that finished during a step: its KV released and its end reported."""
+        self._release(req)
+        self._report_finished(req)
 
     def _report_finished(self, req: Req) -> None:
         self.reporter.on_finished(len(req.origin_input_ids), len(req.output_ids), req.cached_tokens)

@@ -310,7 +310,7 @@ def test_debug_log_gives_every_steps_prefill_tokens_decode_rows_and_forward_time
     """`--log-level debug`: one line a step, whose counts add up to the prompts and the decoded tokens."""
     ps = prompts(3, seed=11)
     sched = make_scheduler(tiny_model_dir, enable_mixed_chunk=True)
-    with caplog.at_level(logging.DEBUG, logger="srt.scheduler.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="srt.scheduler.step_executor"):
         res = drive(
             sched,
             {0: [request("a", ps[0], greedy(5))], 2: [request(f"r{i}", ps[i], greedy(4)) for i in (1, 2)]},

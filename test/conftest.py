@@ -82,10 +82,15 @@ def save_random_model(out: Path, assets_dir: str, seed: int, config) -> str:
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
+    return copy_tokenizer(assets_dir, out)
+
+
+def copy_tokenizer(assets_dir: str, out: Path) -> str:
+    """SmolLM2's tokenizer files into a saved model's directory; returns the directory."""
     for name in TOKENIZER_FILES:
         src = Path(assets_dir) / name
         if src.exists():
-            shutil.copy(src, out / name)
+            shutil.copy(src, Path(out) / name)
     return str(out)
 
 

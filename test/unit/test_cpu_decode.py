@@ -1,6 +1,6 @@
 """The int8 CPU model's lean decode step (`cpu_decode.py`: one kernel call per operation) is the module
 path without its Python: the same logits and the same K/V in the pool, to the bit, step after step, for a
-batch of sequences of different lengths, with an fp16 or an fp32 KV cache."""
+batch of sequences of different lengths, with an fp16 or an fp32 KV cache, and with biased projections."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.models.cpu_decode import EXTEND_MAX_TOKENS
+from test.conftest import TINY_LLAMA, assets_config, copy_tokenizer
 from test.unit.model_driver import PagedDriver
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="srt's CPU kernels do not load here")
@@ -21,16 +22,41 @@ PROMPTS = [[random.Random(i).randrange(10, 5000) for _ in range(n)] for i, n in 
 DECODE_STEPS = 4
 
 
-@pytest.fixture(scope="module", params=["float16", "float32"])
-def runner(request, tiny_model_dir, tmp_path_factory) -> ModelRunner:
+@pytest.fixture(scope="module")
+def biased_model_dir(model_assets_dir, tmp_path_factory) -> str:
+    """The tiny Llama with biases on every projection (q/k/v/o and the MLP), random, not zero: the fused
+    step's linear layers then read a bias too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {**TINY_LLAMA, "vocab_size": assets_config(model_assets_dir)["vocab_size"]}
+    config = LlamaConfig(**fields, attention_bias=True, mlp_bias=True, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    out = tmp_path_factory.mktemp("tiny_biased")
+    model.save_pretrained(out, safe_serialization=True)
+    return copy_tokenizer(model_assets_dir, out)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("float16", "tiny"), ("float32", "tiny"), ("float16", "biased")],
+    ids=["float16", "float32", "float16-biases"],
+)
+def runner(request, tmp_path_factory) -> ModelRunner:
+    kv_dtype, model = request.param
+    model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "biased_model_dir")
     mp = pytest.MonkeyPatch()
     mp.setenv("SRT_CACHE_DIR", str(tmp_path_factory.mktemp("int8_cache")))
     runner = ModelRunner(
-        tiny_model_dir,
+        model_dir,
         max_total_tokens=2048,
         max_running_requests=8,
         quantization="w8a8_int8",
-        kv_cache_dtype=request.param,
+        kv_cache_dtype=kv_dtype,
     )
     mp.undo()
     return runner

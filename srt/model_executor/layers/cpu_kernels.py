@@ -39,7 +39,12 @@ _HERE = os.path.dirname(__file__)
 # compiled together into one library; the header is part of what the cached library was built from
 SOURCES = tuple(
     os.path.join(_HERE, name)
-    for name in ("cpu_int8_linear_kernels.c", "cpu_layer_kernels.c", "cpu_attention_kernels.c")
+    for name in (
+        "cpu_int8_linear_kernels.c",
+        "cpu_layer_kernels.c",
+        "cpu_attention_kernels.c",
+        "cpu_decode_kernels.c",
+    )
 )
 HEADERS = (os.path.join(_HERE, "cpu_kernels_common.h"),)
 COMPILER_ENV = "CC"

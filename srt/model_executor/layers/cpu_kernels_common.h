@@ -148,4 +148,17 @@ static inline uint16_t float_to_half(float f) {
     const uint32_t rebiased = ax - 0x38000000u; /* exponent bias 127 -> 15 */
     return (uint16_t)(sign | ((rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13));
 }
+/* The kernels the decode layer loop (cpu_decode_kernels.c) calls, defined in the other sources. */
+void srt_w8a8_linear(const float *x, int64_t m, int64_t k, int64_t x_stride, const int8_t *w,
+                     const float *wscale, const float *bias, int64_t n, float *out, int8_t *q, float *qscale);
+void srt_rmsnorm(const float *x, int64_t m, int64_t k, int64_t x_stride, const float *w, float eps, float *out);
+void srt_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t head_dim, const float *cos,
+              const float *sin, int64_t cs_stride);
+void srt_store_kv(const float *qkv, int64_t m, int64_t row_stride, int64_t k_offset, int64_t v_offset,
+                  int64_t width, const int64_t *loc, void *k_pool, void *v_pool, int half);
+int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, const void *k_pool, const void *v_pool, int64_t kv_half,
+                         const int64_t *slots, int64_t slots_stride, const int64_t *seq_lens, float scale,
+                         float *out);
+void srt_silu_mul(const float *gu, int64_t m, int64_t inter, int64_t gu_stride, float *out);
 #endif /* SRT_CPU_KERNELS_COMMON_H */

@@ -1,21 +1,26 @@
-"""The int8 CPU Llama's decode step as one C kernel call per operation, with no other Python work per layer.
+"""The int8 CPU Llama's decode step as C kernel calls, with no Python work per layer.
 
 Why: at batch 1 a decode step's kernels take about 7 ms on a 2-core AMD EPYC, and the module path around
 them (module calls, shape checks and allocations per op, the K/V write through indexing) took about as
-long again. This loop calls the same kernels (`cpu_*_kernels.c`) on the same operands in the same order
-as the module path, so it gives the same bits; the test suite compares the two token for token.
+long again. This step calls the same kernels (`cpu_*_kernels.c`) on the same operands in the same order
+as the module path, so it gives the same bits; the test suite compares the two token for token. A step
+without adapters runs the whole layer loop in one call (`srt_decode_layers`, cpu_decode_kernels.c, on a
+table of every layer's addresses built once): the loop below made ~270 ctypes calls a step, ~0.5 ms of a
+6.3 ms batch-1 SmolLM2 step (decode bs 1 / 4 / 8: 6.2-6.8 / 9.1-10.1 / 16.9-17.2 ms before, 5.3-6.4 /
+7.4-9.5 / 12.5-16.6 after, alternating on a 2-core AMD EPYC Zen 4).
 
 It takes a step only where every kernel would have been used by the module path too: one tensor-parallel
 rank, no per-head q/k norm (Qwen3), every linear layer's plain int8 weight read by the fused kernel at this
 batch size, and the attention backend reading the pool through the CPU kernels. Anything else goes through
-the modules. A step with LoRA adapter rows runs here too: after each linear kernel, the layer's method adds
-the adapters' products to its output (`LinearMethod.add_adapters`), as the module path's `apply` does.
+the modules. A step with LoRA adapter rows runs here too, through the Python loop: after each linear
+kernel, the layer's method adds the adapters' products to its output (`LinearMethod.add_adapters`), as the
+module path's `apply` does.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -112,6 +117,15 @@ class CpuDecodeStep:
         self.max_k = max(
             lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
+        # a step without adapters runs the whole layer loop in one C call (srt_decode_layers) on this table:
+        # each layer's fields flattened in their dataclass order, the layout of its C struct
+        self._decode_layers = kernels.function("srt_decode_layers")
+        self._table = torch.tensor([_flat(layer) for layer in self.layers], dtype=torch.int64)
+        words = kernels.function("srt_decode_layer_words")()
+        if self._table.shape[1] != words:
+            raise RuntimeError(
+                f"cpu_decode: a layer is {self._table.shape[1]} words here, {words} in the kernels"
+            )
         # every linear layer of the step goes through the fused kernel, so the step takes the batch sizes that
         # kernel takes (CpuKernels.max_fused_tokens): up to where a library kernel is faster (packed weights,
         # or VNNI with `_int_mm`), every batch size with AVX2 alone
@@ -197,6 +211,15 @@ class CpuDecodeStep:
         # addresses (no Python tensor work), or the layer's method where its pool is not the kernels'
         info = _step_adapters(self.methods) if adapted else None
         adapted = info is not None
+        if not adapted:
+            if self._decode_layers(
+                self._table.data_ptr(), len(self.layers), m, h, nd, qk, at, de, gu, ac, q_ptr, qs_ptr,
+                cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), slots.data_ptr(), slots.shape[1],
+                seq_lens.data_ptr(), self.hidden, self.q_size, self.kv_size, self.inter, self.heads,
+                self.kv_heads, self.head_dim, self.eps, self.scale, self.half,
+            ):  # fmt: skip
+                raise MemoryError("decode_attention: no memory for the scores scratch")
+            return hidden
         segments = info.kernel_segments() if adapted else None
         lora_add = self._lora_add
 
@@ -240,6 +263,16 @@ class CpuDecodeStep:
                 adapt(down_method, args[3], act, delta)
             hidden.add_(delta)
         return hidden
+
+
+def _flat(layer: _Layer) -> list[int]:
+    """A layer's fields as int64 words in declaration order, a linear layer's expanded (no bias: 0)."""
+    words: list[int] = []
+    for f in fields(layer):
+        value = getattr(layer, f.name)
+        parts = [getattr(value, g.name) for g in fields(value)] if isinstance(value, _Linear) else [value]
+        words.extend(0 if v is None else v for v in parts)
+    return words
 
 
 def _step_adapters(methods: list[tuple]):

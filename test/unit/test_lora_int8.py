@@ -80,11 +80,18 @@ def decode_and_verify(runner: ModelRunner) -> list[torch.Tensor]:
     return steps
 
 
-def test_the_fused_decode_step_adds_the_adapters_with_the_module_paths_bits(runner):
+@pytest.mark.parametrize("loop", ["c", "python"])
+def test_the_fused_decode_step_adds_the_adapters_with_the_module_paths_bits(runner, loop):
+    """In its C layer loop (srt_decode_layers, given every layer's pool), and in the Python loop it keeps for
+    a layer whose pool the kernels do not read."""
     fused = runner.model.cpu_decode
     assert fused is not None, "the int8 CPU model has a fused decode step"
+    assert fused._adapter_table is not None, "every adapted layer's pool is one the kernels read"
     steps: list[torch.Tensor] = []
-    assert fused_step_calls(runner, lambda: steps.extend(decode_and_verify(runner))) == 3
+    with pytest.MonkeyPatch.context() as mp:
+        if loop == "python":
+            mp.setattr(fused, "_adapter_table", None)
+        assert fused_step_calls(runner, lambda: steps.extend(decode_and_verify(runner))) == 3
     runner.model.cpu_decode = None  # the module path: each linear layer's method applies its adapters
     try:
         module_steps = decode_and_verify(runner)

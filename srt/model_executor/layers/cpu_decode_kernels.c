@@ -19,6 +19,29 @@ typedef struct {
 /* How many int64 words one layer's entry takes (cpu_decode.py checks its layout against it). */
 int64_t srt_decode_layer_words(void) { return (int64_t)(sizeof(DecodeLayer) / sizeof(int64_t)); }
 
+/* One linear layer's adapter pool as srt_lora_add_segments reads it (`LayerLoRAWeights.segment_args`), a 0
+ * when the layer has none; a layer's four (qkv, o, gate_up, down) follow each other. */
+typedef struct {
+    int64_t a, a_slot_stride, nsub, bt, bt_slot_stride, bt_stride, out_offset, out_size;
+} DecodeAdapters;
+
+int64_t srt_decode_adapter_words(void) { return (int64_t)(sizeof(DecodeAdapters) / sizeof(int64_t)); }
+
+/* The step's adapter segments (LoRABatchInfo.kernel_segments), shared by every adapted layer. */
+typedef struct {
+    const DecodeAdapters *pools; /* [layers][4], NULL: no adapter row in the step */
+    const int64_t *rows, *seg;
+    int64_t nseg;
+} StepAdapters;
+
+static inline void adapt(const StepAdapters *s, const DecodeAdapters *p, const float *x, int64_t k, float *out,
+                         int64_t n) {
+    if (s->pools == NULL || p->a == 0) return;
+    srt_lora_add_segments(x, k, k, s->rows, s->nseg, s->seg, (const float *)(intptr_t)p->a, p->a_slot_stride,
+                          p->nsub, (const float *)(intptr_t)p->bt, p->bt_slot_stride, p->bt_stride,
+                          (const int64_t *)(intptr_t)p->out_offset, (const int64_t *)(intptr_t)p->out_size, out, n);
+}
+
 static inline void linear(const DecodeLinear *l, const float *x, int64_t m, float *out, int8_t *q, float *qscale) {
     srt_w8a8_linear(x, m, l->k, l->k, (const int8_t *)(intptr_t)l->weight, (const float *)(intptr_t)l->scale,
                     l->bias ? (const float *)(intptr_t)l->bias : NULL, l->n, out, q, qscale);
@@ -30,32 +53,43 @@ static inline void add_rows(float *h, const float *d, int64_t count) {
 
 /* Every layer of a decode step of m rows: hidden [m, hidden_size] in and out, in place; the other buffers are
  * the step's scratch (qkv [m, q_size + 2 kv_size], gate_up [m, 2 inter], ...); q and qscale the linear
- * kernel's scratch (NULL: its stack). Returns 1 where the attention kernel had no memory for its scores,
+ * kernel's scratch (NULL: its stack). With `adapters` ([layers][4] pools, NULL for a step without adapter
+ * rows) and the step's segments, each linear layer's adapter products are added after its kernel, as the
+ * module path's linear method adds them. Returns 1 where the attention kernel had no memory for its scores,
  * else 0. */
-int srt_decode_layers(const int64_t *layers, int64_t num_layers, int64_t m, float *hidden, float *normed,
+int srt_decode_layers(const int64_t *layers, const int64_t *adapters, const int64_t *adapter_rows,
+                      int64_t adapter_nseg, const int64_t *adapter_seg, int64_t num_layers, int64_t m,
+                      float *hidden, float *normed,
                       float *qkv, float *attn, float *delta, float *gate_up, float *act, int8_t *q, float *qscale,
                       const float *cos, const float *sin, const int64_t *loc, const int64_t *slots,
                       int64_t slots_stride, const int64_t *seq_lens, int64_t hidden_size, int64_t q_size,
                       int64_t kv_size, int64_t inter, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
                       float scale, int64_t half) {
     const DecodeLayer *table = (const DecodeLayer *)(const void *)layers;
+    const StepAdapters step = {(const DecodeAdapters *)(const void *)adapters, adapter_rows, adapter_seg,
+                               adapter_nseg};
     const int64_t width = q_size + 2 * kv_size;
     for (int64_t i = 0; i < num_layers; i++) {
         const DecodeLayer *l = table + i;
+        const DecodeAdapters *p = step.pools ? step.pools + 4 * i : NULL;
         void *k_pool = (void *)(intptr_t)l->k_pool, *v_pool = (void *)(intptr_t)l->v_pool;
         srt_rmsnorm(hidden, m, hidden_size, hidden_size, (const float *)(intptr_t)l->input_norm, eps, normed);
         linear(&l->qkv, normed, m, qkv, q, qscale);
+        adapt(&step, p, normed, hidden_size, qkv, width);
         srt_rope(qkv, m, width, heads + kv_heads, head_dim, cos, sin, head_dim / 2);
         srt_store_kv(qkv, m, width, q_size, q_size + kv_size, kv_size, loc, k_pool, v_pool, (int)half);
         if (srt_decode_attention(qkv, m, width, heads, kv_heads, head_dim, k_pool, v_pool, half, slots, slots_stride,
                                  seq_lens, scale, attn))
             return 1;
         linear(&l->o, attn, m, delta, q, qscale);
+        adapt(&step, p + 1, attn, q_size, delta, hidden_size);
         add_rows(hidden, delta, m * hidden_size);
         srt_rmsnorm(hidden, m, hidden_size, hidden_size, (const float *)(intptr_t)l->post_norm, eps, normed);
         linear(&l->gate_up, normed, m, gate_up, q, qscale);
+        adapt(&step, p + 2, normed, hidden_size, gate_up, 2 * inter);
         srt_silu_mul(gate_up, m, inter, 2 * inter, act);
         linear(&l->down, act, m, delta, q, qscale);
+        adapt(&step, p + 3, act, inter, delta, hidden_size);
         add_rows(hidden, delta, m * hidden_size);
     }
     return 0;

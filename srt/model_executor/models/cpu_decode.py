@@ -3,18 +3,19 @@
 Why: at batch 1 a decode step's kernels take about 7 ms on a 2-core AMD EPYC, and the module path around
 them (module calls, shape checks and allocations per op, the K/V write through indexing) took about as
 long again. This step calls the same kernels (`cpu_*_kernels.c`) on the same operands in the same order
-as the module path, so it gives the same bits; the test suite compares the two token for token. A step
-without adapters runs the whole layer loop in one call (`srt_decode_layers`, cpu_decode_kernels.c, on a
-table of every layer's addresses built once): the loop below made ~270 ctypes calls a step, ~0.5 ms of a
-6.3 ms batch-1 SmolLM2 step (decode bs 1 / 4 / 8: 6.2-6.8 / 9.1-10.1 / 16.9-17.2 ms before, 5.3-6.4 /
-7.4-9.5 / 12.5-16.6 after, alternating on a 2-core AMD EPYC Zen 4).
+as the module path, so it gives the same bits; the test suite compares the two token for token. The whole
+layer loop is one call (`srt_decode_layers`, cpu_decode_kernels.c, on a table of every layer's addresses
+built once, and of its adapter pools): the loop in Python made ~270 ctypes calls a step, ~0.5 ms of a 6.3 ms
+batch-1 SmolLM2 step (decode bs 1 / 4 / 8: 6.2-6.8 / 9.1-10.1 / 16.9-17.2 ms before, 5.3-6.4 / 7.4-9.5 /
+12.5-16.6 after, alternating on a 2-core AMD EPYC Zen 4).
 
 It takes a step only where every kernel would have been used by the module path too: one tensor-parallel
 rank, no per-head q/k norm (Qwen3), every linear layer's plain int8 weight read by the fused kernel at this
 batch size, and the attention backend reading the pool through the CPU kernels. Anything else goes through
-the modules. A step with LoRA adapter rows runs here too, through the Python loop: after each linear
-kernel, the layer's method adds the adapters' products to its output (`LinearMethod.add_adapters`), as the
-module path's `apply` does.
+the modules. A step with LoRA adapter rows runs here too: after each linear kernel the C loop adds the
+step's adapter products (srt_lora_add_segments on the layer's pool), as the module path's linear method
+does; where some adapted layer's pool is not one the kernels read, the loop runs in Python and that layer's
+method adds them (`LinearMethod.add_adapters`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_math import Int8Weight
+from srt.model_executor.layers.linear_method import LinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,17 @@ class CpuDecodeStep:
             raise RuntimeError(
                 f"cpu_decode: a layer is {self._table.shape[1]} words here, {words} in the kernels"
             )
+        # ... and a step with adapter rows too, with each linear layer's pool operands (zeros: no adapter),
+        # unless some adapted layer's pool is not one the kernels read (its method then adds them, below)
+        adapter_words = kernels.function("srt_decode_adapter_words")()
+        self._adapter_table = None
+        if all(
+            args is not None or type(method).add_adapters is LinearMethod.add_adapters
+            for layer_methods, layer_args in zip(self.methods, self.lora_args, strict=True)
+            for method, args in zip(layer_methods, layer_args, strict=True)
+        ):
+            rows = [list(args) if args else [0] * adapter_words for layer in self.lora_args for args in layer]
+            self._adapter_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, adapter_words)
         # every linear layer of the step goes through the fused kernel, so the step takes the batch sizes that
         # kernel takes (CpuKernels.max_fused_tokens): up to where a library kernel is faster (packed weights,
         # or VNNI with `_int_mm`), every batch size with AVX2 alone
@@ -211,16 +224,21 @@ class CpuDecodeStep:
         # addresses (no Python tensor work), or the layer's method where its pool is not the kernels'
         info = _step_adapters(self.methods) if adapted else None
         adapted = info is not None
-        if not adapted:
+        if not adapted or self._adapter_table is not None:
+            pools, (rows, nseg, seg) = None, (None, 0, None)
+            if adapted:
+                pools, (rows, nseg, seg) = self._adapter_table.data_ptr(), info.kernel_segments()
             if self._decode_layers(
-                self._table.data_ptr(), len(self.layers), m, h, nd, qk, at, de, gu, ac, q_ptr, qs_ptr,
+                self._table.data_ptr(), pools, rows, nseg, seg, len(self.layers), m, h, nd, qk, at, de, gu, ac,
+                q_ptr, qs_ptr,
                 cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), slots.data_ptr(), slots.shape[1],
                 seq_lens.data_ptr(), self.hidden, self.q_size, self.kv_size, self.inter, self.heads,
                 self.kv_heads, self.head_dim, self.eps, self.scale, self.half,
             ):  # fmt: skip
                 raise MemoryError("decode_attention: no memory for the scores scratch")
             return hidden
-        segments = info.kernel_segments() if adapted else None
+        # a step whose adapter products some layer's method adds: the same loop in Python
+        segments = info.kernel_segments()
         lora_add = self._lora_add
 
         def linear(lin: _Linear, x: int, out: int) -> None:
@@ -237,8 +255,7 @@ class CpuDecodeStep:
             qkv_method, o_method, gate_up_method, down_method = methods
             rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
             linear(layer.qkv, nd, qk)
-            if adapted:
-                adapt(qkv_method, args[0], normed, qkv)
+            adapt(qkv_method, args[0], normed, qkv)
             rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
             store_kv(
                 qk, m, width, self.q_size, self.q_size + self.kv_size, self.kv_size, loc.data_ptr(),
@@ -250,17 +267,14 @@ class CpuDecodeStep:
             ):  # fmt: skip
                 raise MemoryError("decode_attention: no memory for the scores scratch")
             linear(layer.o, at, de)
-            if adapted:
-                adapt(o_method, args[1], attn, delta)
+            adapt(o_method, args[1], attn, delta)
             hidden.add_(delta)
             rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
             linear(layer.gate_up, nd, gu)
-            if adapted:
-                adapt(gate_up_method, args[2], normed, gate_up)
+            adapt(gate_up_method, args[2], normed, gate_up)
             silu_mul(gu, m, self.inter, 2 * self.inter, ac)
             linear(layer.down, ac, de)
-            if adapted:
-                adapt(down_method, args[3], act, delta)
+            adapt(down_method, args[3], act, delta)
             hidden.add_(delta)
         return hidden
 

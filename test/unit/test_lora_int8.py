@@ -13,6 +13,7 @@ import torch
 from srt.lora.config import LoRAConfig
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.models.cpu_decode import CpuDecodeStep
 from test.unit.lora_adapters import peft_logits, save_peft_adapter
 from test.unit.model_driver import PagedDriver, same_or_diverged_at_a_near_tie
 
@@ -80,24 +81,29 @@ def decode_and_verify(runner: ModelRunner) -> list[torch.Tensor]:
     return steps
 
 
-@pytest.mark.parametrize("loop", ["c", "python"])
-def test_the_fused_decode_step_adds_the_adapters_with_the_module_paths_bits(runner, loop):
-    """In its C layer loop (srt_decode_layers, given every layer's pool), and in the Python loop it keeps for
-    a layer whose pool the kernels do not read."""
+def test_the_fused_decode_step_adds_the_adapters_with_the_module_paths_bits(runner):
+    """In its C layer loop (srt_decode_layers), from every layer's pool operands."""
     fused = runner.model.cpu_decode
     assert fused is not None, "the int8 CPU model has a fused decode step"
-    assert fused._adapter_table is not None, "every adapted layer's pool is one the kernels read"
     steps: list[torch.Tensor] = []
-    with pytest.MonkeyPatch.context() as mp:
-        if loop == "python":
-            mp.setattr(fused, "_adapter_table", None)
-        assert fused_step_calls(runner, lambda: steps.extend(decode_and_verify(runner))) == 3
+    assert fused_step_calls(runner, lambda: steps.extend(decode_and_verify(runner))) == 3
     runner.model.cpu_decode = None  # the module path: each linear layer's method applies its adapters
     try:
         module_steps = decode_and_verify(runner)
     finally:
         runner.model.cpu_decode = fused
     assert all(torch.equal(a, b) for a, b in zip(steps, module_steps, strict=True))
+
+
+def test_an_adapted_layer_whose_pool_the_kernels_cannot_read_sends_decode_through_the_modules(runner):
+    """The C loop adds adapter products only from pools it reads by address; a layer whose adapters only its
+    method can add must not be skipped, so such a model has no fused step."""
+    method = runner.model.model.layers[1].mlp.down_proj.method
+    assert CpuDecodeStep.refusal(runner.model, runner.model.kernels) is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(method, "segment_args", lambda: None)
+        reason = CpuDecodeStep.refusal(runner.model, runner.model.kernels)
+    assert reason == "an adapted layer whose adapter pool the kernels do not read"
 
 
 def test_the_int8_base_with_fp32_adapters_stays_within_int8_error_of_peft(tiny_model_dir, runner, driver):

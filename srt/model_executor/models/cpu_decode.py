@@ -14,8 +14,7 @@ rank, no per-head q/k norm (Qwen3), every linear layer's plain int8 weight read 
 batch size, and the attention backend reading the pool through the CPU kernels. Anything else goes through
 the modules. A step with LoRA adapter rows runs here too: after each linear kernel the C loop adds the
 step's adapter products (srt_lora_add_segments on the layer's pool), as the module path's linear method
-does; where some adapted layer's pool is not one the kernels read, the loop runs in Python and that layer's
-method adds them (`LinearMethod.add_adapters`).
+does; a model with an adapted layer whose pool the kernels do not read decodes through the modules.
 """
 
 from __future__ import annotations
@@ -81,13 +80,6 @@ class CpuDecodeStep:
     def __init__(self, model, kernels: CpuKernels):
         self.model = model
         self.kernels = kernels
-        # bound once: the C functions, typed by their prototypes (CpuKernels.function), called on the
-        # model's own weights and pool, which build() checked the kernels can read
-        self._fns = tuple(
-            kernels.function(f"srt_{name}")
-            for name in ("w8a8_linear", "rmsnorm", "rope", "store_kv", "decode_attention", "silu_mul")
-        )
-        self._lora_add = kernels.function("srt_lora_add_segments")
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -99,12 +91,8 @@ class CpuDecodeStep:
         pool = backend.token_to_kv_pool
         self.half = int(pool.get_kv_buffer(0)[0].dtype == torch.float16)
         self.layers = []
-        # each layer's qkv, o, gate_up and down methods, which add a step's adapter products, and, where the
-        # method's pool is one the kernels read, its operands for srt_lora_add_segments by address
+        # each layer's qkv, o, gate_up and down methods, which know a step's adapter rows
         self.methods = [tuple(p.method for p in _projections(layer)) for layer in model.model.layers]
-        self.lora_args = [
-            tuple(p.method.segment_args() for p in _projections(layer)) for layer in model.model.layers
-        ]
         for i, layer in enumerate(model.model.layers):
             k_buf, v_buf = pool.get_kv_buffer(i)
             self.layers.append(
@@ -119,8 +107,9 @@ class CpuDecodeStep:
         self.max_k = max(
             lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
-        # a step without adapters runs the whole layer loop in one C call (srt_decode_layers) on this table:
-        # each layer's fields flattened in their dataclass order, the layout of its C struct
+        # the whole layer loop is one C call (srt_decode_layers, bound once and called on the model's own
+        # weights and pool, which build() checked the kernels can read) on this table: each layer's fields
+        # flattened in their dataclass order, the layout of its C struct
         self._decode_layers = kernels.function("srt_decode_layers")
         self._table = torch.tensor([_flat(layer) for layer in self.layers], dtype=torch.int64)
         words = kernels.function("srt_decode_layer_words")()
@@ -128,17 +117,14 @@ class CpuDecodeStep:
             raise RuntimeError(
                 f"cpu_decode: a layer is {self._table.shape[1]} words here, {words} in the kernels"
             )
-        # ... and a step with adapter rows too, with each linear layer's pool operands (zeros: no adapter),
-        # unless some adapted layer's pool is not one the kernels read (its method then adds them, below)
+        # ... and for a step with adapter rows, each linear layer's pool operands (zeros: no adapter)
         adapter_words = kernels.function("srt_decode_adapter_words")()
-        self._adapter_table = None
-        if all(
-            args is not None or type(method).add_adapters is LinearMethod.add_adapters
-            for layer_methods, layer_args in zip(self.methods, self.lora_args, strict=True)
-            for method, args in zip(layer_methods, layer_args, strict=True)
-        ):
-            rows = [list(args) if args else [0] * adapter_words for layer in self.lora_args for args in layer]
-            self._adapter_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, adapter_words)
+        pools = [
+            list(args) if (args := method.segment_args()) else [0] * adapter_words
+            for layer in self.methods
+            for method in layer
+        ]
+        self._adapter_table = torch.tensor(pools, dtype=torch.int64).reshape(-1, adapter_words)
         # every linear layer of the step goes through the fused kernel, so the step takes the batch sizes that
         # kernel takes (CpuKernels.max_fused_tokens): up to where a library kernel is faster (packed weights,
         # or VNNI with `_int_mm`), every batch size with AVX2 alone
@@ -184,6 +170,12 @@ class CpuDecodeStep:
             return "a linear layer the fused kernel does not take"
         if any(w.weight.shape[1] > kernels.max_k for w in weights if w.packed is not None):
             return "a linear layer wider than the fused kernel takes"
+        if any(
+            type(p.method).add_adapters is not LinearMethod.add_adapters and p.method.segment_args() is None
+            for layer in model.model.layers
+            for p in _projections(layer)
+        ):
+            return "an adapted layer whose adapter pool the kernels do not read"
         return None
 
     def takes(self, batch: ForwardBatch) -> bool:
@@ -199,7 +191,6 @@ class CpuDecodeStep:
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """As LlamaForCausalLM.hidden_states for a step `takes` took: the last layer's output [tokens, hidden]."""
-        w8a8_linear, rmsnorm, rope, store_kv, decode_attention, silu_mul = self._fns
         m = input_ids.shape[0]
         hidden = self.model.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.tables(positions)  # [m, 1, head_dim / 2], contiguous
@@ -218,64 +209,18 @@ class CpuDecodeStep:
         loc = batch.out_cache_loc
         if loc.dtype != torch.int64 or not loc.is_contiguous():
             loc = loc.to(torch.int64).contiguous()
-        heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, qkv.shape[1]
-        adapted = batch.has_adapters
-        # an adapter step's products: one srt_lora_add_segments call per adapted layer on the pool's
-        # addresses (no Python tensor work), or the layer's method where its pool is not the kernels'
-        info = _step_adapters(self.methods) if adapted else None
-        adapted = info is not None
-        if not adapted or self._adapter_table is not None:
-            pools, (rows, nseg, seg) = None, (None, 0, None)
-            if adapted:
-                pools, (rows, nseg, seg) = self._adapter_table.data_ptr(), info.kernel_segments()
-            if self._decode_layers(
-                self._table.data_ptr(), pools, rows, nseg, seg, len(self.layers), m, h, nd, qk, at, de, gu, ac,
-                q_ptr, qs_ptr,
-                cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), slots.data_ptr(), slots.shape[1],
-                seq_lens.data_ptr(), self.hidden, self.q_size, self.kv_size, self.inter, self.heads,
-                self.kv_heads, self.head_dim, self.eps, self.scale, self.half,
-            ):  # fmt: skip
-                raise MemoryError("decode_attention: no memory for the scores scratch")
-            return hidden
-        # a step whose adapter products some layer's method adds: the same loop in Python
-        segments = info.kernel_segments()
-        lora_add = self._lora_add
-
-        def linear(lin: _Linear, x: int, out: int) -> None:
-            w8a8_linear(x, m, lin.k, lin.k, lin.weight, lin.scale, lin.bias, lin.n, out, q_ptr, qs_ptr)
-
-        def adapt(method, args, x: torch.Tensor, out: torch.Tensor) -> None:
-            if args is None:
-                method.add_adapters(out, x)
-            else:
-                k, o = x.shape[1], out.data_ptr()
-                lora_add(x.data_ptr(), k, k, *segments, *args, o, out.shape[1])
-
-        for layer, methods, args in zip(self.layers, self.methods, self.lora_args, strict=True):
-            qkv_method, o_method, gate_up_method, down_method = methods
-            rmsnorm(h, m, self.hidden, self.hidden, layer.input_norm, self.eps, nd)
-            linear(layer.qkv, nd, qk)
-            adapt(qkv_method, args[0], normed, qkv)
-            rope(qk, m, width, heads + kv_heads, hd, cos.data_ptr(), sin.data_ptr(), hd // 2)
-            store_kv(
-                qk, m, width, self.q_size, self.q_size + self.kv_size, self.kv_size, loc.data_ptr(),
-                layer.k_pool, layer.v_pool, self.half,
-            )  # fmt: skip
-            if decode_attention(
-                qk, m, width, heads, kv_heads, hd, layer.k_pool, layer.v_pool, self.half, slots.data_ptr(),
-                slots.shape[1], seq_lens.data_ptr(), self.scale, at,
-            ):  # fmt: skip
-                raise MemoryError("decode_attention: no memory for the scores scratch")
-            linear(layer.o, at, de)
-            adapt(o_method, args[1], attn, delta)
-            hidden.add_(delta)
-            rmsnorm(h, m, self.hidden, self.hidden, layer.post_norm, self.eps, nd)
-            linear(layer.gate_up, nd, gu)
-            adapt(gate_up_method, args[2], normed, gate_up)
-            silu_mul(gu, m, self.inter, 2 * self.inter, ac)
-            linear(layer.down, ac, de)
-            adapt(down_method, args[3], act, delta)
-            hidden.add_(delta)
+        # an adapter step's products: one srt_lora_add_segments call per adapted layer, in the C loop
+        info = _step_adapters(self.methods) if batch.has_adapters else None
+        pools, (rows, nseg, seg) = None, (None, 0, None)
+        if info is not None:
+            pools, (rows, nseg, seg) = self._adapter_table.data_ptr(), info.kernel_segments()
+        if self._decode_layers(
+            self._table.data_ptr(), pools, rows, nseg, seg, len(self.layers), m, h, nd, qk, at, de, gu, ac,
+            q_ptr, qs_ptr, cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), slots.data_ptr(), slots.shape[1],
+            seq_lens.data_ptr(), self.hidden, self.q_size, self.kv_size, self.inter, self.heads,
+            self.kv_heads, self.head_dim, self.eps, self.scale, self.half,
+        ):  # fmt: skip
+            raise MemoryError("decode_attention: no memory for the scores scratch")
         return hidden
 
 

@@ -97,7 +97,6 @@ class Scheduler:
         self.default_generator = torch.Generator(device=model_runner.device).manual_seed(
             server_args.random_seed
         )
-        self.eos_token_ids = frozenset(model_runner.eos_token_ids)
         self.vocab_size = model_runner.vocab_size
         self.context_len = model_runner.context_len
         self.max_running_requests = model_runner.max_running_requests

@@ -2,9 +2,11 @@
 docs/speculative_decoding.md): which running requests draft in a decode step, how many drafts each may take,
 and judging the drafts against the target model's rows.
 
-Where drafts come from: a request that carries a prediction drafts from it alone (on every server: it is
-the request's own parameter); the others from `--speculative-algorithm`'s proposer, when the server has one. The step executor runs the verify step (`StepExecutor._verify`, srt/scheduler/step_executor.py); the model-free
-parts (proposers, lossless verification, the figures) live in `srt/speculative/`.
+Where drafts come from: a request that carries a prediction drafts from it, and where the prediction has
+nothing from its own tokens by NGRAM's lookup (on every server: it is the request's own parameter); the
+others from `--speculative-algorithm`'s proposer, when the server has one. The step executor runs the
+verify step (`StepExecutor._verify`, srt/scheduler/step_executor.py); the model-free parts (proposers,
+lossless verification, the figures) live in `srt/speculative/`.
 
 Eligibility, decided every step: a request drafts unless it is constrained by a grammar, whose matcher would
 have to be advanced over the drafts and rolled back; such a request decodes plainly in the same forward step

@@ -39,9 +39,8 @@ STEP_DEBUG_LINE = "step: %d prefill tokens, %d decode rows, forward %.1f ms"
 @dataclass
 class StepOutcome:
     stepped: list[Req]  # every request the step ran, for the step's output
-    decode_tokens: (
-        int  # tokens appended to running requests (a decode row's one, a verify run's accepted + 1)
-    )
+    # tokens appended to running requests (a decode row's one, a verify run's accepted drafts + 1)
+    decode_tokens: int
     forward_seconds: float
     decoded: bool = True  # the step advanced the running batch (the scheduler then drops its finished)
     # a prefill or mixed step: the requests whose whole prompt is now in the KV (they join the running batch

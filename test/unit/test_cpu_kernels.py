@@ -31,15 +31,24 @@ VARIANTS.append(("portable", "x86-64"))
 pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=[name for name, _ in VARIANTS])
-def kernels(request, tmp_path_factory) -> cpu_kernels.CpuKernels:
-    name, march = request.param
+@pytest.fixture(scope="module")
+def variant_cache(tmp_path_factory) -> str:
+    """One cache for every variant's library (its name includes the flags, so variants never collide)."""
+    return str(tmp_path_factory.mktemp("variants"))
+
+
+def build_variant(cache: str, march: str) -> cpu_kernels.CpuKernels:
     mp = pytest.MonkeyPatch()
-    mp.setenv("SRT_CACHE_DIR", str(tmp_path_factory.mktemp(name)))
+    mp.setenv("SRT_CACHE_DIR", cache)
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
     built = cpu_kernels.CpuKernels(cpu_kernels.build(flags=flags))
     mp.undo()
     return built
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[name for name, _ in VARIANTS])
+def kernels(request, variant_cache) -> cpu_kernels.CpuKernels:
+    return build_variant(variant_cache, request.param[1])
 
 
 def test_the_native_build_is_the_fast_one_here(kernels):
@@ -180,13 +189,9 @@ def test_rmsnorm_and_silu_mul_agree_with_pytorch_and_are_row_independent(kernels
 
 
 @pytest.fixture(scope="module")
-def portable(tmp_path_factory) -> cpu_kernels.CpuKernels:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SRT_CACHE_DIR", str(tmp_path_factory.mktemp("portable_reference")))
-    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
-    built = cpu_kernels.CpuKernels(cpu_kernels.build(flags=flags))
-    mp.undo()
-    return built
+def portable(variant_cache) -> cpu_kernels.CpuKernels:
+    """The portable variant's library (built once with the variants')."""
+    return build_variant(variant_cache, "x86-64")
 
 
 def test_the_lane_reductions_give_the_portable_loops_bits_in_every_variant(kernels, portable):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.model_executor.layers import cpu_kernels
+
 TOP_K_DISABLED = -1
 TOP_P_DISABLED = 1.0
 # How many best tokens to search for the top-p cut-off, widening per row before a full sort: a model's
@@ -105,8 +107,14 @@ def _top_p_cutoff(probs: torch.Tensor, target: torch.Tensor, candidates: int) ->
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximal index: `argmax`'s answer, through `max(dim)`, which measured 2.8x faster on
-    the CPU for 64 rows of a 49k vocabulary (0.8 vs 2.1 ms, a few % of a decode step)."""
+    """Each row's first maximal index (`argmax`'s answer; a NaN wins). On the CPU, fp32 rows go to the C
+    kernel (`srt_argmax_rows`): torch's reduction took 0.47 ms for the 17 rows of a verify step over
+    SmolLM2's 49k vocabulary, the kernel 0.03. Elsewhere `max(dim)`, which measured 2.8x faster than
+    `argmax` on the CPU."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[-1] > 0:
+        kernels = cpu_kernels.load()
+        if kernels is not None:
+            return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

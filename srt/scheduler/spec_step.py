@@ -200,14 +200,8 @@ class SpecDecoder:
             if per_row.random is not None:
                 probs = torch.zeros_like(logits)
                 probs[per_row.random.rows] = per_row.random.probs(logits[per_row.random.rows])
-        result = verify(
-            batch,
-            logits,
-            probs,
-            torch.tensor(greedy, dtype=torch.bool, device=logits.device),
-            [r.generator for r in reqs],
-        )
-        return result.token_ids(), result.accepted.tolist()
+        result = verify(batch, logits, probs, greedy, [r.generator for r in reqs])
+        return result.token_ids(), result.accepted
 
     def accept(
         self,

@@ -402,3 +402,21 @@ def test_windowed_and_capped_attention_keeps_each_tokens_decode_bits(kernels, he
         kernels.extend_attention(q, k_pool, v_pool, slots, 0, scale, whole, 0)
     with pytest.raises(ValueError, match="cap"):
         kernels.decode_attention(q, k_pool, v_pool, table, torch.arange(1, n + 1), scale, None, -1.0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 31, 32, 33, 95, 1000])
+def test_argmax_rows_answers_as_torch_max_on_ties_infinities_and_nans(kernels, n):
+    """The sampler's greedy choice: the first maximal index, a NaN above everything (the first NaN), in
+    every lane position of the vector compare chains and in the tail after them."""
+    gen = torch.Generator().manual_seed(n)
+    wide = torch.randint(-2, 3, (64, n + 3), generator=gen).float()  # few values: many ties
+    wide[8:16] = float("-inf")
+    wide[16:24, ::3] = float("inf")
+    wide[24:40][torch.rand(16, n + 3, generator=gen) < 0.1] = float("nan")
+    wide[40:48] = torch.randn(8, n + 3, generator=gen)
+    wide[48:56] = -0.0
+    wide[48:56, ::2] = 0.0
+    x = wide[:, 1 : 1 + n]  # a strided view, as the logits' unpadded vocabulary is
+    assert torch.equal(kernels.argmax_rows(x), x.max(dim=-1).indices)
+    for row in range(0, 64, 7):  # each row alone, as a decode step's one row
+        assert torch.equal(kernels.argmax_rows(x[row : row + 1]), x[row : row + 1].max(dim=-1).indices)

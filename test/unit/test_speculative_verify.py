@@ -29,7 +29,7 @@ def one_hot_rows(ids: list[int], vocab: int = VOCAB) -> torch.Tensor:
 
 def greedy_result(drafts: list[list[int]], argmaxes: list[int]):
     batch = DraftBatch.build(drafts)
-    return verify_greedy(batch, torch.tensor(argmaxes))
+    return verify_greedy(batch, argmaxes)
 
 
 # ---- layout ----
@@ -49,20 +49,19 @@ def test_draft_batch_packs_k_plus_one_target_rows_per_request():
 
 def test_greedy_accepts_the_prefix_the_argmax_agrees_with_then_takes_the_targets_token():
     result = greedy_result([[5, 6, 7]], [5, 6, 2, 4])
-    assert result.accepted.tolist() == [2]
+    assert result.accepted == [2]
     assert result.token_ids() == [[5, 6, 2]]
 
 
 def test_greedy_all_accepted_adds_the_bonus_token():
     result = greedy_result([[5, 6, 7]], [5, 6, 7, 4])
-    assert result.accepted.tolist() == [3]
+    assert result.accepted == [3]
     assert result.token_ids() == [[5, 6, 7, 4]]
 
 
 def test_greedy_first_mismatch_gives_the_targets_argmax_and_nothing_after_counts():
     result = greedy_result([[5, 6, 7]], [1, 6, 7, 4])  # later positions agree, but the first does not
-    assert result.accepted.tolist() == [0]
-    assert result.accepted_mask().tolist() == [[False, False, False]]
+    assert result.accepted == [0]
     assert result.token_ids() == [[1]]
 
 
@@ -70,14 +69,8 @@ def test_greedy_batch_with_different_draft_lengths_reads_each_requests_own_rows(
     drafts = [[5, 6], [], [7, 8, 9], [3]]
     argmaxes = [5, 1, 2] + [4] + [7, 8, 9, 6] + [0, 3]
     result = greedy_result(drafts, argmaxes)
-    assert result.accepted.tolist() == [1, 0, 3, 0]
+    assert result.accepted == [1, 0, 3, 0]
     assert result.token_ids() == [[5, 1], [4], [7, 8, 9, 6], [0]]
-    assert result.accepted_mask().tolist() == [
-        [True, False, False],
-        [False, False, False],
-        [True, True, True],
-        [False, False, False],
-    ]
 
 
 # ---- sampled ----
@@ -90,7 +83,7 @@ def test_sampled_accepted_count_is_the_prefix_even_when_later_drafts_are_certain
     )
     uniforms = torch.full((1, 4), 0.5)
     result = verify_sampled(batch, probs, uniforms)
-    assert result.accepted.tolist() == [0]  # p(5) = 0 at the first position, whatever follows
+    assert result.accepted == [0]  # p(5) = 0 at the first position, whatever follows
     assert result.token_ids() == [[1]]  # the residual is p without 5: all on 1
 
 
@@ -105,7 +98,7 @@ def test_a_request_without_drafts_samples_its_token_from_its_one_row():
     batch = DraftBatch.build([[], []])
     probs = torch.tensor([[0.0] * 7 + [1.0], [0.25] * 4 + [0.0] * 4])
     result = verify_sampled(batch, probs, torch.tensor([[0.3], [0.6]]))
-    assert result.accepted.tolist() == [0, 0]
+    assert result.accepted == [0, 0]
     assert result.token_ids() == [[7], [2]]  # the second row's CDF passes 0.6 at token 2
 
 
@@ -151,9 +144,9 @@ def speculative_samples(seed: int, full_draft_distribution: bool):
 
 def first_two_tokens(batch, result):
     """The first emitted token of every step, and the second of the steps that accepted a draft."""
-    first = torch.where(result.accepted > 0, batch.draft_ids[:, 0], result.next_ids)
-    accepted_one = result.accepted > 0
-    second = torch.where(result.accepted > 1, batch.draft_ids[:, 1], result.next_ids)[accepted_one]
+    accepted, next_ids = torch.tensor(result.accepted), torch.tensor(result.next_ids)
+    first = torch.where(accepted > 0, batch.draft_ids[:, 0], next_ids)
+    second = torch.where(accepted > 1, batch.draft_ids[:, 1], next_ids)[accepted > 0]
     return first, second
 
 
@@ -174,11 +167,12 @@ def test_the_distribution_test_catches_resampling_from_p_after_a_rejection():
         p, batch, target, uniforms, q = speculative_samples(seed, full_q)
         result = verify_sampled(batch, target, uniforms, q)
         # the mistake: after a rejection, draw the next token from p instead of max(p - q, 0)
-        rows = target[batch.row_starts + result.accepted]
+        accepted = torch.tensor(result.accepted)
+        rows = target[batch.row_starts + accepted]
         wrong_next = sample_from_probs(
             rows, torch.rand(SAMPLES, generator=torch.Generator().manual_seed(seed))
         )
-        first = torch.where(result.accepted > 0, batch.draft_ids[:, 0], wrong_next)
+        first = torch.where(accepted > 0, batch.draft_ids[:, 0], wrong_next)
         assert chi_square_p_value(first, p[0]) < FALSE_ALARM, full_q
 
 
@@ -190,7 +184,7 @@ def test_a_mixed_batch_verifies_greedy_rows_by_argmax_and_sampled_rows_by_reject
     batch = DraftBatch.build(drafts)
     logits = one_hot_rows([5, 1, 3] + [5, 6, 4] + [2, 7]) * 10
     probs = one_hot_rows([5, 1, 3] + [5, 6, 4] + [2, 7])
-    greedy = torch.tensor([True, False, False])
+    greedy = [True, False, False]
     gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     result = verify(batch, logits, probs, greedy, gens)
     assert result.token_ids() == [[5, 1], [5, 6, 4], [2, 7]]
@@ -216,12 +210,12 @@ def test_the_same_seeds_give_the_same_step():
             batch,
             None,
             target,
-            torch.zeros(SAMPLES, dtype=torch.bool),
+            [False] * SAMPLES,
             [torch.Generator().manual_seed(9)] * SAMPLES,
         )
         for _ in range(2)
     ]
-    assert torch.equal(runs[0].accepted, runs[1].accepted) and torch.equal(runs[0].next_ids, runs[1].next_ids)
+    assert runs[0].accepted == runs[1].accepted and runs[0].next_ids == runs[1].next_ids
 
 
 def test_step_totals_equal_the_sums_of_the_request_figures():
@@ -232,13 +226,13 @@ def test_step_totals_equal_the_sums_of_the_request_figures():
     rows = torch.cat([torch.arange(k + 1) for k in lens])  # position j of every request reads p_j
     result = verify_sampled(small, p[rows], uniforms[:200])
 
-    step = SpecStepStats.from_counts(lens, result.accepted.tolist())
+    step = SpecStepStats.from_counts(lens, result.accepted)
     per_request = [SpecRequestStats() for _ in lens]
-    for stats, k, a in zip(per_request, lens, result.accepted.tolist(), strict=True):
+    for stats, k, a in zip(per_request, lens, result.accepted, strict=True):
         stats.record(k, a)
     assert step.num_drafts == sum(s.verify_steps for s in per_request) == 150  # no draft: not a spec step
     assert step.num_draft_tokens == sum(s.draft_tokens for s in per_request)
     assert step.num_accepted_tokens == sum(s.accepted_tokens for s in per_request) <= step.num_draft_tokens
     counts = step.accepted_per_position
     assert all(a >= b for a, b in zip(counts, counts[1:], strict=False))
-    assert list(counts) == result.accepted_mask().sum(dim=0).tolist()
+    assert list(counts) == [sum(a > j for a in result.accepted) for j in range(DRAFTS)]

@@ -44,6 +44,7 @@ SOURCES = tuple(
         "cpu_layer_kernels.c",
         "cpu_attention_kernels.c",
         "cpu_decode_kernels.c",
+        "cpu_sampling_kernels.c",
     )
 )
 HEADERS = (os.path.join(_HERE, "cpu_kernels_common.h"),)
@@ -171,6 +172,17 @@ class CpuKernels:
             out.data_ptr(), None if q is None else q.data_ptr(), None if qscale is None else qscale.data_ptr(),
         )  # fmt: skip
         return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximal index over the last dimension of fp32 `logits` (a NaN wins, the first
+        one), as `logits.max(dim=-1).indices`: int64 of the leading shape."""
+        x2 = _rows(logits)
+        rows, n = x2.shape
+        if n == 0:
+            raise ValueError("argmax of an empty row")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._c.srt_argmax_rows(x2.data_ptr(), rows, n, x2.stride(0), out.data_ptr())
+        return out.view(logits.shape[:-1])
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension of fp32 x (any leading shape): a new contiguous tensor."""

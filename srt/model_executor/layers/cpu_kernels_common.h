@@ -1,7 +1,6 @@
 /* srt's CPU kernels for the int8 model, built at first use by cpu_kernels.py with this machine's compiler
- * and -march=native (cpu_int8_linear_kernels.c, cpu_layer_kernels.c and cpu_attention_kernels.c into one
- * library), and called through ctypes. This header holds what the sources share: the instruction set,
- * OpenMP, the vector and fp16 helpers.
+ * and -march=native (cpu_kernels.py's SOURCES into one library), and called through ctypes. This header
+ * holds what the sources share: the instruction set, OpenMP, the vector and fp16 helpers.
  *
  * Why they exist: at decode sizes a W8A8 linear layer through PyTorch is a dozen small ops (quantize,
  * matmul, rescale, combine the two activation levels, bias) and oneDNN's packed int8 linear has a fixed

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers import cpu_kernel_build, cpu_kernels
 from srt.model_executor.layers.int8_linear import pack_weight, w8a8_linear
 from srt.model_executor.layers.int8_math import (
     int8_products,
@@ -40,8 +40,8 @@ def variant_cache(tmp_path_factory) -> str:
 def build_variant(cache: str, march: str) -> cpu_kernels.CpuKernels:
     mp = pytest.MonkeyPatch()
     mp.setenv("SRT_CACHE_DIR", cache)
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
-    built = cpu_kernels.CpuKernels(cpu_kernels.build(flags=flags))
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernel_build.FLAGS)
+    built = cpu_kernels.CpuKernels(cpu_kernel_build.build(flags=flags))
     mp.undo()
     return built
 

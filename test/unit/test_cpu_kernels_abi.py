@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers import cpu_kernel_build, cpu_kernels
 from srt.model_executor.layers.c_abi import Prototype, bind, parse_prototypes
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
@@ -19,7 +19,7 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 def source_text() -> str:
     text = []
-    for name in cpu_kernels.HEADERS + cpu_kernels.SOURCES:
+    for name in cpu_kernel_build.HEADERS + cpu_kernel_build.SOURCES:
         with open(name) as f:
             text.append(f.read())
     return "\n".join(text)
@@ -67,7 +67,7 @@ def test_every_exported_function_of_the_sources_is_typed_and_the_library_exports
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("srt's CPU kernels do not load here")
-    protos = cpu_kernels.prototypes()
+    protos = cpu_kernel_build.prototypes()
     assert protos == parse_prototypes(source_text())
     assert {"srt_w8a8_linear", "srt_rmsnorm", "srt_rope", "srt_store_kv", "srt_decode_attention"} <= set(
         protos

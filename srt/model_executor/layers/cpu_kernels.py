@@ -1,10 +1,5 @@
-"""Builds and loads srt's fused int8 kernels for the CPU (`cpu_*_kernels.c`, one library), and calls them.
-
-Why C and ctypes rather than a torch C++ extension: the sources are plain C without torch's headers, so
-they build in about a second with the system compiler (torch extensions take a minute), for this very CPU
-(`-march=native`), once per version of the sources, compiler and CPU, into the srt cache. The library links
-OpenMP by the same soname as torch's bundled runtime, which is already loaded, so both share one thread
-pool.
+"""Loads srt's fused int8 kernels for the CPU (`cpu_*_kernels.c`, one library built by
+`cpu_kernel_build.py`), and calls them.
 
 The C ABI is declared once, by the sources: each exported `srt_*` function's ctypes signature is read from
 its prototype at load (`prototypes`, `bind`), so an argument added on one side only is a TypeError at the
@@ -20,38 +15,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 import platform
 import subprocess
-import tempfile
 
 import torch
 
 from srt.model_executor.layers import int8_math as ref
-from srt.model_executor.layers.c_abi import Prototype, bind, parse_prototypes
-from srt.model_source import cache_root
+from srt.model_executor.layers.c_abi import Prototype, bind
+from srt.model_executor.layers.cpu_kernel_build import build, prototypes
 
 logger = logging.getLogger(__name__)
 
-_HERE = os.path.dirname(__file__)
-# compiled together into one library; the header is part of what the cached library was built from
-SOURCES = tuple(
-    os.path.join(_HERE, name)
-    for name in (
-        "cpu_int8_linear_kernels.c",
-        "cpu_layer_kernels.c",
-        "cpu_attention_kernels.c",
-        "cpu_decode_kernels.c",
-        "cpu_sampling_kernels.c",
-    )
-)
-HEADERS = (os.path.join(_HERE, "cpu_kernels_common.h"),)
-COMPILER_ENV = "CC"
-DEFAULT_COMPILER = "cc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-BUILD_TIMEOUT_S = 120
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
 # With VNNI a library kernel is exact too, and the fused linear takes only the token counts where it measured
 # faster (scripts/bench_int8_gemm.py, a decode step's 120 distinct weights streamed from memory; 2-core AMD
@@ -63,19 +38,6 @@ FUSED_TOKENS_BESIDE_PACKED = 8
 # the probe's largest call spans three of the linear kernel's token blocks
 # (TOKEN_BLOCK in cpu_int8_linear_kernels.c)
 TOKEN_BLOCK_PROBE = 32
-
-
-@functools.cache
-def prototypes() -> dict[str, Prototype]:
-    """Every exported kernel's signature, from the sources the library is built from."""
-    text = []
-    for name in HEADERS + SOURCES:
-        with open(name) as f:
-            text.append(f.read())
-    found = parse_prototypes("\n".join(text))
-    if not found:
-        raise ValueError(f"no srt_* prototypes found in {SOURCES + HEADERS}")
-    return found
 
 
 class _Functions:
@@ -364,57 +326,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"CPU kernels take fp32 CPU tensors, not {x.dtype} on {x.device}")
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _compiler_version(cc: str) -> str:
-    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and flags (a cache shared by machines must not mix)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor()
-
-
-def library_path(cc: str, flags: tuple[str, ...]) -> str:
-    h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        with open(name, "rb") as f:
-            h.update(f.read())
-    h.update(repr(flags).encode())
-    h.update(_compiler_version(cc).encode())
-    h.update(_cpu_signature().encode())
-    return os.path.join(cache_root(), "kernels", f"cpu_kernels-{h.hexdigest()[:16]}.so")
-
-
-def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> str:
-    """Compile the library unless these sources, compiler, flag set and CPU already have one; its path.
-    Written under a temporary name and renamed, so concurrent builders (tensor-parallel ranks) never load a
-    half-written file."""
-    cc = cc or os.environ.get(COMPILER_ENV) or DEFAULT_COMPILER
-    path = library_path(cc, flags)
-    if os.path.isfile(path):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *flags, *SOURCES, "-o", tmp, "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=True,
-        )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def agrees_with_torch(kernels: CpuKernels) -> bool:

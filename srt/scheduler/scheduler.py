@@ -17,7 +17,6 @@ step, which lets tests check the isolation end to end. It is read once, here, an
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import torch
@@ -40,16 +39,14 @@ from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import Sampler, make_generator
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, TEST_FAULT_ENV, fail_request
-from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS, MixedChunkBudget, mixed_chunk_enabled
+from srt.scheduler.mixed_chunk import MixedChunkBudget, mixed_chunk_enabled
+from srt.scheduler.prefill_admission import PrefillAdmission
 from srt.scheduler.request_checks import refusal
 from srt.scheduler.schedule_batch import Req, build_token_output
 from srt.scheduler.schedule_policy import (
     INIT_NEW_TOKEN_RATIO,
-    AddResult,
-    PrefillAdder,
     decayed_new_token_ratio,
     new_token_ratio_after_retraction,
-    order_waiting_queue,
     retract_until_decode_fits,
 )
 from srt.scheduler.scheduler_grammar import SchedulerGrammar
@@ -123,6 +120,10 @@ class Scheduler:
             if model_runner.lora is not None
             else None
         )
+        self.admission = PrefillAdmission(
+            server_args, self.tree_cache, self.allocator, self.req_to_token_pool, self.max_running_requests,
+            self.lora, self.mixed_budget,
+        )  # fmt: skip
         self.builder = StepBuilder(
             self.req_to_token_pool,
             self.allocator,
@@ -317,60 +318,12 @@ class Scheduler:
         return self._make_output(stepped)
 
     def _schedule_prefill(self, token_budget: int | None = None, decode_tokens: int = 0) -> list[Req]:
-        """Admit waiting work. `token_budget` caps this step's prefill tokens (a mixed step's budget) on top of
-        the chunk and prefill limits; `decode_tokens` KV slots are kept for the running batch's decode."""
-        if not self.waiting and self.chunked_req is None:
-            return []
-        slots = min(self.max_running_requests - len(self.running), self.req_to_token_pool.available_size())
-        if slots <= 0 and self.chunked_req is None:
-            return []
-        order_waiting_queue(self.args.schedule_policy, self.waiting, self.tree_cache)
-        max_prefill, chunk = self.args.max_prefill_tokens, self.args.chunked_prefill_size
-        if token_budget is not None:
-            max_prefill = min(max_prefill, token_budget)
-            chunk = min(chunk, token_budget) if chunk > 0 else chunk
-        adder = PrefillAdder(
-            self.tree_cache,
-            self.allocator,
-            self.running,
-            self.new_token_ratio,
-            max_prefill,
-            chunk,
-            max_new_reqs=max(slots, 0),
-            reserved_tokens=decode_tokens,
-            lora_fits=self.lora.fits if self.lora is not None else None,
-            chunked=self.chunked_req,
+        """This step's prefill (`PrefillAdmission.admit`), taken off the waiting queue."""
+        admitted = self.admission.admit(
+            self.waiting, self.running, self.chunked_req, self.new_token_ratio, token_budget, decode_tokens
         )
-        if self.chunked_req is not None and self.waiting:
-            self._admit_ahead_of_chunk(adder)
-        else:
-            result = AddResult.CONTINUE
-            if self.chunked_req is not None:
-                result = adder.add_chunked_req(self.chunked_req)
-            if result == AddResult.CONTINUE:
-                for req in self.waiting:
-                    added = adder.add_one_req(req)
-                    if added not in (AddResult.CONTINUE, AddResult.SKIP):
-                        break
-        admitted = set(map(id, adder.can_run))
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        self.chunked_req = adder.new_chunked_req
-        return adder.can_run
-
-    def _admit_ahead_of_chunk(self, adder: PrefillAdder) -> None:
-        """A long prompt is mid-chunk and others wait: the waiting prompts that fit whole go first, and the
-        chunk shares the step with them, bounded like a mixed step (where the cost model runs) but never
-        below MIN_MIXED_PREFILL_TOKENS. Otherwise one long prompt (a request with 128 tools is 6,000
-        tokens) holds every later request until its whole prefill is done: 36 s for a 4-token completion
-        on a 2-core CPU."""
-        for req in self.waiting:
-            added = adder.add_one_req(req, whole_only=True)
-            if added not in (AddResult.CONTINUE, AddResult.SKIP):
-                break
-        at_most = math.inf
-        if self.mixed_budget is not None and adder.can_run:
-            at_most = self.mixed_budget.prefill_tokens(len(self.running) + len(adder.can_run))
-        adder.add_chunked_req(self.chunked_req, at_most=at_most, at_least=MIN_MIXED_PREFILL_TOKENS)
+        self.waiting, self.chunked_req = admitted.waiting, admitted.chunked_req
+        return admitted.can_run
 
     def _run_extend(self, reqs: list[Req], decode: list[Req]) -> list[Req]:
         """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step (StepExecutor)."""

@@ -39,9 +39,10 @@ from srt.child_startup import (
     run_child,
 )
 from srt.heap import keep_heap_for_children
+from srt.port_args import PortArgs
 from srt.process_control import CHILD_STOP_SIGNAL, kill_process_tree, raise_fd_limit
 from srt.process_logging import configure_process_logging
-from srt.server_args import PortArgs, ServerArgs
+from srt.server_args import ServerArgs
 from srt.sockets import bind_listener
 
 if TYPE_CHECKING:

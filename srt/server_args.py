@@ -1,5 +1,6 @@
 """`ServerArgs`: the only source of defaults. Every CLI flag is generated from a field of it, validated once,
-and never mutated after start-up. `PortArgs` holds the IPC endpoints of one server instance."""
+and never mutated after start-up. Its validation rules live in `server_args_check.py`, the IPC endpoints in
+`port_args.py`."""
 
 from __future__ import annotations
 
@@ -15,19 +16,14 @@ from srt.engine_options import (
     DIST_TIMEOUT_SECONDS,
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
-    MIN_KV_TOKENS,
     QUANTIZATIONS,
-    tcp_host_port,
 )
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
-from srt.kv_events.config import parse_kv_events_config
 from srt.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS_PER_BATCH, LORA_TARGET_MODULES
-from srt.lora.specs import LORA_BACKENDS, lora_flag_problems
-from srt.metrics.custom_labels import parse_allowed_custom_labels
+from srt.lora.specs import LORA_BACKENDS
 from srt.model_source import EMBEDDED_MODELS, embedded_model_name
-from srt.owned_dirs import make_owned_temp_dir, remove_stale_dirs
+from srt.server_args_check import problems
 from srt.speculative.defaults import (
-    DRAFT_MODEL_ALGORITHM,
     NGRAM_MAX_MATCH_WINDOW_SIZE,
     NGRAM_MIN_MATCH_WINDOW_SIZE,
     NUM_DRAFT_TOKENS,
@@ -40,7 +36,6 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = (AUTO, *DTYPE_NAMES)
-IPC_DIR_PREFIX = "srt-ipc-"
 MIB = 1 << 20
 
 
@@ -292,104 +287,10 @@ class ServerArgs:
         self.check()
 
     def check(self) -> None:
-        """Fail at start with one clear line for any combination that cannot work."""
-        problems = []
-        if not (0 < self.port < 65536):
-            problems.append(f"--port must be in 1..65535, got {self.port}")
-        if self.max_request_bytes < 1:
-            problems.append("--max-request-bytes must be >= 1")
-        if self.max_concurrent_requests < 1:
-            problems.append("--max-concurrent-requests must be >= 1")
-        if self.graceful_shutdown_timeout < 0:
-            problems.append("--graceful-shutdown-timeout must be >= 0 seconds")
-        if self.tp_size < 1 or self.dp_size < 1:
-            problems.append("--tp-size and --dp-size must be >= 1")
-        problems.extend(self._multinode_problems())
-        if self.max_running_requests is not None and self.max_running_requests < 1:
-            problems.append("--max-running-requests must be >= 1")
-        if self.max_total_tokens is not None and self.max_total_tokens < MIN_KV_TOKENS:
-            problems.append(f"--max-total-tokens must be >= {MIN_KV_TOKENS}")
-        if self.mem_fraction_static is not None and not (0 < self.mem_fraction_static < 1):
-            problems.append("--mem-fraction-static must be in (0, 1)")
-        if self.max_prefill_tokens < 1:
-            problems.append("--max-prefill-tokens must be >= 1")
-        if self.cuda_graph_max_bs < 1:
-            problems.append("--cuda-graph-max-bs must be >= 1")
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
-            problems.append("--chunked-prefill-size must be positive or -1 (disabled)")
-        if self.stream_interval < 1 or self.decode_log_interval < 1:
-            problems.append("--stream-interval and --decode-log-interval must be >= 1")
-        if not (self.grammar_compile_timeout > 0):
-            problems.append("--grammar-compile-timeout must be > 0 seconds")
-        if self.log_stats_interval <= 0:
-            problems.append("--log-stats-interval must be > 0")
-        if self.enable_metrics and self.disable_metrics:
-            problems.append("--enable-metrics and --disable-metrics contradict each other")
-        if self.enable_mixed_chunk and self.disable_mixed_chunk:
-            problems.append("--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
-        if not (0 < self.kv_cache_metrics_sample <= 1):
-            problems.append("--kv-cache-metrics-sample must be in (0, 1]")
-        for name in (
-            "bucket_time_to_first_token",
-            "bucket_inter_token_latency",
-            "bucket_e2e_request_latency",
-        ):
-            buckets = getattr(self, name)
-            if buckets is not None and (not buckets or sorted(buckets) != list(buckets) or buckets[0] < 0):
-                problems.append(
-                    f"--{name.replace('_', '-')} must be a non-empty ascending list of seconds >= 0"
-                )
-        if self.export_metrics_to_file and not self.export_metrics_to_file_dir:
-            problems.append("--export-metrics-to-file needs --export-metrics-to-file-dir (where to write)")
-        try:
-            parse_allowed_custom_labels(self.tokenizer_metrics_allowed_custom_labels)
-        except ValueError as e:
-            problems.append(str(e))
-        if not self.tokenizer_metrics_custom_labels_header.strip():
-            problems.append("--tokenizer-metrics-custom-labels-header must name a header")
-        if self.kv_events_config is not None:
-            try:
-                parse_kv_events_config(self.kv_events_config, self.dp_size)
-            except ValueError as e:
-                problems.append(str(e))
-        problems.extend(self._speculative_problems())
-        problems.extend(lora_flag_problems(self))
-        if embedded_model_name(self.model_path) is None and not os.path.exists(self.model_path):
-            problems.append(
-                f"--model-path {self.model_path!r} does not exist: pass a Hugging Face model directory, a "
-                f".gguf file or an embedded model's name ({', '.join(EMBEDDED_MODELS)}), or leave it out "
-                "to serve the default embedded model"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def _multinode_problems(self) -> list[str]:
-        """--nnodes, --node-rank, --dist-init-addr, --dist-timeout."""
-        if self.nnodes < 1:
-            return [f"--nnodes must be >= 1, got {self.nnodes}"]
-        problems = []
-        if not 0 <= self.node_rank < self.nnodes:
-            problems.append(
-                f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}"
-            )
-        if not self.dist_timeout > 0:
-            problems.append(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
-        if self.nnodes == 1:
-            return problems
-        if self.dist_init_addr is None:
-            problems.append(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
-        else:
-            try:
-                tcp_host_port(self.dist_init_addr)
-            except ValueError:
-                problems.append(
-                    f"--dist-init-addr must be HOST:PORT with a port in 1..65535, got {self.dist_init_addr!r}"
-                )
-        if self.tp_size % self.nnodes:
-            problems.append(
-                f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per node)"
-            )
-        return problems
+        """Fail at start with one clear line for any combination that cannot work (see `server_args_check`)."""
+        found = problems(self)
+        if found:
+            raise ValueError("; ".join(found))
 
     @property
     def tp_ranks_per_node(self) -> int:
@@ -405,57 +306,6 @@ class ServerArgs:
     def headless(self) -> bool:
         """A node other than 0 of a multi-node server: its ranks only, no HTTP API."""
         return self.node_rank > 0
-
-    def _speculative_problems(self) -> list[str]:
-        """`--speculative-*`: an algorithm srt runs, integers (a bool is not one) within their ranges."""
-        problems = []
-        algorithm = self.speculative_algorithm
-        wants_draft = algorithm == DRAFT_MODEL_ALGORITHM
-        if wants_draft and not self.speculative_draft_model_path:
-            problems.append(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
-        draft = self.speculative_draft_model_path
-        if draft and embedded_model_name(draft) is None and not os.path.exists(draft):
-            problems.append(
-                f"--speculative-draft-model-path {draft!r} does not exist: pass a Hugging Face model directory, "
-                f"a .gguf file or an embedded model's name ({', '.join(EMBEDDED_MODELS)})"
-            )
-        block = self.per_request_spec_decode_metrics
-        if block is not None and block not in PER_REQUEST_SPEC_METRICS:
-            problems.append(
-                f"--per-request-spec-decode-metrics must be one of {', '.join(PER_REQUEST_SPEC_METRICS)}, "
-                f"got {block!r}"
-            )
-        if self.speculative_draft_model_path and not wants_draft:
-            problems.append(
-                f"--speculative-draft-model-path is read only with --speculative-algorithm {DRAFT_MODEL_ALGORITHM}"
-            )
-        if algorithm not in (None, *SPECULATIVE_ALGORITHMS):
-            choices = ", ".join(SPECULATIVE_ALGORITHMS)
-            problems.append(f"--speculative-algorithm must be one of {choices}, got {algorithm!r}")
-        counted = " (it counts the verified token: N proposes N - 1 drafts)"
-        for name, low, why in (
-            ("speculative_num_draft_tokens", 2, counted),
-            ("speculative_ngram_min_match_window_size", 1, ""),
-            ("speculative_ngram_max_match_window_size", 1, ""),
-        ):
-            value = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
-            if value is None and name == "speculative_num_draft_tokens":  # unset: the max match window
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                problems.append(f"{flag} must be an integer, got {value!r}")
-            elif value < low:
-                problems.append(f"{flag} must be >= {low}{why}, got {value}")
-        min_n, max_n = (
-            self.speculative_ngram_min_match_window_size,
-            self.speculative_ngram_max_match_window_size,
-        )
-        if not problems and min_n > max_n:
-            problems.append(
-                f"--speculative-ngram-min-match-window-size ({min_n}) must not exceed "
-                f"--speculative-ngram-max-match-window-size ({max_n})"
-            )
-        return problems
 
     @property
     def speculative_drafts_per_step(self) -> int:
@@ -517,24 +367,3 @@ class ServerArgs:
             return cls.from_cli_args(args)
         except ValueError as e:
             parser.error(str(e))
-
-
-@dataclass(frozen=True)
-class PortArgs:
-    """ZMQ ipc:// endpoints in a per-server temporary directory; each PULL side binds, each PUSH connects."""
-
-    ipc_dir: str
-    scheduler_input: str
-    detokenizer_input: str
-    tokenizer_input: str
-
-    def scheduler_input_for(self, dp_rank: int) -> str:
-        """Each data-parallel scheduler has its own input socket."""
-        return self.scheduler_input if dp_rank == 0 else f"{self.scheduler_input}-dp{dp_rank}"
-
-    @classmethod
-    def create(cls) -> PortArgs:
-        """A fresh IPC directory (after removing those whose launcher was killed before it could)."""
-        remove_stale_dirs(IPC_DIR_PREFIX)
-        d = make_owned_temp_dir(IPC_DIR_PREFIX)
-        return cls(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer")

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, fields
 import zmq
 
 from srt.io_struct import BatchOutMeta, BatchStrOut, BatchTokenIDOut, FinishReason
+from srt.port_args import PortArgs
 from srt.process_logging import configure_process_logging
-from srt.server_args import PortArgs, ServerArgs
+from srt.server_args import ServerArgs
 from srt.sockets import get_zmq_socket
 from srt.tokenizer_loading import load_tokenizer
 

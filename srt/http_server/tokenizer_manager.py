@@ -45,8 +45,9 @@ from srt.io_struct import (
 )
 from srt.lora.specs import lora_enabled, startup_adapters
 from srt.metrics.request_stats import FinishedRequestStats
+from srt.port_args import PortArgs
 from srt.sampling.sampling_params import SamplingParams
-from srt.server_args import PortArgs, ServerArgs
+from srt.server_args import ServerArgs
 from srt.sockets import get_zmq_socket
 from srt.speculative.stats import SpecRequestStats
 from srt.tokenizer_loading import load_tokenizer

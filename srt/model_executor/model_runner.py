@@ -18,9 +18,9 @@ import time
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig
 
-from srt.engine_options import DIST_TIMEOUT_SECONDS, DTYPE_NAMES, KV_CACHE_DTYPES, MIN_KV_TOKENS
+from srt.engine_options import DIST_TIMEOUT_SECONDS, MIN_KV_TOKENS
 from srt.heap import release_free_heap
 from srt.lora.config import LoRAConfig
 from srt.lora.manager import LoRAManager
@@ -29,7 +29,6 @@ from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
-from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.linear_method import LayerMethods
 from srt.model_executor.model_loader import load_model, map_checkpoint_tensor
 from srt.model_executor.parallel_state import TensorParallelGroup
@@ -39,6 +38,14 @@ from srt.model_executor.quantization import (
     install_int8_weights,
     replaced_weights,
     resolve_quantization,
+)
+from srt.model_executor.runner_setup import (
+    available_memory_bytes,
+    check_tp_divides,
+    eos_token_ids_of,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from srt.model_source import resolve_model_dir
 
@@ -64,101 +71,9 @@ MAX_CONTEXTS_IN_KV_POOL = 64
 # On the 2-core CPU the int8 head is faster at 64 rows than at 256 (1.7 vs 2.3 s for 2,048 rows); the fp32
 # head, which rereads its weight for each block, is slower (4.6 vs 2.9 s).
 PROMPT_LOGPROB_BLOCK_ROWS = 64
-MEMINFO_PATH = "/proc/meminfo"
 # Default --mem-fraction-static by device type: a CPU host's memory is shared with everything else on it; a
 # GPU's free memory is this server's, less room for activations, logits and the decode CUDA graphs.
 DEFAULT_MEM_FRACTION_STATIC = {"cpu": 0.1, "cuda": 0.8}
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
-def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0) -> str:
-    """`auto` is CUDA when available. With several ranks on CUDA, each takes its own GPU: data-parallel
-    replica r's tensor-parallel rank t uses GPU r * tp_size + t, as SGLang lays them out."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        build = "this torch has no CUDA support" if torch.version.cuda is None else "no GPU is visible"
-        raise ValueError(f"--device {device}: {build}; use --device cpu (or auto)")
-    if device == "cuda" and (tp_size > 1 or dp_rank > 0):
-        index = dp_rank * tp_size + tp_rank
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"data-parallel replica {dp_rank}, tensor-parallel rank {tp_rank} needs GPU {index}, but "
-                f"{torch.cuda.device_count()} GPUs are visible; lower --dp-size or --tp-size"
-            )
-        device = f"cuda:{index}"
-        torch.cuda.set_device(device)
-    return device
-
-
-def check_tp_divides(hf_config, tp_size: int) -> None:
-    """Fail before loading anything when the heads (or the MLP) cannot be split evenly over the ranks."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    sizes = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "intermediate_size": hf_config.intermediate_size,
-    }
-    bad = [f"{name}={value}" for name, value in sizes.items() if value % tp_size != 0]
-    if bad:
-        raise ValueError(
-            f"--tp-size {tp_size} does not divide this model's {', '.join(bad)}; "
-            f"choose a tp size dividing {heads} attention heads and {kv_heads} KV heads"
-        )
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """`auto` is fp32 on CPU (fp32 matmuls are ~100x faster than bf16 on AVX2 CPUs), bf16 on GPU."""
-    if dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def resolve_kv_cache_dtype(
-    requested: str, quantization: str, device: str, model_dtype: torch.dtype
-) -> torch.dtype:
-    """`--kv-cache-dtype`: auto is float16 where srt's CPU int8 kernels attend (they read half-precision K/V
-    exactly; the cache then takes half the memory and a decode step reads half the bytes), else the model's
-    dtype. An explicit choice other than the model's is CPU-only: the GPU backend attends in one dtype."""
-    if requested == "auto":
-        int8_kernels = quantization == "w8a8_int8" and device == "cpu" and cpu_kernels.load() is not None
-        return torch.float16 if int8_kernels else model_dtype
-    if requested not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown KV cache dtype {requested!r}; choose one of {KV_CACHE_DTYPES}")
-    dtype = getattr(torch, requested)
-    if dtype != model_dtype and device != "cpu":
-        raise ValueError(f"--kv-cache-dtype {requested} differs from the model's {model_dtype}: CPU only")
-    return dtype
-
-
-def available_memory_bytes(device: str) -> int:
-    """Free memory the KV pool may take a fraction of: device memory on GPU, MemAvailable on CPU."""
-    if device.startswith("cuda"):
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    with open(MEMINFO_PATH) as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"MemAvailable not found in {MEMINFO_PATH}")
-
-
-def eos_token_ids_of(model_dir: str, hf_config) -> list[int]:
-    """EOS ids from generation_config.json (which may list several) and config.json, in order, deduplicated."""
-    ids: list[int] = []
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    try:
-        sources.insert(0, GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    except OSError:
-        pass
-    for value in sources:
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    return ids
 
 
 class ModelRunner:

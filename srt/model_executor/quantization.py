@@ -15,7 +15,7 @@ shard's):
    the calibration settings; a later start loads it instead of calibrating (about 20 s saved here).
 
 Attention, norms and the embedding stay fp32; the KV cache is fp16 by default where srt's CPU kernels attend
-(`--kv-cache-dtype`, model_runner.resolve_kv_cache_dtype).
+(`--kv-cache-dtype`, runner_setup.resolve_kv_cache_dtype).
 """
 
 from __future__ import annotations

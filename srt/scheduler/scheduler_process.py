@@ -18,11 +18,12 @@ import zmq
 
 from srt.io_struct import SchedulerReady
 from srt.kv_events.publisher import start_kv_event_publisher
+from srt.port_args import PortArgs
 from srt.process_logging import configure_process_logging, rank_label
 from srt.scheduler.runner_builder import build_runner
 from srt.scheduler.scheduler import Scheduler
 from srt.scheduler.scheduler_tracing import SchedulerTracing
-from srt.server_args import PortArgs, ServerArgs
+from srt.server_args import ServerArgs
 from srt.sockets import get_zmq_socket
 
 if TYPE_CHECKING:

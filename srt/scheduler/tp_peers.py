@@ -27,6 +27,7 @@ import time
 
 from srt.engine_options import tcp_host_port
 from srt.model_executor.parallel_state import TensorParallelGroup, collective_failure
+from srt.port_args import PortArgs
 from srt.process_control import (
     CHILD_STOP_SIGNAL,
     leave_stopping_to_the_launcher,
@@ -37,7 +38,7 @@ from srt.process_control import (
 from srt.process_logging import configure_process_logging, rank_label
 from srt.scheduler.runner_builder import build_runner
 from srt.scheduler.scheduler import Scheduler
-from srt.server_args import PortArgs, ServerArgs
+from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def check_tp_size(model_dir: str, tp_size: int) -> None:
     with it too (and whose death would race rank 0's error report)."""
     from transformers import AutoConfig
 
-    from srt.model_executor.model_runner import check_tp_divides
+    from srt.model_executor.runner_setup import check_tp_divides
     from srt.model_source import resolve_model_dir
 
     check_tp_divides(AutoConfig.from_pretrained(resolve_model_dir(model_dir)), tp_size)

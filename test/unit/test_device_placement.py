@@ -153,7 +153,7 @@ def test_prompt_logprob_step_stays_on_the_device(meta_runner):
 
 def test_each_gpu_rank_takes_its_own_gpu(monkeypatch):
     """Replica r's tensor-parallel rank t runs on GPU r * tp_size + t; too few GPUs is a clear error."""
-    from srt.model_executor.model_runner import resolve_device
+    from srt.model_executor.runner_setup import resolve_device
 
     picked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -170,7 +170,7 @@ def test_each_gpu_rank_takes_its_own_gpu(monkeypatch):
 
 
 def test_asking_for_cuda_without_it_is_a_flag_error(monkeypatch):
-    from srt.model_executor.model_runner import resolve_device
+    from srt.model_executor.runner_setup import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu"

@@ -266,7 +266,7 @@ def test_the_int8_model_maps_its_lookup_only_embedding_from_the_checkpoint(tiny_
 
 def test_the_int8_model_keeps_its_kv_cache_in_fp16_where_its_kernels_attend(tiny_model_dir, private_cache):
     from srt.engine_options import KV_CACHE_DTYPES
-    from srt.model_executor.model_runner import resolve_kv_cache_dtype
+    from srt.model_executor.runner_setup import resolve_kv_cache_dtype
 
     for name in KV_CACHE_DTYPES:  # every choice the flag offers, the runner takes
         assert isinstance(resolve_kv_cache_dtype(name, "w8a8_int8", "cpu", torch.float32), torch.dtype)

@@ -16,10 +16,11 @@ from srt.http_server.openai.errors import validation_error
 from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from srt.http_server.tokenizer_manager import TokenizerManager
 from srt.io_struct import SchedulerReady
+from srt.port_args import PortArgs
 from srt.sampling.sampler import Sampler
 from srt.sampling.sampling_batch import one_off_batch
 from srt.sampling.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
-from srt.server_args import PortArgs, ServerArgs
+from srt.server_args import ServerArgs
 
 VOCAB = 50
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from srt.model_executor.model_runner import ModelRunner, available_memory_bytes
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.runner_setup import available_memory_bytes
 from test.unit.model_driver import PagedDriver
 
 ATOL = 1e-4  # fp32, different batch shapes: only summation order differs

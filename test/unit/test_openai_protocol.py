@@ -13,7 +13,8 @@ from srt.http_server.app import create_app
 from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
 from srt.io_struct import FinishReason, SchedulerReady
-from srt.server_args import PortArgs, ServerArgs
+from srt.port_args import PortArgs
+from srt.server_args import ServerArgs
 
 SCRIPT = ["Hello", " world", "!"]  # text deltas every scripted request produces
 CONTEXT = 2048

@@ -17,8 +17,9 @@ from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.http_server.request_types import MAX_STOP_STRINGS
 from srt.http_server.tokenizer_manager import TokenizerManager
 from srt.io_struct import SchedulerReady
+from srt.port_args import PortArgs
 from srt.sampling.sampling_params import SamplingParams
-from srt.server_args import PortArgs, ServerArgs
+from srt.server_args import ServerArgs
 
 MSGS = [{"role": "user", "content": "hi"}]
 CONTEXT = 512

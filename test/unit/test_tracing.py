@@ -299,7 +299,7 @@ def trace_route(embedded_model_dir):
     from srt.http_server.app import create_app
     from srt.http_server.tokenizer_manager import TokenizerManager
     from srt.io_struct import SchedulerReady
-    from srt.server_args import PortArgs
+    from srt.port_args import PortArgs
 
     clients, dirs = {}, []
     for on in (False, True):

@@ -12,7 +12,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from srt.model_executor.attention.triton_kernels import (
+from srt.model_executor.attention.triton_launch import (
     ExtendTiles,
     block_d,
     decode_attention,

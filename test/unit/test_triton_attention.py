@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from srt.model_executor.attention import registry  # noqa: E402
-from srt.model_executor.attention import triton_kernels as kernels  # noqa: E402
+from srt.model_executor.attention import triton_launch as launch  # noqa: E402
 from srt.model_executor.attention.base import AttentionLayer  # noqa: E402
 from srt.model_executor.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
@@ -210,7 +210,7 @@ def test_decode_matches_reference_attention(heads, kv_heads, head_dim):
     step.kv_pool.set_kv_buffer(0, step.out_cache_loc, step.k, step.v)
     out = torch.full_like(step.q, float("nan"))
     batch = step.batch(ForwardMode.DECODE)
-    kernels.decode_attention(step.q, *step.kv_pool.get_kv_buffer(0), out, step.req_pool.req_to_token,
+    launch.decode_attention(step.q, *step.kv_pool.get_kv_buffer(0), out, step.req_pool.req_to_token,
                              batch.req_pool_indices, batch.seq_lens, step.scaling)  # fmt: skip
     assert_matches(out.reshape(len(seq_lens), -1), step.reference(), torch.float32)
 
@@ -255,7 +255,7 @@ EXTEND_NEW = [1, 70, 3, 1, 17]  # a single token, one longer than EXTEND_BLOCK_M
 
 
 def test_extend_with_and_without_prefix_matches_reference_attention():
-    assert max(EXTEND_NEW) > kernels.EXTEND_BLOCK_M
+    assert max(EXTEND_NEW) > launch.EXTEND_BLOCK_M
     step = Step(EXTEND_PREFIXES, EXTEND_NEW, 4, 2, 16, torch.float32, torch.float32, seed=3, device=DEVICE)
     out = step.run(ForwardMode.EXTEND)
     assert out.shape == (sum(EXTEND_NEW), 4 * 16)
@@ -269,7 +269,7 @@ def test_extend_kernel_writes_every_row_it_owns():
     out = torch.full_like(step.q, float("nan"))
     as_index = dict(dtype=torch.int32, device=DEVICE)
     starts = torch.tensor(list(itertools.accumulate(step.new_lens, initial=0))[:-1], **as_index)
-    kernels.extend_attention(
+    launch.extend_attention(
         step.q, *step.kv_pool.get_kv_buffer(0), step.k, step.v, out, step.req_pool.req_to_token,
         step.rows.to(DEVICE),
         starts, torch.tensor(step.new_lens, **as_index), torch.tensor(step.prefix_lens, **as_index),
@@ -358,7 +358,7 @@ WINDOW_NEW = [1, 150, 3, 1, 70, 17]  # no prefix past two tiles, prefixes longer
 def test_extend_with_sliding_window_and_soft_cap(window, cap):
     """Rows' windows start at position - W + 1 across the cached prefix and the new tokens; the pool before
     every row's window is NaN, so those blocks must be skipped."""
-    assert max(WINDOW_NEW) > 2 * kernels.EXTEND_BLOCK_M
+    assert max(WINDOW_NEW) > 2 * launch.EXTEND_BLOCK_M
     step = Step(WINDOW_PREFIXES, WINDOW_NEW, 4, 2, 16, torch.float32, torch.float32, seed=21, device=DEVICE)
     want = windowed_reference(step, window, cap)
     if window is not None:
@@ -366,7 +366,7 @@ def test_extend_with_sliding_window_and_soft_cap(window, cap):
     assert_matches(step.run(ForwardMode.EXTEND, step.layer(window, cap)), want, torch.float32)
 
 
-@pytest.mark.parametrize("tiles", [kernels.ExtendTiles(16, 32), kernels.ExtendTiles(32, 16)], ids=str)
+@pytest.mark.parametrize("tiles", [launch.ExtendTiles(16, 32), launch.ExtendTiles(32, 16)], ids=str)
 def test_windowed_extend_with_other_tiles(tiles):
     """Tiles taller and wider than their key blocks: each tile's window edge, whole and diagonal blocks."""
     step = Step([0, 45], [90, 20], 4, 2, 16, torch.float32, torch.float32, seed=22, device=DEVICE)
@@ -376,7 +376,7 @@ def test_windowed_extend_with_other_tiles(tiles):
     out = torch.full_like(step.q, float("nan"))
     as_index = dict(dtype=torch.int32, device=DEVICE)
     starts = torch.tensor(list(itertools.accumulate(step.new_lens, initial=0))[:-1], **as_index)
-    kernels.extend_attention(
+    launch.extend_attention(
         step.q, *step.kv_pool.get_kv_buffer(0), step.k, step.v, out, step.req_pool.req_to_token,
         step.rows.to(DEVICE), starts, torch.tensor(step.new_lens, **as_index),
         torch.tensor(step.prefix_lens, **as_index), max(step.new_lens), step.scaling, tiles,
@@ -431,7 +431,7 @@ def test_the_backend_takes_windows_and_caps_and_refuses_what_its_kernels_cannot(
 def test_unsupported_head_dims_are_refused_at_construction():
     step = Step([0], [1], 1, 1, 16, torch.float32, torch.float32, seed=9, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim"):
-        TritonAttnBackend(step.req_pool, step.kv_pool, 1, 1, 2 * kernels.MAX_HEAD_DIM, DEVICE)
+        TritonAttnBackend(step.req_pool, step.kv_pool, 1, 1, 2 * launch.MAX_HEAD_DIM, DEVICE)
 
 
 def test_cuda_defaults_to_triton_even_with_flashinfer_and_cpu_refuses_triton_without_the_interpreter(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
-from srt.model_executor.attention.triton_kernels import (
+from srt.model_executor.attention.triton_launch import (
     block_d,
     decode_attention,
     extend_attention,

@@ -19,8 +19,9 @@ from srt.http_server.openai.serving_common import (
     stream_with_errors,
     to_openai_error,
 )
+from srt.http_server.output_dispatch import ReqOutput
 from srt.http_server.request_types import MAX_SEQUENCES
-from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.http_server.tokenizer_manager import TokenizerManager
 
 
 def _finish_dict(reason) -> dict | None:

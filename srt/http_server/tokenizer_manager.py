@@ -1,8 +1,9 @@
 """TokenizerManager: the main process's side of the ZMQ ring.
 
-It tokenizes requests (through its InputProcessor), sends them to the scheduler, and routes the detokenizer's batched outputs back to
-the waiting HTTP handlers (one asyncio queue per HTTP request, shared by its `n` samples). It also writes
-every request-level metric, on the main process's clock (docs/metrics.md, "Per-request intervals").
+It tokenizes requests (through its InputProcessor), sends them to the scheduler, and routes the detokenizer's
+batched outputs (through output_dispatch.py) back to the waiting HTTP handlers (one asyncio queue per HTTP
+request, shared by its `n` samples). It also writes every request-level metric, on the main process's clock
+(docs/metrics.md, "Per-request intervals").
 
 A request with `n > 1` (or several prompts) becomes one internal request per sample, each with its own rid;
 they share the prompt, so the scheduler's prefix cache computes it once.
@@ -16,7 +17,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -31,6 +31,7 @@ from srt.http_server.input_processor import (
     ServerUnavailableError,
 )
 from srt.http_server.lora_registry import LoRARegistry
+from srt.http_server.output_dispatch import ReqOutput, dispatch_batch
 from srt.http_server.req_state import ReqState
 from srt.http_server.request_metrics import RequestMetricsRecorder
 from srt.io_struct import (
@@ -49,7 +50,6 @@ from srt.port_args import PortArgs
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.sockets import get_zmq_socket
-from srt.speculative.stats import SpecRequestStats
 from srt.tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -58,30 +58,6 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.5
 # How long /flush_cache waits for the scheduler's reply.
 FLUSH_CACHE_TIMEOUT_SECONDS = 30.0
-
-
-@dataclass
-class ReqOutput:
-    """What a handler receives for one internal request per batch: deltas plus running totals."""
-
-    index: int
-    rid: str
-    text: str
-    output_ids: list[int]
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    token_logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    # Prompt logprobs, once (with the first output): for input_token_ids = prompt[logprob_start_len:].
-    input_token_ids: list[int] | None = None
-    input_token_logprobs: list[float | None] | None = None
-    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    # With the final output: the request's finished record (its timings; srt/http_server/request_metrics.py).
-    stats: FinishedRequestStats | None = None
-    # With the final output of a request that ran verify steps: its speculative decoding figures.
-    spec_stats: SpecRequestStats | None = None
 
 
 class TokenizerManager:
@@ -349,7 +325,7 @@ class TokenizerManager:
             msg = await self.recv_sock.recv_pyobj()
             try:
                 if isinstance(msg, BatchStrOut):
-                    self._handle_batch(msg)
+                    dispatch_batch(msg, self.rid_to_state, self.metrics, self._finish)
                 elif isinstance(msg, FlushCacheReqOutput):
                     self._handle_flush(msg)
                 elif isinstance(msg, LoRAAdapterReqOutput) and self.lora is not None:
@@ -365,50 +341,6 @@ class TokenizerManager:
             if not fut.done():
                 fut.set_result(msg)
                 return
-
-    def _handle_batch(self, b: BatchStrOut) -> None:
-        now = time.monotonic()
-        for i, rid in enumerate(b.rids):
-            st = self.rid_to_state.get(rid)
-            if st is None:
-                continue
-            new_ids = b.output_ids[i]
-            reason = b.finished_reasons[i]
-            self.metrics.on_tokens(st, b.token_ts[i], bool(new_ids), now)
-            stats = None if reason is None else self.metrics.finished_stats(st, b, i, reason, now)
-            if not st.abandoned:
-                st.queue.put_nowait(
-                    ReqOutput(
-                        index=st.index,
-                        rid=rid,
-                        text=b.output_strs[i],
-                        output_ids=new_ids,
-                        finish_reason=reason,
-                        prompt_tokens=b.prompt_tokens[i],
-                        completion_tokens=b.completion_tokens[i],
-                        cached_tokens=b.cached_tokens[i],
-                        token_logprobs=b.output_token_logprobs[i] if b.output_token_logprobs else None,
-                        top_logprobs=b.output_top_logprobs[i] if b.output_top_logprobs else None,
-                        **self._prompt_logprobs(st, b, i),
-                        stats=stats,
-                        spec_stats=b.spec_stats[i] if b.spec_stats is not None else None,
-                    )
-                )
-            if reason is not None:
-                self._finish(st, reason, stats)
-
-    @staticmethod
-    def _prompt_logprobs(st: ReqState, b: BatchStrOut, i: int) -> dict:
-        """The ReqOutput fields of a request's prompt logprobs, in the one batch that carries them."""
-        values = b.input_token_logprobs[i] if b.input_token_logprobs is not None else None
-        if values is None:
-            return {}
-        tops = b.input_top_logprobs[i] if b.input_top_logprobs is not None else None
-        return {
-            "input_token_ids": st.logprob_ids,
-            "input_token_logprobs": values,
-            "input_top_logprobs": tops if tops is not None else [None] * len(values),
-        }
 
     def _finish(self, st: ReqState, reason: FinishReason, stats: FinishedRequestStats) -> None:
         del self.rid_to_state[st.rid]

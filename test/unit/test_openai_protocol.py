@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from srt.http_server.app import create_app
 from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.http_server.output_dispatch import ReqOutput
+from srt.http_server.tokenizer_manager import TokenizerManager
 from srt.io_struct import FinishReason, SchedulerReady
 from srt.port_args import PortArgs
 from srt.server_args import ServerArgs

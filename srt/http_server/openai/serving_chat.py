@@ -27,7 +27,8 @@ from srt.http_server.openai.serving_common import (
     usage_chunk,
     wants_timing,
 )
-from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.http_server.output_dispatch import ReqOutput
+from srt.http_server.tokenizer_manager import TokenizerManager
 
 
 def stream_delta(read: StreamDelta) -> dict:

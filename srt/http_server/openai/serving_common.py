@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from srt.http_server.input_processor import ClientDisconnected, InvalidRequestError, ServerUnavailableError
 from srt.http_server.lora_registry import AdapterNotFound
 from srt.http_server.openai.errors import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError
-from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.http_server.output_dispatch import ReqOutput
+from srt.http_server.tokenizer_manager import TokenizerManager
 from srt.io_struct import FinishReason
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.server_args import ServerArgs

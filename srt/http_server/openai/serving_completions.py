@@ -26,8 +26,9 @@ from srt.http_server.openai.serving_common import (
     usage_chunk,
     wants_timing,
 )
+from srt.http_server.output_dispatch import ReqOutput
 from srt.http_server.request_types import MAX_SEQUENCES
-from srt.http_server.tokenizer_manager import ReqOutput, TokenizerManager
+from srt.http_server.tokenizer_manager import TokenizerManager
 
 
 def completion_logprobs(

@@ -173,3 +173,49 @@ def test_a_verify_step_of_a_few_tokens_runs_as_decode_rows_with_the_module_paths
     assert torch.equal(fused_logits, module_logits)
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, module_kv, strict=True))
     assert torch.equal(fused_logits, one_token_at_a_time(runner))
+
+
+def growing_then_shrinking(runner: ModelRunner) -> list[torch.Tensor]:
+    """Decode steps of 1, then 3, then 1 sequence (the first alone, then beside the two others): each
+    step's logits."""
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    driver = PagedDriver(runner)
+    seqs = [driver.new_seq() for _ in PROMPTS]
+    driver.extend(seqs, PROMPTS)
+    return [
+        driver.decode(seqs[:1], [11]),
+        driver.decode(seqs, [12, 13, 14]),
+        driver.decode(seqs[:1], [15]),
+    ]
+
+
+def test_the_steps_working_rows_are_kept_across_steps_and_grown_only_for_a_larger_one(runner):
+    """No step allocates its working rows: a step reuses the largest step's buffers (the same addresses)
+    and a larger step grows them; every step still gives the module path's bits."""
+    model = runner.model
+    lean = model.cpu_decode
+    lean._scratch = None
+    seen = []
+    real = lean._scratch_for
+
+    def recording(m):
+        pointers = real(m)
+        seen.append((m, lean._scratch.rows, lean._scratch.pointers[0]))
+        return pointers
+
+    lean._scratch_for = recording
+    try:
+        lean_logits = growing_then_shrinking(runner)
+    finally:
+        del lean._scratch_for
+    (m1, rows1, at1), (m3, rows3, at3), (m1b, rows1b, at1b) = seen
+    assert (m1, m3, m1b) == (1, 3, 1)
+    assert rows1 == 1 and rows3 >= 3 and at3 != at1  # grown for the larger step
+    assert rows1b == rows3 and at1b == at3  # kept for the smaller one
+    model.cpu_decode = None
+    try:
+        module_logits = growing_then_shrinking(runner)
+    finally:
+        model.cpu_decode = lean
+    assert all(torch.equal(a, b) for a, b in zip(lean_logits, module_logits, strict=True))

@@ -130,6 +130,7 @@ class CpuDecodeStep:
         # or VNNI with `_int_mm`), every batch size with AVX2 alone
         packed = any(w.packed is not None for w in _weights(model))
         self.max_batch = kernels.max_fused_tokens(packed)
+        self._scratch: _Scratch | None = None
 
     @staticmethod
     def build(model, kernels: CpuKernels | None) -> CpuDecodeStep | None:
@@ -187,6 +188,33 @@ class CpuDecodeStep:
         fits = self.max_batch is None or n <= self.max_batch
         return fits and (batch.is_decode or n <= EXTEND_MAX_TOKENS)
 
+    def _scratch_for(self, m: int) -> tuple[int | None, ...]:
+        """The scratch addresses for a step of m tokens, from the buffers of the largest step so far (grown
+        to twice their rows when a step outgrows them). The linear kernel's quantized rows live on its stack
+        for a few tokens (as in `CpuKernels.linear`): then their two addresses are None."""
+        if self._scratch is None or m > self._scratch.rows:
+            self._scratch = self._grown_scratch(max(m, 2 * self._scratch.rows) if self._scratch else m)
+        pointers = self._scratch.pointers
+        return pointers if self._quantizes_here(m) else pointers[:6] + (None, None)
+
+    def _quantizes_here(self, m: int) -> bool:
+        return m > self.kernels.max_small_rows or self.max_k > self.kernels.max_k
+
+    def _grown_scratch(self, rows: int) -> _Scratch:
+        widths = (
+            self.hidden,
+            self.q_size + 2 * self.kv_size,
+            self.q_size,
+            self.hidden,
+            2 * self.inter,
+            self.inter,
+        )
+        tensors = tuple(torch.empty((rows, w)) for w in widths)
+        if self._quantizes_here(rows):
+            tensors += (torch.empty((2 * rows, self.max_k), dtype=torch.int8), torch.empty(2 * rows))
+        pointers = tuple(t.data_ptr() for t in tensors)
+        return _Scratch(rows, tensors, pointers if len(pointers) == 8 else pointers + (None, None))
+
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -194,17 +222,8 @@ class CpuDecodeStep:
         m = input_ids.shape[0]
         hidden = self.model.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.tables(positions)  # [m, 1, head_dim / 2], contiguous
-        normed = torch.empty((m, self.hidden))
-        qkv = torch.empty((m, self.q_size + 2 * self.kv_size))
-        attn = torch.empty((m, self.q_size))
-        delta = torch.empty((m, self.hidden))
-        gate_up = torch.empty((m, 2 * self.inter))
-        act = torch.empty((m, self.inter))
-        q = qscale = None  # as CpuKernels.linear: a few tokens' quantized rows live on the kernel's stack
-        if m > self.kernels.max_small_rows or self.max_k > self.kernels.max_k:
-            q, qscale = torch.empty((2 * m, self.max_k), dtype=torch.int8), torch.empty(2 * m)
-        q_ptr, qs_ptr = (None, None) if q is None else (q.data_ptr(), qscale.data_ptr())
-        h, nd, qk, at, de, gu, ac = (t.data_ptr() for t in (hidden, normed, qkv, attn, delta, gate_up, act))
+        nd, qk, at, de, gu, ac, q_ptr, qs_ptr = self._scratch_for(m)
+        h = hidden.data_ptr()
         slots, seq_lens = self.model.attn_backend.token_slots(batch)
         loc = batch.out_cache_loc
         if loc.dtype != torch.int64 or not loc.is_contiguous():
@@ -222,6 +241,16 @@ class CpuDecodeStep:
         ):  # fmt: skip
             raise MemoryError("decode_attention: no memory for the scores scratch")
         return hidden
+
+
+@dataclass
+class _Scratch:
+    """The layer loop's working rows for up to `rows` tokens (row-major, so a step of m <= rows tokens uses
+    their first m rows): allocated once and grown, never per step."""
+
+    rows: int
+    tensors: tuple[torch.Tensor, ...]  # normed, qkv, attn, delta, gate_up, act; then q, qscale when needed
+    pointers: tuple[int | None, ...]  # their addresses, in the C loop's order (q, qscale None: the stack)
 
 
 def _flat(layer: _Layer) -> list[int]:

@@ -55,6 +55,9 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots = SlotTable(config.max_loras_per_batch)
         self._slot_ranks = [0] * config.max_loras_per_batch
+        # the latest step's layout (slots, rows per sequence, ranks) and its info, reused while it repeats
+        self._last_layout: tuple | None = None
+        self._last_info: LoRABatchInfo | None = None
         self.layers: list[LayerLoRAWeights] = []
         self.shapes: dict[str, tuple[int, int]] = {}  # PEFT module path -> (in, out) over all ranks
         stacked: dict[str, list[tuple[str, str]]] = {}
@@ -170,14 +173,17 @@ class LoRAManager:
         return [NO_ADAPTER if n is None else self.slots.slot_of[n] for n in names]
 
     def begin_step(self, batch: ForwardBatch) -> None:
-        """Called by the runner before each forward pass: which rows every adapted layer adapts, with what."""
-        self.step.info = (
-            LoRABatchInfo.build(
-                batch.lora_slots, batch.new_token_counts(), self._slot_ranks, batch.input_ids.device
-            )
-            if batch.has_adapters
-            else None
-        )
+        """Called by the runner before each forward pass: which rows every adapted layer adapts, with what.
+        A decode step usually has the previous step's layout (the same requests, slots and ranks): then the
+        previous info serves again."""
+        if not batch.has_adapters:
+            self.step.info = None
+            return
+        key = (tuple(batch.lora_slots), tuple(batch.new_token_counts()), tuple(self._slot_ranks))
+        if key != self._last_layout:
+            self._last_info = LoRABatchInfo.build(key[0], key[1], self._slot_ranks, batch.input_ids.device)
+            self._last_layout = key
+        self.step.info = self._last_info
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer in self.layers:

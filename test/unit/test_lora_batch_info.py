@@ -30,3 +30,12 @@ def test_rows_already_grouped_need_no_gather():
 
 def test_a_step_of_the_base_alone_has_no_batch_info():
     assert LoRABatchInfo.build([NO_ADAPTER, NO_ADAPTER], [4, 1], RANKS, "cpu") is None
+
+
+def test_the_order_keeps_each_sequences_rows_and_the_first_slot_seen_does_not_lead():
+    # slot 2 appears first but slot 0 sorts first; equal slots keep their rows' order (a stable grouping)
+    ranks = [4, 8, 16]
+    info = LoRABatchInfo.build([2, 0, NO_ADAPTER, 2, 0], [2, 1, 1, 2, 2], ranks, "cpu")
+    assert info.order.tolist() == [2, 6, 7, 0, 1, 4, 5]
+    assert info.segments == (Segment(0, 4, 0, 3), Segment(2, 16, 3, 7))
+    assert info.table.tolist() == [[0, 4, 0, 3], [2, 16, 3, 7]]

@@ -178,3 +178,24 @@ def test_scaling_is_alpha_over_rank_or_over_its_square_root_with_rslora(runner):
     assert lora_scaling({"r": 16, "lora_alpha": 16, "use_rslora": True}) == 4.0
     assert runner.lora.adapters["r8"].scaling == 2.0  # PEFT-made with lora_alpha = 2 r
     assert runner.lora.adapters["r16_rslora"].scaling == 4.0
+
+
+def test_decode_steps_of_one_layout_share_one_batch_info_and_another_layout_gets_its_own(
+    tiny_model_dir, adapters, driver
+):
+    """The rows-by-adapter layout is worked out once while the step's sequences, slots and ranks repeat
+    (decode after decode), and again when they change; a step served the kept layout is still PEFT's."""
+    prompts = [tokens(5, seed=60), tokens(6, seed=61)]
+    seqs = [driver.new_seq("r8"), driver.new_seq("r16_rslora")]
+    driver.extend(seqs, prompts)
+    driver.decode(seqs, [3, 4])
+    first = driver.runner.lora.step.info
+    logits = driver.decode(seqs, [5, 6])
+    assert driver.runner.lora.step.info is first
+    driver.decode(seqs[:1], [7])
+    alone = driver.runner.lora.step.info
+    assert alone is not first and [s.rank for s in alone.segments] == [8]
+    for i, fed in enumerate([[3, 5], [4, 6]]):
+        name = ("r8", "r16_rslora")[i]
+        want = reference(tiny_model_dir, adapters, name, prompts[i] + fed)[-1]
+        torch.testing.assert_close(logits[i], want, atol=ATOL, rtol=0)

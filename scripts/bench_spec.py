@@ -17,12 +17,19 @@ answers were identical to `srt`'s; a checklist of the targets follows. A benchma
     python scripts/bench_spec.py                                       # everything, one round
     python scripts/bench_spec.py --peers srt,srt-ngram --num-prompts 12 --concurrency 16 --concurrency-prompts 32
     python scripts/bench_spec.py --rounds 3 --output-file spec.json
+    python scripts/bench_spec.py --peers srt,srt-ngram,srt-prediction --paired --concurrency '' \
+        --concurrency-prompts ''
+
+`--paired` keeps every configuration's server up at once and sends each batch-1 prompt to each in turn: on a
+shared machine whose speed drifts by tens of % within minutes, whole runs one after another measure the
+drift as much as the servers; paired prompts meet it alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -40,6 +47,7 @@ from srt.bench.grounded import (
     load_records,
     open_requests,
     run_one_by_one,
+    run_paired,
 )
 from srt.bench.peers import RunningServer, llama_cpp_peer, machine_description, srt_peer
 from srt.bench.runner import METRICS_SETTLE_S, RunResult, new_session, run_benchmark, scrape_metrics, warmup
@@ -123,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds", type=int, default=1, help="run every configuration this many times, taking turns"
     )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="start every configuration's server at once and send each batch-1 prompt to each in turn",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--base-port", type=int, default=BASE_PORT)
     p.add_argument("--log-dir", default=None, help="server logs; default: a temporary directory")
@@ -182,36 +195,78 @@ async def scrape(base_url: str):
         return await scrape_metrics(session, base_url)
 
 
+def log_measurement(name: str, workload: str, m: Measurement) -> None:
+    s, spec = m.run.summary, m.spec
+    logger.info(
+        "%s %s: %d ok, %d failed, %.1f output tok/s, accept length %s",
+        name, workload, s.completed, s.failed, s.output_throughput,
+        "-" if spec is None or spec.accept_length is None else f"{spec.accept_length:.2f}",
+    )  # fmt: skip
+
+
+async def measure_alone(name, peer, workload, level, requests, count_tokens, show_progress) -> Measurement:
+    """One workload on one server while no other is measured: batch-1 ones one request at a time, answers
+    ending on their own; the random ones at their concurrency."""
+    before = await scrape(peer.target.base_url)
+    if workload in BATCH_ONE:
+        natural = replace(peer.target, fixed_output="none")  # grounded answers end on their own
+        run = await run_one_by_one(natural, requests, count_tokens, CONFIGS[name].prediction)
+    else:
+        run = await run_benchmark(
+            peer.target, requests, count_tokens, max_concurrency=level, show_progress=show_progress
+        )
+    await asyncio.sleep(METRICS_SETTLE_S)
+    m = Measurement(run, SpecFigures.between(before, await scrape(peer.target.base_url)))
+    log_measurement(name, workload, m)
+    return m
+
+
+async def start(name, peer, log_path, warm_request, count_tokens, stack: contextlib.ExitStack) -> None:
+    """Start one server (stopped when `stack` closes) and warm it up."""
+    server = stack.enter_context(RunningServer(peer, log_path))
+    logger.info("%s ready after %.1f s", name, await server.wait_ready(count_tokens))
+    warm = await warmup(peer.target, warm_request, count_tokens)
+    if not warm.success:
+        raise RuntimeError(f"{name} warm-up failed: {warm.error}")
+
+
 async def bench_config(
     name, peer, workloads, warm_request, count_tokens, log_path, show_progress, out
 ) -> None:
     """Start one server, warm it up, run its workloads into `out` (kept when interrupted), stop it."""
-    config = CONFIGS[name]
-    natural = replace(peer.target, fixed_output="none")  # grounded answers end on their own
-    with RunningServer(peer, log_path) as server:
-        logger.info("%s ready after %.1f s", name, await server.wait_ready(count_tokens))
-        warm = await warmup(peer.target, warm_request, count_tokens)
-        if not warm.success:
-            raise RuntimeError(f"{name} warm-up failed: {warm.error}")
+    with contextlib.ExitStack() as stack:
+        await start(name, peer, log_path, warm_request, count_tokens, stack)
         for workload, (level, requests) in workloads.items():
-            if not config.runs(workload):
-                continue
-            before = await scrape(peer.target.base_url)
-            if workload in BATCH_ONE:
-                run = await run_one_by_one(natural, requests, count_tokens, config.prediction)
-            else:
-                run = await run_benchmark(
-                    peer.target, requests, count_tokens, max_concurrency=level, show_progress=show_progress
+            if CONFIGS[name].runs(workload):
+                out[workload] = await measure_alone(
+                    name, peer, workload, level, requests, count_tokens, show_progress
                 )
+
+
+async def bench_paired(
+    peers, workloads, warm_request, count_tokens, log_paths, show_progress, results
+) -> None:
+    """Every configuration's server up at once (`peers`: name -> peer): each batch-1 workload paired prompt
+    by prompt (`run_paired`), the random workloads one server at a time while the others idle."""
+    with contextlib.ExitStack() as stack:
+        for name, peer in peers.items():
+            await start(name, peer, log_paths[name], warm_request, count_tokens, stack)
+        for workload, (level, requests) in workloads.items():
+            running = [name for name in peers if CONFIGS[name].runs(workload)]
+            if workload not in BATCH_ONE:
+                for name in running:
+                    results.setdefault(name, {})[workload] = await measure_alone(
+                        name, peers[name], workload, level, requests, count_tokens, show_progress
+                    )
+                continue
+            targets = [replace(peers[name].target, fixed_output="none") for name in running]
+            before = [await scrape(t.base_url) for t in targets]
+            runs = await run_paired(targets, requests, count_tokens, [CONFIGS[n].prediction for n in running])
             await asyncio.sleep(METRICS_SETTLE_S)
-            spec = SpecFigures.between(before, await scrape(peer.target.base_url))
-            s = run.summary
-            logger.info(
-                "%s %s: %d ok, %d failed, %.1f output tok/s, accept length %s",
-                name, workload, s.completed, s.failed, s.output_throughput,
-                "-" if spec is None or spec.accept_length is None else f"{spec.accept_length:.2f}",
-            )  # fmt: skip
-            out[workload] = Measurement(run, spec)
+            for name, target, run, snapshot in zip(running, targets, runs, before, strict=True):
+                m = Measurement(run, SpecFigures.between(snapshot, await scrape(target.base_url)))
+                log_measurement(name, workload, m)
+                results.setdefault(name, {})[workload] = m
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, dict[str, Measurement]]]:
@@ -252,6 +307,26 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, dict[str, Measu
     for r in range(args.rounds):
         results: dict[str, dict[str, Measurement]] = {}
         rounds.append(results)
+        if args.paired:
+            peers = {}
+            for i, name in enumerate(names):
+                peer = make_peer(name, args.base_port + i, model_dir, args)
+                if peer.missing:
+                    if r == 0:
+                        logger.warning("%s", peer.missing)
+                    continue
+                peers[name] = peer
+            log_paths = {name: os.path.join(log_dir, f"{name}-round{r + 1}.log") for name in peers}
+            try:
+                await bench_paired(
+                    peers, workloads, random_set[0], count_tokens, log_paths, not args.disable_tqdm, results
+                )
+            except (RuntimeError, TimeoutError) as exc:
+                logger.error("round %d could not be benchmarked: %s", r + 1, exc)
+            except asyncio.CancelledError:
+                logger.warning("interrupted: reporting what was measured so far")
+                return rounds
+            continue
         for i, name in enumerate(names):
             peer = make_peer(name, args.base_port + i, model_dir, args)
             if peer.missing:
@@ -302,11 +377,15 @@ def identity_counts(rounds, name: str, workload: str) -> tuple[int, int] | None:
     return (same, compared) if compared else None
 
 
-def ratio(medians, name: str, workload: str, reference: str) -> float | None:
-    ours, ref = medians.get(name, {}).get(workload), medians.get(reference, {}).get(workload)
-    if ours is None or ref is None or ref.run.summary.output_throughput <= 0:
-        return None
-    return ours.run.summary.output_throughput / ref.run.summary.output_throughput
+def ratio(rounds, name: str, workload: str, reference: str) -> float | None:
+    """The median over rounds of each round's ratio (the lower middle of an even count): a round's two
+    figures met the same minutes of the machine, two medians need not have."""
+    per_round = []
+    for results in rounds:
+        ours, ref = results.get(name, {}).get(workload), results.get(reference, {}).get(workload)
+        if ours is not None and ref is not None and ref.run.summary.output_throughput > 0:
+            per_round.append(ours.run.summary.output_throughput / ref.run.summary.output_throughput)
+    return sorted(per_round)[(len(per_round) - 1) // 2] if per_round else None
 
 
 def results_table(rounds) -> str:
@@ -318,7 +397,7 @@ def results_table(rounds) -> str:
     for name, by_workload in medians.items():
         for workload, m in by_workload.items():
             s = m.run.summary
-            r = ratio(medians, name, workload, REFERENCE)
+            r = ratio(rounds, name, workload, REFERENCE)
             accept = None if m.spec is None else m.spec.accept_length
             same = identity_counts(rounds, name, workload)
             cells = [
@@ -334,7 +413,7 @@ def targets_checklist(rounds) -> str:
     medians = median_measurements(rounds)
     lines = []
     for name, workload, reference, least in TARGETS:
-        r = ratio(medians, name, workload, reference)
+        r = ratio(rounds, name, workload, reference)
         verdict = "not measured" if r is None else f"{r:.2f}x, {'met' if r >= least else 'MISSED'}"
         lines.append(f"- {name} ÷ {reference}, {workload}: at least {least:.2f}x: {verdict}")
     for name in medians:
@@ -359,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"Model: {DEFAULT_EMBEDDED_MODEL}, greedy, chat endpoint. Batch 1: grounded prompts and open questions, "
         f"answers capped at {args.max_tokens} tokens; random: input {args.input_len} / output {args.output_len} "
-        f"tokens, fixed length. Rounds: {len(rounds)} (each cell is its workload's median round)\n"
+        f"tokens, fixed length. Rounds: {len(rounds)}{', paired prompt by prompt' if args.paired else ''} (each "
+        "cell is its workload's median round; each ratio the median of the rounds' ratios)\n"
     )
     print(results_table(rounds))
     print(f"\nTargets:\n{targets_checklist(rounds)}")

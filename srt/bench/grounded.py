@@ -138,6 +138,32 @@ async def run_one_by_one(
     return RunResult(1, math.inf, results, summarize(results, duration), None)
 
 
+async def run_paired(
+    targets: list[Target],
+    requests: list[SpecRequest],
+    count_tokens: Callable[[str], int],
+    with_prediction: list[bool],
+) -> list[RunResult]:
+    """Each request sent to every target in turn, one at a time (batch 1): a slow minute of a shared machine
+    reaches every server alike, where whole runs one after another each meet their own minute. A target's
+    duration is the sum of its own requests' times."""
+    results: list[list] = [[] for _ in targets]
+    spent = [0.0] * len(targets)
+    async with new_session() as session:
+        for req in requests:
+            for i, (target, predicted) in enumerate(zip(targets, with_prediction, strict=True)):
+                extra = {**target.extra_body, **req.prediction_fields} if predicted else target.extra_body
+                start = time.perf_counter()
+                results[i].append(
+                    await send_request(session, replace(target, extra_body=extra), req, count_tokens, start)
+                )
+                spent[i] += time.perf_counter() - start
+    return [
+        RunResult(1, math.inf, mine, summarize(mine, seconds), None)
+        for mine, seconds in zip(results, spent, strict=True)
+    ]
+
+
 @dataclass(frozen=True)
 class SpecFigures:
     """What the server's counters say about one run: verify steps that had drafts, drafts accepted."""

@@ -5,6 +5,7 @@ benchmark claims to run."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import functools
 import importlib.util
 import math
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from srt.bench import grounded
+from srt.bench.backends import Target
 from srt.bench.grounded import (
     ACCEPTED_METRIC,
     DRAFTS_METRIC,
@@ -128,6 +131,27 @@ def test_outputs_are_compared_request_by_request_over_those_both_completed():
     assert identical_outputs(run_of("a", "b", "c"), run_of("a", "B", None)) == (1, 2)
 
 
+def test_paired_runs_send_each_prompt_to_every_server_in_turn_and_time_each_servers_own_requests(
+    monkeypatch,
+):
+    sent = []
+
+    async def fake_send(session, target, req, count_tokens, start):
+        sent.append((target.base_url, req.prompt, "prediction" in target.extra_body))
+        await asyncio.sleep(0.02 if target.base_url.endswith("b") else 0.0)
+        return RequestResult(req.prompt_len, 10, success=True, generated_text="x")
+
+    monkeypatch.setattr(grounded, "send_request", fake_send)
+    requests = [SpecRequest(f"p{i}", 5, 16, "edit_function", "x = 1") for i in range(3)]
+    targets = [Target("http://a"), Target("http://b")]
+    fast, slow = asyncio.run(grounded.run_paired(targets, requests, len, [False, True]))
+    assert sent == [(url, f"p{i}", url.endswith("b")) for i in range(3) for url in ("http://a", "http://b")]
+    assert len(fast.results) == len(slow.results) == 3
+    # each server's duration is its own requests' time: 3 x 20 ms for b, next to nothing for a
+    assert fast.summary.output_throughput > 10 * slow.summary.output_throughput
+    assert 0.05 < 30 / slow.summary.output_throughput < 0.5
+
+
 def test_the_script_parses_its_flags():
     args = (
         load_script()
@@ -142,17 +166,20 @@ def test_the_script_parses_its_flags():
                 "/tmp/spec.json",
                 "--peers",
                 "srt,srt-ngram",
+                "--paired",
             ]
         )
     )
-    assert (args.rounds, args.num_prompts, args.output_file, args.peers) == (
+    assert (args.rounds, args.num_prompts, args.output_file, args.peers, args.paired) == (
         3,
         12,
         "/tmp/spec.json",
         "srt,srt-ngram",
+        True,
     )
     defaults = load_script().build_parser().parse_args([])
     assert defaults.num_prompts is None and defaults.max_tokens == 256 and defaults.concurrency == "16,64"
+    assert not defaults.paired
     assert Path(defaults.workload) == WORKLOAD
 
 

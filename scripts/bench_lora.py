@@ -11,13 +11,16 @@ Workloads (bench_peers' random chat workload, fixed output length):
 - `mixed`: at `--concurrency`, each request the base or one of the adapters, uniformly (on srt-lora; the
   reference runs the same requests on the base);
 - `batch1-base` / `batch1-adapter`: one request at a time, on the base and on one adapter.
-The table gives output tok/s and the ratios the targets name: mixed ÷ base-only at the same concurrency
-(target ≥ 0.8), adapter batch-1 ÷ base batch-1 (target ≥ 0.85; also against the base on the LoRA server,
-and per round, since the two batch-1 runs of a round are minutes apart at most). A benchmark, never part of the tests; run
-it on a quiet machine.
+The table gives output tok/s (each workload's median round) and the ratios the targets name, each the
+median of the rounds' own ratios: mixed ÷ base-only at the same concurrency (target ≥ 0.8), adapter
+batch-1 ÷ base batch-1 (target ≥ 0.85; also against the base on the LoRA server, per round). With
+`--paired` the batch-1 workloads go request by request, each prompt on srt's base, the LoRA server's base and
+its adapter in turn, so the machine's drift falls on all three alike. A benchmark, never part of the tests;
+run it on a quiet machine.
 
     python scripts/bench_lora.py
     python scripts/bench_lora.py --num-adapters 4 --rank 16 --concurrency 16 --num-prompts 64
+    python scripts/bench_lora.py --paired   # batch-1 figures paired request by request (steadier)
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import httpx
 from srt.bench.dataset import load_tokenizer, random_requests
 from srt.bench.lora_adapters import random_peft_adapter
 from srt.bench.peers import RunningServer, machine_description, srt_peer
-from srt.bench.runner import run_benchmark, warmup
+from srt.bench.runner import run_benchmark, run_interleaved, warmup
 from srt.model_source import resolve_model_dir
 
 logger = logging.getLogger("bench_lora")
@@ -71,6 +74,26 @@ async def measure(peer, count_tokens, workloads, show_progress) -> dict[str, flo
                     s.output_throughput)  # fmt: skip
         out[name] = s.output_throughput if s.failed == 0 else float("nan")
     return out
+
+
+async def measure_batch1_paired(plain, lora, one, adapter, count_tokens) -> dict:
+    """The batch-1 workloads paired request by request (`run_interleaved`): each prompt on srt's base, then
+    on the LoRA server's base, then on its adapter, each server from an empty prefix cache: output tok/s
+    per server and workload."""
+    for peer in (plain, lora):
+        await warmup(peer.target, one[0], count_tokens)
+        httpx.post(f"{peer.target.base_url}/flush_cache", timeout=60).raise_for_status()
+    arms = [
+        [(plain.target, r) for r in one],
+        [(lora.target, r) for r in one],
+        [(lora.target, replace(r, lora=adapter)) for r in one],
+    ]
+    runs = await run_interleaved(arms, count_tokens)
+    tps = [run.summary.output_throughput if run.summary.failed == 0 else float("nan") for run in runs]
+    names = ("srt batch1-base", "srt-lora batch1-base", "srt-lora batch1-adapter")
+    for name, value in zip(names, tps, strict=True):
+        logger.info("%s (paired): %.1f output tok/s", name, value)
+    return {"srt": {"batch1-base": tps[0]}, "srt-lora": {"batch1-base": tps[1], "batch1-adapter": tps[2]}}
 
 
 async def main_async(args) -> None:
@@ -109,19 +132,30 @@ async def main_async(args) -> None:
                 server = stack.enter_context(RunningServer(peer, os.path.join(tmp, f"{peer.name}.log")))
                 logger.info("%s ready after %.1f s", peer.name, await server.wait_ready(count_tokens))
             for _ in range(args.rounds):
-                rounds.append(
-                    {
-                        peer.name: await measure(
-                            peer, count_tokens, workloads[peer.name], not args.disable_tqdm
-                        )
-                        for peer in (plain, lora)
-                    }
-                )
+                if not args.paired:
+                    rounds.append(
+                        {
+                            peer.name: await measure(
+                                peer, count_tokens, workloads[peer.name], not args.disable_tqdm
+                            )
+                            for peer in (plain, lora)
+                        }
+                    )
+                    continue
+                mixed_only = {p.name: {"mixed": workloads[p.name]["mixed"]} for p in (plain, lora)}
+                figures = {
+                    p.name: await measure(p, count_tokens, mixed_only[p.name], not args.disable_tqdm)
+                    for p in (plain, lora)
+                }
+                for server, values in (
+                    await measure_batch1_paired(plain, lora, one, first, count_tokens)
+                ).items():
+                    figures[server].update(values)
+                rounds.append(figures)
     results = {
         server: {w: statistics.median(r[server][w] for r in rounds) for w in runs}
         for server, runs in workloads.items()
     }
-    ref, got = results["srt"], results["srt-lora"]
     print(f"\nMachine: {machine_description()}")
     print(
         f"Model: SmolLM2-135M-Instruct (int8), {args.num_adapters} adapters of rank {args.rank} on every module"
@@ -132,13 +166,17 @@ async def main_async(args) -> None:
     for server, runs in results.items():
         for workload, tps in runs.items():
             print(f"| {server} | {workload} | {tps:.1f} |")
-    mixed_ratio = got["mixed"] / ref["mixed"]
-    batch1_ratio = got["batch1-adapter"] / ref["batch1-base"]
+    # each ratio the median of the rounds' own ratios: a round's two figures met the same minutes of the machine
+    mixed_ratio = statistics.median(r["srt-lora"]["mixed"] / r["srt"]["mixed"] for r in rounds)
+    batch1_ratio = statistics.median(
+        r["srt-lora"]["batch1-adapter"] / r["srt"]["batch1-base"] for r in rounds
+    )
     print(f"\n- mixed (base + adapters, c{args.concurrency}) / base-only: {mixed_ratio:.2f}x "
           f"(target {TARGET_MIXED}x: {'met' if mixed_ratio >= TARGET_MIXED else 'MISSED'})")  # fmt: skip
     print(f"- batch-1 adapter / base: {batch1_ratio:.2f}x "
           f"(target {TARGET_BATCH1}x: {'met' if batch1_ratio >= TARGET_BATCH1 else 'MISSED'})")  # fmt: skip
-    print(f"- base batch-1 on the LoRA server / without LoRA: {got['batch1-base'] / ref['batch1-base']:.2f}x")
+    on_lora = statistics.median(r["srt-lora"]["batch1-base"] / r["srt"]["batch1-base"] for r in rounds)
+    print(f"- base batch-1 on the LoRA server / without LoRA: {on_lora:.2f}x")
     same = [r["srt-lora"]["batch1-adapter"] / r["srt-lora"]["batch1-base"] for r in rounds]
     print(f"- batch-1 adapter / base on the LoRA server, per round: {', '.join(f'{x:.2f}x' for x in same)}")
 
@@ -155,6 +193,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--rounds", type=int, default=3, help="every workload this many times, the servers in turn"
+    )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="batch-1 workloads request by request: each prompt on srt's base, the LoRA server's base, then its adapter",
     )
     p.add_argument("--base-port", type=int, default=BASE_PORT)
     p.add_argument("--disable-tqdm", action="store_true")

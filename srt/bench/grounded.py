@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from srt.bench.backends import Target, send_request
 from srt.bench.dataset import BenchRequest, prompt_token_count
 from srt.bench.prom import Snapshot
-from srt.bench.runner import RunResult, new_session
+from srt.bench.runner import RunResult, new_session, run_interleaved
 from srt.bench.stats import summarize
 
 KINDS = ("edit_function", "rewrite_paragraph", "quote_passage")
@@ -144,24 +144,19 @@ async def run_paired(
     count_tokens: Callable[[str], int],
     with_prediction: list[bool],
 ) -> list[RunResult]:
-    """Each request sent to every target in turn, one at a time (batch 1): a slow minute of a shared machine
-    reaches every server alike, where whole runs one after another each meet their own minute. A target's
-    duration is the sum of its own requests' times."""
-    results: list[list] = [[] for _ in targets]
-    spent = [0.0] * len(targets)
-    async with new_session() as session:
-        for req in requests:
-            for i, (target, predicted) in enumerate(zip(targets, with_prediction, strict=True)):
-                extra = {**target.extra_body, **req.prediction_fields} if predicted else target.extra_body
-                start = time.perf_counter()
-                results[i].append(
-                    await send_request(session, replace(target, extra_body=extra), req, count_tokens, start)
-                )
-                spent[i] += time.perf_counter() - start
-    return [
-        RunResult(1, math.inf, mine, summarize(mine, seconds), None)
-        for mine, seconds in zip(results, spent, strict=True)
-    ]
+    """Each request sent to every target in turn, one at a time (batch 1), with its prediction where asked
+    (`run_interleaved`: each target timed on its own requests)."""
+    arms = []
+    for target, predicted in zip(targets, with_prediction, strict=True):
+        arms.append(
+            [
+                (replace(target, extra_body={**target.extra_body, **req.prediction_fields}), req)
+                if predicted
+                else (target, req)
+                for req in requests
+            ]
+        )
+    return await run_interleaved(arms, count_tokens)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,28 @@ def arrival_gaps(num: int, request_rate: float, seed: int) -> list[float]:
     return [rng.expovariate(request_rate) for _ in range(num)]
 
 
+async def run_interleaved(
+    arms: list[list[tuple[Target, BenchRequest]]], count_tokens: Callable[[str], int]
+) -> list[RunResult]:
+    """One request at a time, request j of every arm in turn (arm i's j-th (target, request)): a slow minute
+    of a shared machine reaches every arm alike, where whole runs one after another each meet their own
+    minute. An arm's duration is the sum of its own requests' times."""
+    results: list[list[RequestResult]] = [[] for _ in arms]
+    spent = [0.0] * len(arms)
+    async with new_session() as session:
+        for j in range(max((len(arm) for arm in arms), default=0)):
+            for i, arm in enumerate(arms):
+                if j < len(arm):
+                    target, req = arm[j]
+                    start = time.perf_counter()
+                    results[i].append(await send_request(session, target, req, count_tokens, start))
+                    spent[i] += time.perf_counter() - start
+    return [
+        RunResult(1, math.inf, mine, summarize(mine, seconds), None)
+        for mine, seconds in zip(results, spent, strict=True)
+    ]
+
+
 async def run_benchmark(
     target: Target,
     requests: list[BenchRequest],

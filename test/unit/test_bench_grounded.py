@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from srt.bench import grounded
+from srt.bench import grounded, runner
 from srt.bench.backends import Target
 from srt.bench.grounded import (
     ACCEPTED_METRIC,
@@ -141,7 +141,7 @@ def test_paired_runs_send_each_prompt_to_every_server_in_turn_and_time_each_serv
         await asyncio.sleep(0.02 if target.base_url.endswith("b") else 0.0)
         return RequestResult(req.prompt_len, 10, success=True, generated_text="x")
 
-    monkeypatch.setattr(grounded, "send_request", fake_send)
+    monkeypatch.setattr(runner, "send_request", fake_send)
     requests = [SpecRequest(f"p{i}", 5, 16, "edit_function", "x = 1") for i in range(3)]
     targets = [Target("http://a"), Target("http://b")]
     fast, slow = asyncio.run(grounded.run_paired(targets, requests, len, [False, True]))

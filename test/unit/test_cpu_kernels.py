@@ -420,3 +420,29 @@ def test_argmax_rows_answers_as_torch_max_on_ties_infinities_and_nans(kernels, n
     assert torch.equal(kernels.argmax_rows(x), x.max(dim=-1).indices)
     for row in range(0, 64, 7):  # each row alone, as a decode step's one row
         assert torch.equal(kernels.argmax_rows(x[row : row + 1]), x[row : row + 1].max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_the_lora_expand_gives_the_portable_loops_bits_over_whole_and_partial_column_blocks(
+    kernels, portable, gathered
+):
+    """The expand goes by blocks of 128 output columns: over whole blocks and a partial one, every variant
+    gives the portable loop's bits, for rows added in place and for gathered rows (summed from zero, then
+    added once). (A register-blocked expand that fused the multiply-add failed here.)"""
+    gen = torch.Generator().manual_seed(12)
+    k, rank = 96, 16
+    sizes = torch.tensor([256, 136], dtype=torch.int64)  # two whole blocks; one whole and a part of 8
+    offsets = torch.tensor([0, 256], dtype=torch.int64)
+    x = torch.randn(6, k, generator=gen)
+    a = torch.randn(2, 2 * rank, k, generator=gen) * 0.1
+    b = torch.randn(2, rank, 392, generator=gen) * 0.1
+    rows = torch.tensor([4, 1, 5, 0], dtype=torch.int64) if gathered else None
+    table = torch.tensor([[1, rank, 0, 2], [0, 12, 2, 4]], dtype=torch.int64)
+    outs = []
+    for built in (kernels, portable):
+        out = torch.randn(6, 392, generator=torch.Generator().manual_seed(3))
+        built.lora_add_segments(out, x, rows, table, a, b, offsets, sizes)
+        outs.append(out)
+    untouched = torch.randn(6, 392, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(outs[0], untouched)
+    assert torch.equal(outs[0], outs[1])

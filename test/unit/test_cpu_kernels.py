@@ -428,7 +428,7 @@ def test_the_lora_expand_gives_the_portable_loops_bits_over_whole_and_partial_co
 ):
     """The expand goes by blocks of 128 output columns: over whole blocks and a partial one, every variant
     gives the portable loop's bits, for rows added in place and for gathered rows (summed from zero, then
-    added once). (A register-blocked expand that fused the multiply-add failed here.)"""
+    added once); an expand that fused the multiply-add would not."""
     gen = torch.Generator().manual_seed(12)
     k, rank = 96, 16
     sizes = torch.tensor([256, 136], dtype=torch.int64)  # two whole blocks; one whole and a part of 8

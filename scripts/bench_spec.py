@@ -307,16 +307,16 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, dict[str, Measu
     for r in range(args.rounds):
         results: dict[str, dict[str, Measurement]] = {}
         rounds.append(results)
+        peers = {}  # the configurations that can run here, each on its own port
+        for i, name in enumerate(names):
+            peer = make_peer(name, args.base_port + i, model_dir, args)
+            if peer.missing:
+                if r == 0:
+                    logger.warning("%s", peer.missing)
+                continue
+            peers[name] = peer
+        log_paths = {name: os.path.join(log_dir, f"{name}-round{r + 1}.log") for name in peers}
         if args.paired:
-            peers = {}
-            for i, name in enumerate(names):
-                peer = make_peer(name, args.base_port + i, model_dir, args)
-                if peer.missing:
-                    if r == 0:
-                        logger.warning("%s", peer.missing)
-                    continue
-                peers[name] = peer
-            log_paths = {name: os.path.join(log_dir, f"{name}-round{r + 1}.log") for name in peers}
             try:
                 await bench_paired(
                     peers, workloads, random_set[0], count_tokens, log_paths, not args.disable_tqdm, results
@@ -327,16 +327,10 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, dict[str, Measu
                 logger.warning("interrupted: reporting what was measured so far")
                 return rounds
             continue
-        for i, name in enumerate(names):
-            peer = make_peer(name, args.base_port + i, model_dir, args)
-            if peer.missing:
-                if r == 0:
-                    logger.warning("%s", peer.missing)
-                continue
-            log_path = os.path.join(log_dir, f"{name}-round{r + 1}.log")
+        for name, peer in peers.items():
             try:
                 await bench_config(
-                    name, peer, workloads, random_set[0], count_tokens, log_path, not args.disable_tqdm,
+                    name, peer, workloads, random_set[0], count_tokens, log_paths[name], not args.disable_tqdm,
                     results.setdefault(name, {}),
                 )  # fmt: skip
             except (RuntimeError, TimeoutError) as exc:

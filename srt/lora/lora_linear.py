@@ -4,8 +4,9 @@
 output first, then, for the step's adapted rows only, each adapter's segment shrink (x A^T, at the
 adapter's rank) and expand (times B^T, the scaling folded into B when the slot was written). A fused layer
 stacks its sub-modules' A (q, k, v's rows one after another) for one shrink, and expands each sub-module
-into its own columns of the output. The adapter matmuls run in the pool's dtype (fp32 on the CPU, also
-under the int8 base).
+into its own columns of the output. The adapter matmuls run in the pool's dtype (fp32 on the CPU), except
+under the int8 base on the CPU, whose C kernel reads factors stored in fp16 and multiplies them in fp32
+(`KERNEL_POOL_DTYPE`).
 
 Tensor parallelism is exact with no extra communication: a column-parallel layer's slots hold this rank's
 rows of B (its slice of each sub-module's outputs) and all of A; a row-parallel layer's slots hold this
@@ -22,6 +23,12 @@ import torch
 from srt.lora.adapter import LoRAAdapter
 from srt.lora.batch_info import LoRABatchInfo, LoRAStep
 from srt.model_executor.layers.linear_method import WEIGHT, LinearMethod, LinearWeights
+
+# The int8 CPU path's pool: its steps are bound by reading memory, and an adapter's fp32 factors were ~3 of
+# the ~6 ms four adapters added to a 16-row SmolLM2 decode step (2-core AMD EPYC Zen 4). Halved in fp16; the
+# kernel widens them exactly and keeps every product and sum in fp32, so only the factors' rounding changes
+# (relative 2^-11, inside the int8 base's own quantization error).
+KERNEL_POOL_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,12 @@ class LayerLoRAWeights:
         device: str,
         kernels=None,
     ):
-        """`kernels` (srt's CPU kernels, for an fp32 pool on the CPU): a step's products in one call of
-        srt_lora_add_segments instead of PyTorch matmuls per segment and sub-module."""
+        """`kernels` (srt's CPU kernels, for an fp32 model on the CPU): a step's products in one call of
+        srt_lora_add_segments instead of PyTorch matmuls per segment and sub-module, on a pool of
+        KERNEL_POOL_DTYPE."""
         self.subs = subs
         kernels = kernels if dtype == torch.float32 and str(device) == "cpu" else None
+        dtype = KERNEL_POOL_DTYPE if kernels is not None else dtype
         self._out_offsets = torch.tensor([s.out_offset for s in subs], dtype=torch.int64)
         self._out_sizes = torch.tensor([s.out_size for s in subs], dtype=torch.int64)
         self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
@@ -72,6 +81,7 @@ class LayerLoRAWeights:
         self._segment_args = None if kernels is None else (
             self.a.data_ptr(), self.a.stride(0), len(subs), self.b.data_ptr(), self.b.stride(0),
             self.b.stride(1), self._out_offsets.data_ptr(), self._out_sizes.data_ptr(),
+            int(dtype == torch.float16),
         )  # fmt: skip
 
     def segment_args(self) -> tuple[int, ...] | None:
@@ -103,7 +113,7 @@ class LayerLoRAWeights:
             self._lora_add is not None
             and x.stride(-1) == 1
             and out.stride(-1) == 1
-            and x.dtype == self.a.dtype
+            and x.dtype == torch.float32
         ):
             self._lora_add(
                 x.data_ptr(), x.shape[1], x.stride(0), *info.kernel_segments(), *self._segment_args,
@@ -118,11 +128,11 @@ class LayerLoRAWeights:
         stacked = len(self.subs)
         for seg in info.segments:
             r, rows = seg.rank, deltas[seg.start : seg.end]
-            shrunk = xs[seg.start : seg.end] @ self.a[seg.slot, : stacked * r].T
+            shrunk = xs[seg.start : seg.end] @ self.a[seg.slot, : stacked * r].T.to(xs.dtype)
             for sub in self.subs:
                 cols = slice(sub.out_offset, sub.out_offset + sub.out_size)
                 rows[:, cols].addmm_(
-                    shrunk[:, sub.index * r : (sub.index + 1) * r], self.b[seg.slot, :r, cols]
+                    shrunk[:, sub.index * r : (sub.index + 1) * r], self.b[seg.slot, :r, cols].to(xs.dtype)
                 )
         return out if info.order is None else out.index_add_(0, info.order, deltas)
 

@@ -115,7 +115,13 @@ class LoRAManager:
     def read(self, name: str, path: str) -> LoRAAdapter:
         """The adapter at `path`, checked against this model (AdapterError otherwise). Touches no state of
         the manager: a scheduler may run it on a worker thread, then `add` the result on its loop."""
-        return read_adapter(name, path, self.shapes, self.config.target_modules, self.config.max_lora_rank)
+        adapter = read_adapter(name, path, self.shapes, self.config.target_modules, self.config.max_lora_rank)
+        if self.layers and (dtype := self.layers[0].a.dtype).is_floating_point:
+            limit = torch.finfo(dtype).max  # a factor beyond it would become inf in the pool
+            for module, (a, b) in adapter.weights.items():
+                if max(a.abs().max().item(), b.abs().max().item() * abs(adapter.scaling)) > limit:
+                    raise AdapterError(name, f"{module} holds values beyond the adapter pool's {dtype} range")
+        return adapter
 
     def add(self, adapter: LoRAAdapter, pinned: bool = False) -> None:
         """Make a read adapter servable under its name; a pinned one takes a slot now and keeps it."""

@@ -194,16 +194,18 @@ def portable(variant_cache) -> cpu_kernels.CpuKernels:
     return build_variant(variant_cache, "x86-64")
 
 
-def test_the_lane_reductions_give_the_portable_loops_bits_in_every_variant(kernels, portable):
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_the_lane_reductions_give_the_portable_loops_bits_in_every_variant(kernels, portable, pool_dtype):
     """RMSNorm's sum of squares and the LoRA shrink keep 16 partial sums, whether the compiler vectorizes
-    the loop or the kernel spells out the SIMD: a variant that summed in another order would give the
-    fused decode step other bits than the module path on another machine."""
+    the loop or the kernel spells out the SIMD (an fp16 pool's factors widened by F16C or bit by bit): a
+    variant that summed in another order would give the fused decode step other bits than the module path
+    on another machine."""
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(5, 1545, generator=gen) * 2.0  # not a multiple of 16: the tail too
     w = torch.randn(1545, generator=gen)
     assert torch.equal(kernels.rmsnorm(x, w, 1e-6), portable.rmsnorm(x, w, 1e-6))
-    a = torch.randn(2, 2 * 8, 1545, generator=gen) * 0.1
-    b = torch.randn(2, 8, 40, generator=gen) * 0.1
+    a = (torch.randn(2, 2 * 8, 1545, generator=gen) * 0.1).to(pool_dtype)
+    b = (torch.randn(2, 8, 40, generator=gen) * 0.1).to(pool_dtype)
     table = torch.tensor([[1, 8, 0, 2], [0, 8, 2, 5]], dtype=torch.int64)
     offsets, sizes = torch.tensor([0, 24], dtype=torch.int64), torch.tensor([24, 16], dtype=torch.int64)
     outs = []
@@ -422,9 +424,10 @@ def test_argmax_rows_answers_as_torch_max_on_ties_infinities_and_nans(kernels, n
         assert torch.equal(kernels.argmax_rows(x[row : row + 1]), x[row : row + 1].max(dim=-1).indices)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gathered", [False, True])
 def test_the_lora_expand_gives_the_portable_loops_bits_over_whole_and_partial_column_blocks(
-    kernels, portable, gathered
+    kernels, portable, gathered, pool_dtype
 ):
     """The expand goes by blocks of 128 output columns: over whole blocks and a partial one, every variant
     gives the portable loop's bits, for rows added in place and for gathered rows (summed from zero, then
@@ -434,8 +437,8 @@ def test_the_lora_expand_gives_the_portable_loops_bits_over_whole_and_partial_co
     sizes = torch.tensor([256, 136], dtype=torch.int64)  # two whole blocks; one whole and a part of 8
     offsets = torch.tensor([0, 256], dtype=torch.int64)
     x = torch.randn(6, k, generator=gen)
-    a = torch.randn(2, 2 * rank, k, generator=gen) * 0.1
-    b = torch.randn(2, rank, 392, generator=gen) * 0.1
+    a = (torch.randn(2, 2 * rank, k, generator=gen) * 0.1).to(pool_dtype)
+    b = (torch.randn(2, rank, 392, generator=gen) * 0.1).to(pool_dtype)
     rows = torch.tensor([4, 1, 5, 0], dtype=torch.int64) if gathered else None
     table = torch.tensor([[1, rank, 0, 2], [0, 12, 2, 4]], dtype=torch.int64)
     outs = []

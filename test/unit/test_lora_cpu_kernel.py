@@ -1,7 +1,8 @@
 """srt_lora_add_segments, the CPU kernel behind an int8 model's adapter products
 (`CpuKernels.lora_add_segments`): every adapter of a step in one call per layer, each of its rows getting, for
 every sub-module of a fused layer, its shrink and expand added into that sub-module's own columns, as the
-PyTorch matmuls compute them (to float rounding), leaving base rows and other columns alone."""
+PyTorch matmuls compute them (to float rounding), leaving base rows and other columns alone; from a pool of
+fp32 factors, or of fp16 ones widened exactly as they are read (the int8 model's pool)."""
 
 from __future__ import annotations
 
@@ -64,11 +65,12 @@ def test_every_row_adapted_and_grouped_needs_no_row_list():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
-def test_a_gathered_row_gets_the_bits_of_an_expand_into_zeros_then_one_add():
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_a_gathered_row_gets_the_bits_of_an_expand_into_zeros_then_one_add(pool_dtype):
     """The module path's order of operations (gather, expand into zeros, index_add) and the kernel's agree to
     the bit, so the fused decode step and the modules give the same logits."""
     gen = torch.Generator().manual_seed(9)
-    a, b = pool(2, 16, 96, gen)
+    a, b = (t.to(pool_dtype) for t in pool(2, 16, 96, gen))
     x, out = torch.randn(3, 96, generator=gen), torch.randn(3, WIDTH, generator=gen)
     rows, table = torch.tensor([2, 0]), torch.tensor([[1, 16, 0, 2]])
     delta = torch.zeros(2, WIDTH)
@@ -78,12 +80,32 @@ def test_a_gathered_row_gets_the_bits_of_an_expand_into_zeros_then_one_add():
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("k", [64, 200, 17])
+def test_an_fp16_pool_gives_the_products_of_its_factors_widened_to_fp32(k):
+    """Every SIMD form widens a half exactly (F16C or bit by bit), then multiplies and sums in fp32."""
+    gen = torch.Generator().manual_seed(k + 1)
+    a, b = (t.half() for t in pool(3, 16, k, gen))
+    x = torch.randn(7, k, generator=gen)
+    out = torch.randn(7, WIDTH, generator=gen)
+    row_slot = {0: (2, 16), 3: (2, 16), 5: (2, 16), 1: (0, 8), 6: (0, 8)}
+    rows, table = torch.tensor([0, 3, 5, 1, 6]), torch.tensor([[2, 16, 0, 3], [0, 8, 3, 5]])
+    want = reference(out, x, row_slot, a.float(), b.float())
+    KERNELS.lora_add_segments(out, x, rows, table, a, b, OFFSETS, SIZES)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    for base_row in (2, 4):
+        assert torch.equal(out[base_row], want[base_row])
+    assert torch.equal(out[:, 32:40], want[:, 32:40])
+
+
 def test_operands_it_cannot_read_are_refused():
     a, b = pool(2, 4, 8, torch.Generator().manual_seed(1))
     x, out = torch.randn(2, 8), torch.randn(2, WIDTH)
     table = torch.tensor([[0, 4, 0, 2]])
     with pytest.raises(TypeError):
         KERNELS.lora_add_segments(out, x.double(), None, table, a, b, OFFSETS, SIZES)
+    for pool_a, pool_b in ((a.half(), b), (a.bfloat16(), b.bfloat16())):  # mixed formats, or bf16
+        with pytest.raises(TypeError):
+            KERNELS.lora_add_segments(out, x, None, table, pool_a, pool_b, OFFSETS, SIZES)
     for bad in ([[2, 4, 0, 2]], [[0, 8, 0, 2]], [[0, 4, 0, 3]], [[0, 4, 1, 0]]):  # slot, rank, end, start
         with pytest.raises(ValueError):
             KERNELS.lora_add_segments(out, x, None, torch.tensor(bad), a, b, OFFSETS, SIZES)

@@ -1,7 +1,7 @@
 """Adapters on the int8 CPU base: the fused decode step runs steps with adapter rows too, adding each layer's
-adapter products after its kernel, with the bits of the module path (whose linear methods add them); and the
-int8 base with fp32 adapter matmuls stays as close to transformers + PEFT in fp32 as the int8 base alone
-stays to transformers."""
+adapter products after its kernel, with the bits of the module path (whose linear methods add them); the
+int8 base with fp32 adapter matmuls (on factors stored in fp16) stays as close to transformers + PEFT in fp32
+as the int8 base alone stays to transformers; an adapter whose factors fp16 cannot hold is refused."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from srt.lora.adapter import AdapterError
 from srt.lora.config import LoRAConfig
+from srt.lora.lora_linear import KERNEL_POOL_DTYPE
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.models.cpu_decode import CpuDecodeStep
@@ -133,3 +136,17 @@ def test_the_int8_base_with_fp32_adapters_stays_within_int8_error_of_peft(tiny_m
         if name is not None:
             assert errors[i] <= ADAPTER_ERROR_OVER_BASE * worst_base, (name, errors[i], worst_base)
     assert sum(greedy_agrees) >= len(NAMES) // 2  # most rows decode PEFT's exact greedy tokens
+
+
+def test_the_pool_holds_fp16_factors_and_refuses_an_adapter_fp16_cannot_hold(
+    tiny_model_dir, runner, tmp_path
+):
+    assert {layer.a.dtype for layer in runner.lora.layers} == {KERNEL_POOL_DTYPE} == {torch.float16}
+    path = save_peft_adapter(tiny_model_dir, tmp_path / "huge", rank=8, seed=3)
+    tensors = load_file(f"{path}/adapter_model.safetensors")
+    name = sorted(n for n in tensors if n.endswith("lora_A.weight"))[0]
+    tensors[name].view(-1)[0] = 1e6  # finite in fp32, inf in fp16
+    save_file(tensors, f"{path}/adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="beyond the adapter pool's torch.float16 range"):
+        runner.lora.load("huge", path)
+    assert "huge" not in runner.lora.loaded

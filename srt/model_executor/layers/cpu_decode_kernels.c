@@ -22,7 +22,7 @@ int64_t srt_decode_layer_words(void) { return (int64_t)(sizeof(DecodeLayer) / si
 /* One linear layer's adapter pool as srt_lora_add_segments reads it (`LayerLoRAWeights.segment_args`), a 0
  * when the layer has none; a layer's four (qkv, o, gate_up, down) follow each other. */
 typedef struct {
-    int64_t a, a_slot_stride, nsub, bt, bt_slot_stride, bt_stride, out_offset, out_size;
+    int64_t a, a_slot_stride, nsub, bt, bt_slot_stride, bt_stride, out_offset, out_size, half;
 } DecodeAdapters;
 
 int64_t srt_decode_adapter_words(void) { return (int64_t)(sizeof(DecodeAdapters) / sizeof(int64_t)); }
@@ -37,9 +37,10 @@ typedef struct {
 static inline void adapt(const StepAdapters *s, const DecodeAdapters *p, const float *x, int64_t k, float *out,
                          int64_t n) {
     if (s->pools == NULL || p->a == 0) return;
-    srt_lora_add_segments(x, k, k, s->rows, s->nseg, s->seg, (const float *)(intptr_t)p->a, p->a_slot_stride,
-                          p->nsub, (const float *)(intptr_t)p->bt, p->bt_slot_stride, p->bt_stride,
-                          (const int64_t *)(intptr_t)p->out_offset, (const int64_t *)(intptr_t)p->out_size, out, n);
+    srt_lora_add_segments(x, k, k, s->rows, s->nseg, s->seg, (const void *)(intptr_t)p->a, p->a_slot_stride,
+                          p->nsub, (const void *)(intptr_t)p->bt, p->bt_slot_stride, p->bt_stride,
+                          (const int64_t *)(intptr_t)p->out_offset, (const int64_t *)(intptr_t)p->out_size, p->half,
+                          out, n);
 }
 
 static inline void linear(const DecodeLinear *l, const float *x, int64_t m, float *out, int8_t *q, float *qscale) {

@@ -178,15 +178,15 @@ class CpuKernels:
         start..end themselves, every row adapted and grouped) by pool slot `slot`: a [slots, sub-modules x
         max rank, k] (an adapter of rank r keeps sub-module i's A at rows i*r..), b = B^T [slots, max rank, n]
         (scaled); sub-module i owns out's columns out_offsets[i].. of out_sizes[i]. fp32 rows with unit column
-        stride."""
+        stride; the pool in fp32 or fp16 (widened as read, fp32 products)."""
         if any(t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 for t in (out, x)):
             raise TypeError("lora_add_segments takes 2-D fp32 rows with unit column stride")
         if (
-            a.dtype != torch.float32
-            or b.dtype != torch.float32
+            a.dtype not in (torch.float32, torch.float16)
+            or b.dtype != a.dtype
             or not (a.is_contiguous() and b.is_contiguous())
         ):
-            raise TypeError("lora_add_segments takes a contiguous fp32 pool")
+            raise TypeError("lora_add_segments takes a contiguous fp32 or fp16 pool")
         index = (table, out_offsets, out_sizes) + (() if rows is None else (rows,))
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
             raise TypeError("lora_add_segments takes contiguous int64 rows, segments, offsets and sizes")
@@ -207,7 +207,8 @@ class CpuKernels:
         self._c.srt_lora_add_segments(
             x.data_ptr(), k, x.stride(0), None if rows is None else rows.data_ptr(), table.shape[0],
             table.data_ptr(), a.data_ptr(), a.stride(0), nsub, b.data_ptr(), b.stride(0), b.stride(1),
-            out_offsets.data_ptr(), out_sizes.data_ptr(), out.data_ptr(), out.stride(0),
+            out_offsets.data_ptr(), out_sizes.data_ptr(), int(a.dtype == torch.float16), out.data_ptr(),
+            out.stride(0),
         )  # fmt: skip
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -161,7 +161,7 @@ int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t h
                          float *out);
 void srt_silu_mul(const float *gu, int64_t m, int64_t inter, int64_t gu_stride, float *out);
 void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const int64_t *rows, int64_t nseg,
-                           const int64_t *seg, const float *a, int64_t a_slot_stride, int64_t nsub,
-                           const float *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
-                           const int64_t *out_size, float *out, int64_t out_stride);
+                           const int64_t *seg, const void *a, int64_t a_slot_stride, int64_t nsub,
+                           const void *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
+                           const int64_t *out_size, int64_t half, float *out, int64_t out_stride);
 #endif /* SRT_CPU_KERNELS_COMMON_H */

@@ -121,6 +121,69 @@ void srt_store_kv(const float *qkv, int64_t m, int64_t row_stride, int64_t k_off
  * ~19 MB of fp32 factors a SmolLM2 step, and one core read them in 1.75 ms of a 9.3 ms step. */
 #define LORA_PARALLEL_MIN 16384
 
+/* A pool's factors are fp32, or fp16 (`HALF`, a constant after inlining: one copy of the loops per format)
+ * widened to fp32 exactly as they are read; the products and sums are fp32 either way. */
+ALWAYS_INLINE float factor(const void *p, int64_t i, const int HALF) {
+    return HALF ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* x . a (a: n factors) as dot_lanes sums it, the factors widened first */
+ALWAYS_INLINE float dot_factors(const float *x, const void *a, int64_t n, const int HALF) {
+    if (!HALF) return dot_lanes(x, (const float *)a, n);
+    const uint16_t *h = (const uint16_t *)a;
+    float lane[LANES] = {0};
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    for (; i + LANES <= n; i += LANES)
+        v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i)))));
+    _mm512_storeu_ps(lane, v);
+#elif defined(__F16C__)
+    __m256 v0 = _mm256_setzero_ps(), v1 = v0;
+    for (; i + LANES <= n; i += LANES) {
+        v0 = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i)))));
+        v1 = _mm256_add_ps(v1, _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i + 8)))));
+    }
+    _mm256_storeu_ps(lane, v0);
+    _mm256_storeu_ps(lane + 8, v1);
+#endif
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += x[i + l] * half_to_float(h[i + l]);
+    float s = 0.0f;
+    for (; i < n; i++) s += x[i] * half_to_float(h[i]);
+    for (int l = 0; l < LANES; l++) s += lane[l];
+    return s;
+}
+
+/* 16 factors from b + c, widened */
+#if defined(__AVX512F__)
+ALWAYS_INLINE __m512 factors16(const void *b, int64_t c, const int HALF) {
+    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)b + c)))
+                : _mm512_loadu_ps((const float *)b + c);
+}
+#endif
+
+/* acc[c] += s[q] * b[q * b_stride + c] for q = 0 .. r in turn, c in [0, n) (b: factors): each element's r
+ * products added in order of q, so the same bits in any vector width. A vector of acc stays in a register
+ * while its r products are added. */
+ALWAYS_INLINE void expand_block(float *acc, const float *s, int64_t r, const void *b, int64_t b_stride, int64_t n,
+                                const int HALF) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) {
+        __m512 v = _mm512_loadu_ps(acc + c);
+        for (int64_t q = 0; q < r; q++)
+            v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(s[q]), factors16(b, q * b_stride + c, HALF)));
+        _mm512_storeu_ps(acc + c, v);
+    }
+#endif
+    for (; c < n; c++) {
+        float v = acc[c];
+        for (int64_t q = 0; q < r; q++) v += s[q] * factor(b, q * b_stride + c, HALF);
+        acc[c] = v;
+    }
+}
+
 /* LoRA adapters' products, added to a layer's output. For each of the layer's nsub sub-modules i (q, k, v of
  * a fused qkv; one for a plain layer), out[row, off_i : off_i + size_i] += (x[row] A_i^T) B_i^T, A_i being rows
  * i*r .. (i+1)*r of the adapter's a [nsub * r, k] and B_i^T rows 0 .. r of its bt (row stride bt_stride),
@@ -133,12 +196,13 @@ void srt_store_kv(const float *qkv, int64_t m, int64_t row_stride, int64_t k_off
 
 /* One adapter's rows of a step: tokens rows[t0 .. t0 + m) of x and out (rows NULL: tokens t0 .. t0 + m
  * themselves). Added straight into out when `direct`; otherwise each output block's delta is summed from zero
- * first and then added once, as a gather, expand into zeros and index_add would (the same bits). */
-static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m, int64_t k, int64_t x_stride,
-                      const float *a, int64_t r, int64_t nsub, const float *bt, int64_t bt_stride,
-                      const int64_t *out_offset, const int64_t *out_size, float *out, int64_t out_stride,
-                      int direct) {
-    const int64_t nr = nsub * r;
+ * first and then added once, as a gather, expand into zeros and index_add would (the same bits). a and bt
+ * hold fp32 factors, or fp16 ones when HALF. */
+ALWAYS_INLINE void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m, int64_t k,
+                             int64_t x_stride, const void *a, int64_t r, int64_t nsub, const void *bt,
+                             int64_t bt_stride, const int64_t *out_offset, const int64_t *out_size, float *out,
+                             int64_t out_stride, int direct, const int HALF) {
+    const int64_t nr = nsub * r, size = HALF ? 2 : 4;
     int64_t blocks = 0; /* column blocks of one token's output, over every sub-module */
     for (int64_t i = 0; i < nsub; i++) blocks += (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK;
     const int64_t group = nr > 0 && nr < LORA_SHRUNK_MAX ? LORA_SHRUNK_MAX / nr : 1;
@@ -150,7 +214,7 @@ static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < tg * nr; j++) {
                 const int64_t t = t0 + g0 + j / nr, row = rows ? rows[t] : t;
-                shrunk[j] = dot_lanes(x + row * x_stride, a + (j % nr) * k, k);
+                shrunk[j] = dot_factors(x + row * x_stride, (const char *)a + (j % nr) * k * size, k, HALF);
             }
             /* each output element adds its r products in the same order whichever thread owns its block */
 #pragma omp for schedule(static)
@@ -166,11 +230,8 @@ static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m
                 float *o = out + row * out_stride + out_offset[i];
                 float sum[LORA_COLUMN_BLOCK] = {0};
                 float *acc = direct ? o + c0 : sum;
-                for (int64_t q = 0; q < r; q++) {
-                    const float s = shrunk[t * nr + i * r + q];
-                    const float *brow = bt + q * bt_stride + out_offset[i] + c0;
-                    for (int64_t c = 0; c < c1 - c0; c++) acc[c] += s * brow[c];
-                }
+                expand_block(acc, shrunk + t * nr + i * r, r, (const char *)bt + (out_offset[i] + c0) * size,
+                             bt_stride, c1 - c0, HALF);
                 if (!direct)
                     for (int64_t c = 0; c < c1 - c0; c++) o[c0 + c] += sum[c];
             }
@@ -181,14 +242,22 @@ static void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m
 /* Every adapter of a step in one call per layer: segment s (seg[4s..4s+3] = slot, rank, start, end) is the
  * adapter in pool slot `slot` for tokens rows[start .. end) (rows NULL: the tokens start .. end themselves,
  * every row adapted and already grouped, added straight into out). a [slots, nsub * max_rank, k] and
- * bt [slots, max_rank, bt_stride] are the layer's pool (a_slot_stride, bt_slot_stride: floats a slot). */
+ * bt [slots, max_rank, bt_stride] are the layer's pool (a_slot_stride, bt_slot_stride: factors a slot), in
+ * fp32, or in fp16 where `half` is set. */
 void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const int64_t *rows, int64_t nseg,
-                           const int64_t *seg, const float *a, int64_t a_slot_stride, int64_t nsub,
-                           const float *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
-                           const int64_t *out_size, float *out, int64_t out_stride) {
+                           const int64_t *seg, const void *a, int64_t a_slot_stride, int64_t nsub,
+                           const void *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
+                           const int64_t *out_size, int64_t half, float *out, int64_t out_stride) {
+    const int64_t size = half ? 2 : 4;
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t slot = seg[4 * s], r = seg[4 * s + 1], start = seg[4 * s + 2], end = seg[4 * s + 3];
-        lora_rows(x, rows, start, end - start, k, x_stride, a + slot * a_slot_stride, r, nsub,
-                  bt + slot * bt_slot_stride, bt_stride, out_offset, out_size, out, out_stride, rows == NULL);
+        const void *sa = (const char *)a + slot * a_slot_stride * size;
+        const void *sb = (const char *)bt + slot * bt_slot_stride * size;
+        if (half)
+            lora_rows(x, rows, start, end - start, k, x_stride, sa, r, nsub, sb, bt_stride, out_offset, out_size,
+                      out, out_stride, rows == NULL, 1);
+        else
+            lora_rows(x, rows, start, end - start, k, x_stride, sa, r, nsub, sb, bt_stride, out_offset, out_size,
+                      out, out_stride, rows == NULL, 0);
     }
 }

@@ -19,8 +19,12 @@ from srt.engine_options import (
     QUANTIZATIONS,
 )
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
-from srt.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS_PER_BATCH, LORA_TARGET_MODULES
-from srt.lora.specs import LORA_BACKENDS
+from srt.lora.config import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS_PER_BATCH,
+    LORA_BACKENDS,
+    LORA_TARGET_MODULES,
+)
 from srt.model_source import EMBEDDED_MODELS, embedded_model_name
 from srt.server_args_check import problems
 from srt.speculative.defaults import (
@@ -237,7 +241,9 @@ class ServerArgs:
         nargs="+",
     )
     lora_backend: str = _f(
-        LORA_BACKENDS[0], "how adapter products run (PyTorch segment matmuls, grouped by adapter)",
+        LORA_BACKENDS[0],
+        "how adapter products run: torch_native (PyTorch segment matmuls grouped by adapter; srt's C kernel "
+        "on the int8 CPU base) or triton (srt's Triton shrink / expand kernels: CUDA, or TRITON_INTERPRET=1)",
         choices=LORA_BACKENDS,
     )  # fmt: skip
     # Observability beyond metrics: request traces, KV cache events, per-request export, custom labels

@@ -31,6 +31,8 @@ class LoRABatchInfo:
     order: torch.Tensor | None  # int64 [adapted rows] on the model's device: step rows grouped by slot
     segments: tuple[Segment, ...]
     table: torch.Tensor  # int64 [segments, 4] on the CPU: each (slot, rank, start, end), for the CPU kernel
+    device_table: torch.Tensor  # the same on the model's device (the Triton kernels read it there)
+    max_segment_rows: int  # the longest segment, which sizes the Triton kernels' grids
 
     @staticmethod
     def build(
@@ -54,7 +56,9 @@ class LoRABatchInfo:
         in_place = len(adapted) == len(row_slots) and order == adapted
         table = torch.tensor([(s.slot, s.rank, s.start, s.end) for s in segments], dtype=torch.int64)
         rows = None if in_place else torch.tensor(order, dtype=torch.int64, device=device)
-        return LoRABatchInfo(rows, tuple(segments), table)
+        device_table = table if torch.device(device).type == "cpu" else table.to(device)
+        longest = max(s.end - s.start for s in segments)
+        return LoRABatchInfo(rows, tuple(segments), table, device_table, longest)
 
     def kernel_segments(self) -> tuple[int | None, int, int]:
         """srt_lora_add_segments' step operands (rows, nseg, seg) by address: the same for every adapted layer

@@ -59,13 +59,21 @@ class LayerLoRAWeights:
         dtype: torch.dtype,
         device: str,
         kernels=None,
+        triton: bool = False,
     ):
         """`kernels` (srt's CPU kernels, for an fp32 model on the CPU): a step's products in one call of
         srt_lora_add_segments instead of PyTorch matmuls per segment and sub-module, on a pool of
-        KERNEL_POOL_DTYPE."""
+        KERNEL_POOL_DTYPE. `triton`: the products by srt's Triton kernels (--lora-backend triton)."""
         self.subs = subs
-        kernels = kernels if dtype == torch.float32 and str(device) == "cpu" else None
+        if triton:
+            from srt.lora import triton_lora  # imports triton: only for this backend
+
+            self._triton = triton_lora
+        else:
+            self._triton = None
+        kernels = kernels if dtype == torch.float32 and str(device) == "cpu" and not triton else None
         dtype = KERNEL_POOL_DTYPE if kernels is not None else dtype
+        self._columns = (tuple(s.out_offset for s in subs), tuple(s.out_size for s in subs))
         self._out_offsets = torch.tensor([s.out_offset for s in subs], dtype=torch.int64)
         self._out_sizes = torch.tensor([s.out_size for s in subs], dtype=torch.int64)
         self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
@@ -109,6 +117,11 @@ class LayerLoRAWeights:
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         """`out` (the base product of `x`, in the pool's dtype) plus each adapted row's delta, in place."""
+        if self._triton is not None:
+            offsets, sizes = self._columns
+            return self._triton.add_delta(
+                out, x, self.a, self.b, info.order, info.device_table, offsets, sizes, info.max_segment_rows
+            )
         if (
             self._lora_add is not None
             and x.stride(-1) == 1

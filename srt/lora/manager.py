@@ -21,6 +21,7 @@ from srt.lora.batch_info import LoRABatchInfo, LoRAStep
 from srt.lora.config import LORA_TARGET_MODULES, LoRAConfig
 from srt.lora.lora_linear import LayerLoRAWeights, LoRALinearMethod, SubModule
 from srt.lora.slots import SlotTable
+from srt.model_executor.attention.registry import triton_usable
 from srt.model_executor.forward_batch_info import NO_ADAPTER, ForwardBatch
 from srt.model_executor.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from srt.model_executor.layers.linear_method import WEIGHT
@@ -51,6 +52,10 @@ class LoRAManager:
     ):
         self.config = config
         self.kernels = getattr(model, "kernels", None)  # srt's CPU kernels, where the model has them
+        if config.backend == "triton" and not triton_usable(device):
+            raise ValueError(
+                "--lora-backend triton needs a CUDA device (or TRITON_INTERPRET=1) and the triton package"
+            )
         self.step = LoRAStep()
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots = SlotTable(config.max_loras_per_batch)
@@ -108,7 +113,7 @@ class LoRAManager:
         cfg = self.config
         return LayerLoRAWeights(
             tuple(subs), in_local, out_local, in_offset, tp.rank, cfg.max_loras_per_batch, cfg.max_lora_rank,
-            dtype, device, self.kernels,
+            dtype, device, self.kernels, triton=cfg.backend == "triton",
         )  # fmt: skip
 
     # ---- adapters ----

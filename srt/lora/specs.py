@@ -15,10 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from srt.lora.config import LORA_TARGET_MODULES
-
-# --lora-backend's choices: srt's segment matmuls in PyTorch (SGLang's name for its pure-PyTorch backend)
-LORA_BACKENDS = ("torch_native",)
+from srt.lora.config import LORA_BACKENDS, LORA_TARGET_MODULES
 
 # What a client may write as an adapter name (a model name in OpenAI's `model`): no ":" (BASE:ADAPTER
 # separates the two), no whitespace or control characters, at most this long.

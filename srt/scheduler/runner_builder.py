@@ -65,4 +65,5 @@ def lora_config(args: ServerArgs) -> LoRAConfig | None:
         max_loaded_loras=args.max_loaded_loras,
         max_lora_rank=rank,
         target_modules=target_modules(args),
+        backend=args.lora_backend,
     )

@@ -8,35 +8,23 @@ shapes."""
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated (at import) and again while interpreting. Set here
-# only for the import and, by the fixture below, for this module's tests: a session-wide variable would reach
-# every later test and every server they start.
-SET_HERE = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from test.unit.triton_interpreter import (
+    BF16_UNSUPPORTED,
+    interpreted_imports,
+    interpreter_while_testing,  # noqa: F401 (autouse)
+)
 
-from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from srt.model_executor.attention import registry  # noqa: E402
-from srt.model_executor.attention import triton_launch as launch  # noqa: E402
-from srt.model_executor.attention.base import AttentionLayer  # noqa: E402
-from srt.model_executor.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if SET_HERE:
-    del os.environ["TRITON_INTERPRET"]
-
-
-@pytest.fixture(autouse=True)
-def interpreter_while_testing(monkeypatch):
-    if INTERPRETED:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+with interpreted_imports():
+    from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from srt.model_executor.attention import registry
+    from srt.model_executor.attention import triton_launch as launch
+    from srt.model_executor.attention.base import AttentionLayer
+    from srt.model_executor.attention.triton_backend import TritonAttnBackend
+    from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -296,8 +284,6 @@ def test_a_mixed_step_equals_its_extend_and_decode_parts_run_apart():
     torch.testing.assert_close(got, apart, atol=FP32_ATOL, rtol=0)
 
 
-# triton 3.6's interpreter holds bf16 as raw 16-bit integers and multiplies those in tl.dot
-BF16_UNSUPPORTED = pytest.mark.skipif(INTERPRETED, reason="the Triton interpreter's tl.dot mishandles bf16")
 REDUCED_CASES = [
     (torch.float32, torch.float16),
     (torch.float16, torch.float16),

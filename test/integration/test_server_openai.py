@@ -288,6 +288,10 @@ def test_api_key_is_enforced(default_server):
     r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     assert httpx.post(f"{url}/generate", json=generate).status_code == 401
+    for verb in ("load", "unload"):  # the adapter routes, SGLang's and vLLM's names
+        for route in (f"/{verb}_lora_adapter", f"/v1/{verb}_lora_adapter"):
+            r = httpx.post(f"{url}{route}", json={"lora_name": "a", "lora_path": "/tmp"})
+            assert r.status_code == 401, route
     # the same routes take the right key
     right = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.post(f"{url}/v1/chat/completions", json=chat, headers=right, timeout=60).status_code == 200

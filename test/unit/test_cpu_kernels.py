@@ -402,8 +402,9 @@ def test_windowed_and_capped_attention_keeps_each_tokens_decode_bits(kernels, he
     assert torch.equal(whole, full)  # the last window above (n keys) hides nothing
     with pytest.raises(ValueError, match="window"):
         kernels.extend_attention(q, k_pool, v_pool, slots, 0, scale, whole, 0)
-    with pytest.raises(ValueError, match="cap"):
-        kernels.decode_attention(q, k_pool, v_pool, table, torch.arange(1, n + 1), scale, None, -1.0)
+    for cap in (-1.0, float("inf"), float("nan")):  # the Triton kernels' rule too (attention/window_cap.py)
+        with pytest.raises(ValueError, match="cap"):
+            kernels.decode_attention(q, k_pool, v_pool, table, torch.arange(1, n + 1), scale, None, cap)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 31, 32, 33, 95, 1000])

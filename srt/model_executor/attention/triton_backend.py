@@ -23,12 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from srt.model_executor.attention.base import AttentionBackend, AttentionLayer
-from srt.model_executor.attention.triton_launch import (
-    block_d,
-    decode_attention,
-    extend_attention,
-    window_and_cap_unsupported,
-)
+from srt.model_executor.attention.triton_launch import block_d, decode_attention, extend_attention
+from srt.model_executor.attention.window_cap import window_and_cap_unsupported
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 

@@ -4,7 +4,6 @@ and the launches themselves, kept apart so the kernel module holds only device c
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from srt.model_executor.attention.triton_kernels import (
     decode_split_kernel,
     extend_kernel,
 )
+from srt.model_executor.attention.window_cap import window_and_cap_args
 
 # Decode splits each sequence's KV into this many shares: enough programs to fill an H100's 132 SMs at
 # batch 1 with 8 KV heads, few enough that merging costs nothing. A power of two (stage 2 uses tl.arange).
@@ -61,24 +61,6 @@ def block_d(head_dim: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
 
 
-def window_and_cap_unsupported(sliding_window: int | None, logit_cap: float | None) -> str | None:
-    """Why the kernels cannot take this window or cap (None when they can): a window of at least one
-    position (the token's own), a positive finite cap."""
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
-        return f"a sliding window of {sliding_window!r} positions (the kernels take a whole number >= 1)"
-    if logit_cap is not None and not (isinstance(logit_cap, int | float) and 0 < logit_cap < math.inf):
-        return f"a logit soft-cap of {logit_cap!r} (the kernels take a positive finite number)"
-    return None
-
-
-def _window_and_cap(sliding_window: int | None, logit_cap: float | None) -> tuple[int, float]:
-    """The kernels' window and cap arguments; 0 where a constexpr flag turns them off (then unused)."""
-    reason = window_and_cap_unsupported(sliding_window, logit_cap)
-    if reason is not None:
-        raise ValueError(f"the triton attention kernels cannot take {reason}")
-    return sliding_window or 0, float(logit_cap or 0.0)
-
-
 def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
 
@@ -106,7 +88,7 @@ def decode_attention(
     partial_out = torch.empty(bs, num_heads, NUM_KV_SPLITS, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(bs, num_heads, NUM_KV_SPLITS, dtype=torch.float32, device=q.device)
     width = block_d(head_dim)
-    window, cap = _window_and_cap(sliding_window, logit_cap)
+    window, cap = window_and_cap_args(sliding_window, logit_cap, "the triton attention kernels")
     decode_split_kernel[(bs, num_kv_heads, NUM_KV_SPLITS)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out, partial_lse, scaling,
         window, cap, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
@@ -150,7 +132,7 @@ def extend_attention(
     width = block_d(head_dim)
     tiles = tiles or default_extend_tiles(width, q.dtype)
     grid = (new_lens.shape[0], num_heads, triton.cdiv(max_new_tokens, tiles.block_m))
-    window, cap = _window_and_cap(sliding_window, logit_cap)
+    window, cap = window_and_cap_args(sliding_window, logit_cap, "the triton attention kernels")
     extend_kernel[grid](
         q, k_buffer, v_buffer, k_new, v_new, out, req_to_token, req_pool_indices, q_starts, new_lens, prefix_lens,
         scaling, window, cap, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),

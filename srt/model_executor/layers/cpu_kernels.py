@@ -21,6 +21,7 @@ import subprocess
 
 import torch
 
+from srt.model_executor.attention.window_cap import window_and_cap_args
 from srt.model_executor.layers import int8_math as ref
 from srt.model_executor.layers.c_abi import Prototype, bind
 from srt.model_executor.layers.cpu_kernel_build import build, prototypes
@@ -243,7 +244,7 @@ class CpuKernels:
         bs, heads, head_dim = q.shape
         q = _heads_rows(q)
         _check_attention_operands(q, k_pool, v_pool, slots, seq_lens)
-        window, cap = _window_and_cap(sliding_window, logit_cap)
+        window, cap = window_and_cap_args(sliding_window, logit_cap, "the CPU attention kernels")
         out = torch.empty((bs, heads * head_dim), dtype=torch.float32)
         if self._c.srt_decode_attention_windowed(
             q.data_ptr(), bs, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
@@ -276,7 +277,7 @@ class CpuKernels:
             raise ValueError(
                 "extend_attention: slots must cover prefix and new tokens; out [n, heads, head_dim]"
             )
-        window, cap = _window_and_cap(sliding_window, logit_cap)
+        window, cap = window_and_cap_args(sliding_window, logit_cap, "the CPU attention kernels")
         if self._c.srt_extend_attention(
             q.data_ptr(), n, q.stride(0), heads, k_pool.shape[1], head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
             _is_half(k_pool), slots.data_ptr(), prefix_len, scale, window, cap, out.data_ptr(),
@@ -290,15 +291,6 @@ def _heads_rows(q: torch.Tensor) -> torch.Tensor:
 
 
 KV_POOL_DTYPES = (torch.float32, torch.float16)  # what the attention kernels read (fp16 converted exactly)
-
-
-def _window_and_cap(sliding_window: int | None, logit_cap: float | None) -> tuple[int, float]:
-    """The attention kernels' window and cap arguments: 0 for none."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"attention kernels: a sliding window of {sliding_window} keys")
-    if logit_cap is not None and not logit_cap > 0:
-        raise ValueError(f"attention kernels: a logit cap of {logit_cap}")
-    return sliding_window or 0, logit_cap or 0.0
 
 
 def _is_half(pool: torch.Tensor) -> int:

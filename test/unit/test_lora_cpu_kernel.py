@@ -97,6 +97,27 @@ def test_an_fp16_pool_gives_the_products_of_its_factors_widened_to_fp32(k):
     assert torch.equal(out[:, 32:40], want[:, 32:40])
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_a_large_step_gives_each_row_the_bits_it_gets_in_a_small_one(pool_dtype):
+    """A step whose shrunk rows fit one buffer (decode) runs its segments together; a larger one (a prefill)
+    runs them one after another: a row's products must not depend on which."""
+    gen = torch.Generator().manual_seed(13)
+    a, b = (t.to(pool_dtype) for t in pool(3, 16, 64, gen))
+    rows = 180  # 2 segments x 90 rows x 3 sub-modules x rank 16: past the kernel's one-buffer size
+    x = torch.randn(rows, 64, generator=gen)
+    start = torch.randn(rows, WIDTH, generator=gen)
+    order = torch.randperm(rows, generator=gen)
+    table = torch.tensor([[2, 16, 0, 90], [0, 16, 90, 180]])
+    whole = start.clone()
+    KERNELS.lora_add_segments(whole, x, order, table, a, b, OFFSETS, SIZES)
+    by_row = start.clone()
+    for pos in range(rows):
+        seg = 0 if pos < 90 else 1
+        one = torch.tensor([[int(table[seg, 0]), 16, 0, 1]])
+        KERNELS.lora_add_segments(by_row, x, order[pos : pos + 1].contiguous(), one, a, b, OFFSETS, SIZES)
+    assert torch.equal(whole, by_row)
+
+
 def test_operands_it_cannot_read_are_refused():
     a, b = pool(2, 4, 8, torch.Generator().manual_seed(1))
     x, out = torch.randn(2, 8), torch.randn(2, WIDTH)

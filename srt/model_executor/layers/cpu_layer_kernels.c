@@ -184,6 +184,28 @@ ALWAYS_INLINE void expand_block(float *acc, const float *s, int64_t r, const voi
     }
 }
 
+/* Output block b (of LORA_COLUMN_BLOCK columns, counted over every sub-module) of one row: its sub-module i's
+ * columns get (x A_i^T) B_i^T from the row's shrunk values (`shrunk`: nsub * r of them), added straight into
+ * out when `direct`, else summed from zero and then added once. */
+ALWAYS_INLINE void expand_row_block(float *out_row, int64_t b, const float *shrunk, int64_t r, const void *bt,
+                                    int64_t bt_stride, const int64_t *out_offset, const int64_t *out_size,
+                                    int64_t direct, const int HALF) {
+    const int64_t size = HALF ? 2 : 4;
+    int64_t i = 0, nb;
+    while (b >= (nb = (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK)) {
+        b -= nb;
+        i++;
+    }
+    const int64_t c0 = b * LORA_COLUMN_BLOCK;
+    const int64_t c1 = c0 + LORA_COLUMN_BLOCK < out_size[i] ? c0 + LORA_COLUMN_BLOCK : out_size[i];
+    float *o = out_row + out_offset[i];
+    float sum[LORA_COLUMN_BLOCK] = {0};
+    float *acc = direct ? o + c0 : sum;
+    expand_block(acc, shrunk + i * r, r, (const char *)bt + (out_offset[i] + c0) * size, bt_stride, c1 - c0, HALF);
+    if (!direct)
+        for (int64_t c = 0; c < c1 - c0; c++) o[c0 + c] += sum[c];
+}
+
 /* LoRA adapters' products, added to a layer's output. For each of the layer's nsub sub-modules i (q, k, v of
  * a fused qkv; one for a plain layer), out[row, off_i : off_i + size_i] += (x[row] A_i^T) B_i^T, A_i being rows
  * i*r .. (i+1)*r of the adapter's a [nsub * r, k] and B_i^T rows 0 .. r of its bt (row stride bt_stride),
@@ -220,21 +242,53 @@ ALWAYS_INLINE void lora_rows(const float *x, const int64_t *rows, int64_t t0, in
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < tg * blocks; g++) {
                 const int64_t t = g / blocks, row = rows ? rows[t0 + g0 + t] : t0 + g0 + t;
-                int64_t b = g % blocks, i = 0, nb;
-                while (b >= (nb = (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK)) {
-                    b -= nb;
-                    i++;
-                }
-                const int64_t c0 = b * LORA_COLUMN_BLOCK;
-                const int64_t c1 = c0 + LORA_COLUMN_BLOCK < out_size[i] ? c0 + LORA_COLUMN_BLOCK : out_size[i];
-                float *o = out + row * out_stride + out_offset[i];
-                float sum[LORA_COLUMN_BLOCK] = {0};
-                float *acc = direct ? o + c0 : sum;
-                expand_block(acc, shrunk + t * nr + i * r, r, (const char *)bt + (out_offset[i] + c0) * size,
-                             bt_stride, c1 - c0, HALF);
-                if (!direct)
-                    for (int64_t c = 0; c < c1 - c0; c++) o[c0 + c] += sum[c];
+                expand_row_block(out + row * out_stride, g % blocks, shrunk + t * nr, r, bt, bt_stride, out_offset,
+                                 out_size, direct, HALF);
             }
+        }
+    }
+}
+
+/* A step's segments together when all their shrunk rows fit one buffer (a decode step's): every segment's
+ * shrink in one worksharing loop, then every segment's expand in another, in one parallel region. Segment by
+ * segment, a 16-row step of four adapters opened four regions with two barriers each in every one of its 120
+ * adapted layers. Each product and output element is computed as lora_rows computes it: the same bits. */
+#define LORA_SEGMENTS_AT_ONCE 64
+
+/* the segment whose range [off[s], off[s + 1]) holds i (empty segments hold nothing) */
+static inline int64_t segment_of(const int64_t *off, int64_t i) {
+    int64_t s = 0;
+    while (i >= off[s + 1]) s++;
+    return s;
+}
+
+ALWAYS_INLINE void lora_segments_at_once(const float *x, int64_t k, int64_t x_stride, const int64_t *rows,
+                                         int64_t nseg, const int64_t *seg, const void *a, int64_t a_slot_stride,
+                                         int64_t nsub, const void *bt, int64_t bt_slot_stride, int64_t bt_stride,
+                                         const int64_t *out_offset, const int64_t *out_size, float *out,
+                                         int64_t out_stride, const int64_t *shrunk_off, int64_t blocks,
+                                         const int HALF) {
+    const int64_t size = HALF ? 2 : 4, direct = rows == NULL;
+    int64_t block_off[LORA_SEGMENTS_AT_ONCE + 1];
+    block_off[0] = 0;
+    for (int64_t s = 0; s < nseg; s++) block_off[s + 1] = block_off[s] + (seg[4 * s + 3] - seg[4 * s + 2]) * blocks;
+    float shrunk[LORA_SHRUNK_MAX];
+#pragma omp parallel if (shrunk_off[nseg] * k >= LORA_PARALLEL_MIN)
+    {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < shrunk_off[nseg]; j++) {
+            const int64_t s = segment_of(shrunk_off, j), nr = nsub * seg[4 * s + 1], local = j - shrunk_off[s];
+            const int64_t t = seg[4 * s + 2] + local / nr, row = rows ? rows[t] : t;
+            const char *as = (const char *)a + seg[4 * s] * a_slot_stride * size;
+            shrunk[j] = dot_factors(x + row * x_stride, as + (local % nr) * k * size, k, HALF);
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < block_off[nseg]; g++) {
+            const int64_t s = segment_of(block_off, g), r = seg[4 * s + 1], local = g - block_off[s];
+            const int64_t t = local / blocks, row = rows ? rows[seg[4 * s + 2] + t] : seg[4 * s + 2] + t;
+            expand_row_block(out + row * out_stride, local % blocks, shrunk + shrunk_off[s] + t * nsub * r, r,
+                             (const char *)bt + seg[4 * s] * bt_slot_stride * size, bt_stride, out_offset, out_size,
+                             direct, HALF);
         }
     }
 }
@@ -249,6 +303,22 @@ void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const in
                            const void *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
                            const int64_t *out_size, int64_t half, float *out, int64_t out_stride) {
     const int64_t size = half ? 2 : 4;
+    if (nseg <= LORA_SEGMENTS_AT_ONCE) {
+        int64_t shrunk_off[LORA_SEGMENTS_AT_ONCE + 1], blocks = 0;
+        shrunk_off[0] = 0;
+        for (int64_t s = 0; s < nseg; s++)
+            shrunk_off[s + 1] = shrunk_off[s] + (seg[4 * s + 3] - seg[4 * s + 2]) * nsub * seg[4 * s + 1];
+        for (int64_t i = 0; i < nsub; i++) blocks += (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK;
+        if (shrunk_off[nseg] <= LORA_SHRUNK_MAX) {
+            if (half)
+                lora_segments_at_once(x, k, x_stride, rows, nseg, seg, a, a_slot_stride, nsub, bt, bt_slot_stride,
+                                      bt_stride, out_offset, out_size, out, out_stride, shrunk_off, blocks, 1);
+            else
+                lora_segments_at_once(x, k, x_stride, rows, nseg, seg, a, a_slot_stride, nsub, bt, bt_slot_stride,
+                                      bt_stride, out_offset, out_size, out, out_stride, shrunk_off, blocks, 0);
+            return;
+        }
+    }
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t slot = seg[4 * s], r = seg[4 * s + 1], start = seg[4 * s + 2], end = seg[4 * s + 3];
         const void *sa = (const char *)a + slot * a_slot_stride * size;

@@ -184,6 +184,9 @@ ALWAYS_INLINE void expand_block(float *acc, const float *s, int64_t r, const voi
     }
 }
 
+/* The output blocks of LORA_COLUMN_BLOCK columns a sub-module of `size` columns takes. */
+static inline int64_t column_blocks(int64_t size) { return (size + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK; }
+
 /* Output block b (of LORA_COLUMN_BLOCK columns, counted over every sub-module) of one row: its sub-module i's
  * columns get (x A_i^T) B_i^T from the row's shrunk values (`shrunk`: nsub * r of them), added straight into
  * out when `direct`, else summed from zero and then added once. */
@@ -191,11 +194,8 @@ ALWAYS_INLINE void expand_row_block(float *out_row, int64_t b, const float *shru
                                     int64_t bt_stride, const int64_t *out_offset, const int64_t *out_size,
                                     int64_t direct, const int HALF) {
     const int64_t size = HALF ? 2 : 4;
-    int64_t i = 0, nb;
-    while (b >= (nb = (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK)) {
-        b -= nb;
-        i++;
-    }
+    int64_t i = 0;
+    for (; b >= column_blocks(out_size[i]); i++) b -= column_blocks(out_size[i]);
     const int64_t c0 = b * LORA_COLUMN_BLOCK;
     const int64_t c1 = c0 + LORA_COLUMN_BLOCK < out_size[i] ? c0 + LORA_COLUMN_BLOCK : out_size[i];
     float *o = out_row + out_offset[i];
@@ -217,16 +217,14 @@ ALWAYS_INLINE void expand_row_block(float *out_row, int64_t b, const float *shru
  * uses every core. */
 
 /* One adapter's rows of a step: tokens rows[t0 .. t0 + m) of x and out (rows NULL: tokens t0 .. t0 + m
- * themselves). Added straight into out when `direct`; otherwise each output block's delta is summed from zero
+ * themselves), each row's output `blocks` column blocks over every sub-module. Added straight into out when `direct`; otherwise each output block's delta is summed from zero
  * first and then added once, as a gather, expand into zeros and index_add would (the same bits). a and bt
  * hold fp32 factors, or fp16 ones when HALF. */
 ALWAYS_INLINE void lora_rows(const float *x, const int64_t *rows, int64_t t0, int64_t m, int64_t k,
                              int64_t x_stride, const void *a, int64_t r, int64_t nsub, const void *bt,
                              int64_t bt_stride, const int64_t *out_offset, const int64_t *out_size, float *out,
-                             int64_t out_stride, int direct, const int HALF) {
+                             int64_t out_stride, int64_t blocks, int direct, const int HALF) {
     const int64_t nr = nsub * r, size = HALF ? 2 : 4;
-    int64_t blocks = 0; /* column blocks of one token's output, over every sub-module */
-    for (int64_t i = 0; i < nsub; i++) blocks += (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK;
     const int64_t group = nr > 0 && nr < LORA_SHRUNK_MAX ? LORA_SHRUNK_MAX / nr : 1;
     float shrunk[nr > LORA_SHRUNK_MAX ? nr : LORA_SHRUNK_MAX];
     for (int64_t g0 = 0; g0 < m; g0 += group) {
@@ -303,12 +301,13 @@ void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const in
                            const void *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,
                            const int64_t *out_size, int64_t half, float *out, int64_t out_stride) {
     const int64_t size = half ? 2 : 4;
+    int64_t blocks = 0; /* column blocks of one row's output, over every sub-module */
+    for (int64_t i = 0; i < nsub; i++) blocks += column_blocks(out_size[i]);
     if (nseg <= LORA_SEGMENTS_AT_ONCE) {
-        int64_t shrunk_off[LORA_SEGMENTS_AT_ONCE + 1], blocks = 0;
+        int64_t shrunk_off[LORA_SEGMENTS_AT_ONCE + 1];
         shrunk_off[0] = 0;
         for (int64_t s = 0; s < nseg; s++)
             shrunk_off[s + 1] = shrunk_off[s] + (seg[4 * s + 3] - seg[4 * s + 2]) * nsub * seg[4 * s + 1];
-        for (int64_t i = 0; i < nsub; i++) blocks += (out_size[i] + LORA_COLUMN_BLOCK - 1) / LORA_COLUMN_BLOCK;
         if (shrunk_off[nseg] <= LORA_SHRUNK_MAX) {
             if (half)
                 lora_segments_at_once(x, k, x_stride, rows, nseg, seg, a, a_slot_stride, nsub, bt, bt_slot_stride,
@@ -325,9 +324,9 @@ void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const in
         const void *sb = (const char *)bt + slot * bt_slot_stride * size;
         if (half)
             lora_rows(x, rows, start, end - start, k, x_stride, sa, r, nsub, sb, bt_stride, out_offset, out_size,
-                      out, out_stride, rows == NULL, 1);
+                      out, out_stride, blocks, rows == NULL, 1);
         else
             lora_rows(x, rows, start, end - start, k, x_stride, sa, r, nsub, sb, bt_stride, out_offset, out_size,
-                      out, out_stride, rows == NULL, 0);
+                      out, out_stride, blocks, rows == NULL, 0);
     }
 }

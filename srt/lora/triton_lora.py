@@ -20,19 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-# tl.dot needs every block dimension >= 16. Segments are short (a decode step's rows of one adapter), so
-# the row blocks are the minimum; so are the rank blocks, which common ranks (8, 16, 32, 64) fill well.
-BLOCK_M = 16
-BLOCK_R = 16
+from srt.model_executor.attention.triton_launch import MIN_DOT_DIM, dot_precision
+
+# Segments are short (a decode step's rows of one adapter), so the row blocks are tl.dot's minimum; so are
+# the rank blocks, which common ranks (8, 16, 32, 64) fill well.
+BLOCK_M = MIN_DOT_DIM
+BLOCK_R = MIN_DOT_DIM
 # the shrink's input-feature chunk and the expand's output columns: a 16 x 64 tile per load keeps the
 # memory pipeline busy while the fp32 accumulators stay small
 BLOCK_K = 64
 BLOCK_N = 64
 MAX_SUBMODULES = 3  # q, k and v: the expand kernel's sub-module arguments are unrolled up to this many
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
 
 
 @triton.jit
@@ -179,7 +177,7 @@ def add_delta(
     shrunk = torch.empty((positions, stacked), dtype=torch.float32, device=x.device)
     has_order = order is not None
     order_arg = order if has_order else table  # never read without an order
-    precision = _precision(a.dtype)
+    precision = dot_precision(a.dtype)
     row_blocks = triton.cdiv(max_segment_rows, BLOCK_M)
     shrink_kernel[(nseg, row_blocks, triton.cdiv(stacked, BLOCK_R))](
         x, a, table, order_arg, shrunk, x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0),

@@ -61,8 +61,10 @@ def block_d(head_dim: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
 
 
-def _precision(q: torch.Tensor) -> str:
-    return "ieee" if q.dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision for operands of `dtype`: fp32 exactly (not tf32), so an fp32 model computes
+    as precisely as the PyTorch reference; "tf32" is ignored for 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_attention(
@@ -95,7 +97,7 @@ def decode_attention(
         v_buffer.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         BLOCK_D=width, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=NUM_KV_SPLITS, WINDOWED=sliding_window is not None,
-        CAPPED=logit_cap is not None, PRECISION=_precision(q), num_warps=NUM_WARPS,
+        CAPPED=logit_cap is not None, PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS,
     )  # fmt: skip
     decode_merge_kernel[(bs, num_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1),
@@ -140,7 +142,7 @@ def extend_attention(
         v_new.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=width, WINDOWED=sliding_window is not None, CAPPED=logit_cap is not None,
-        PRECISION=_precision(q), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ batch of one, or of one adapter), needs neither the gather nor the scatter: its 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,6 @@ class LoRABatchInfo:
     segments: tuple[Segment, ...]
     table: torch.Tensor  # int64 [segments, 4] on the CPU: each (slot, rank, start, end), for the CPU kernel
     device_table: torch.Tensor  # the same on the model's device (the Triton kernels read it there)
-    max_segment_rows: int  # the longest segment, which sizes the Triton kernels' grids
 
     @staticmethod
     def build(
@@ -57,8 +57,12 @@ class LoRABatchInfo:
         table = torch.tensor([(s.slot, s.rank, s.start, s.end) for s in segments], dtype=torch.int64)
         rows = None if in_place else torch.tensor(order, dtype=torch.int64, device=device)
         device_table = table if torch.device(device).type == "cpu" else table.to(device)
-        longest = max(s.end - s.start for s in segments)
-        return LoRABatchInfo(rows, tuple(segments), table, device_table, longest)
+        return LoRABatchInfo(rows, tuple(segments), table, device_table)
+
+    @functools.cached_property  # read by every adapted layer of the step
+    def max_segment_rows(self) -> int:
+        """The longest segment's rows, which size the Triton kernels' grids."""
+        return max(s.end - s.start for s in self.segments)
 
     def kernel_segments(self) -> tuple[int | None, int, int]:
         """srt_lora_add_segments' step operands (rows, nseg, seg) by address: the same for every adapted layer

@@ -121,7 +121,8 @@ class LoRAManager:
         """The adapter at `path`, checked against this model (AdapterError otherwise). Touches no state of
         the manager: a scheduler may run it on a worker thread, then `add` the result on its loop."""
         adapter = read_adapter(name, path, self.shapes, self.config.target_modules, self.config.max_lora_rank)
-        if self.layers and (dtype := self.layers[0].a.dtype).is_floating_point:
+        if self.layers:
+            dtype = self.layers[0].a.dtype
             limit = torch.finfo(dtype).max  # a factor beyond it would become inf in the pool
             for module, (a, b) in adapter.weights.items():
                 if max(a.abs().max().item(), b.abs().max().item() * abs(adapter.scaling)) > limit:

@@ -74,8 +74,7 @@ class LayerLoRAWeights:
         kernels = kernels if dtype == torch.float32 and str(device) == "cpu" and not triton else None
         dtype = KERNEL_POOL_DTYPE if kernels is not None else dtype
         self._columns = (tuple(s.out_offset for s in subs), tuple(s.out_size for s in subs))
-        self._out_offsets = torch.tensor([s.out_offset for s in subs], dtype=torch.int64)
-        self._out_sizes = torch.tensor([s.out_size for s in subs], dtype=torch.int64)
+        self._out_offsets, self._out_sizes = (torch.tensor(c, dtype=torch.int64) for c in self._columns)
         self.in_offset = in_offset  # row-parallel: this rank's first input column; None: all of them
         self.tp_rank = tp_rank
         self.a = torch.zeros((slots, len(subs) * max_rank, in_local), dtype=dtype, device=device)

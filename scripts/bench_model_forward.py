@@ -5,6 +5,8 @@ one long prompt. Usage: python scripts/bench_model_forward.py [--model-path DIR_
 
 `--verify-rows N` also times batch-1 verify steps of 1..N fed tokens (logits for every row) after `--context`
 cached tokens, and prints them as `--step-ms` for scripts/spec_replay.py.
+`--verify-table` times, at each batch size, verify steps of 2..17 fed tokens a sequence against a decode step
+(on a GPU: `--device cuda --dtype bfloat16 --quantization none --cuda-graph-max-bs 64`, decode replayed).
 `--mixed NEW ROWS` also times a mixed step: one sequence extends by NEW tokens after a `--mixed-prefix`
 cached prefix while ROWS sequences of `--context` cached tokens decode one each (a concurrency-64 step is
 about 130 and 36). `--kernel-times` adds the int8 model's C kernels' share of each step, kernel by kernel.
@@ -41,7 +43,7 @@ def fill_sequences(runner: ModelRunner, bs: int, context: int) -> tuple[list[int
         runner.req_to_token_pool.req_to_token[row, :context] = runner.token_to_kv_pool_allocator.alloc(
             context
         )
-    return rows, torch.tensor(rows, dtype=torch.int64)
+    return rows, torch.tensor(rows, dtype=torch.int64, device=runner.device)
 
 
 def time_decode(runner: ModelRunner, bs: int, context: int, steps: int) -> float:
@@ -56,11 +58,11 @@ def time_decode(runner: ModelRunner, bs: int, context: int, steps: int) -> float
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
             batch_size=bs,
-            input_ids=torch.full((bs,), TOKEN_ID, dtype=torch.int64),
-            positions=torch.full((bs,), seq_len - 1, dtype=torch.int64),
+            input_ids=torch.full((bs,), TOKEN_ID, dtype=torch.int64, device=runner.device),
+            positions=torch.full((bs,), seq_len - 1, dtype=torch.int64, device=runner.device),
             out_cache_loc=slots,
             req_pool_indices=row_tensor,
-            seq_lens=torch.full((bs,), seq_len, dtype=torch.int64),
+            seq_lens=torch.full((bs,), seq_len, dtype=torch.int64, device=runner.device),
             seq_lens_cpu=[seq_len] * bs,
         )
         start = time.perf_counter()
@@ -78,11 +80,11 @@ def time_prefill(runner: ModelRunner, length: int, repeats: int) -> float:
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             batch_size=1,
-            input_ids=torch.full((length,), TOKEN_ID, dtype=torch.int64),
-            positions=torch.arange(length, dtype=torch.int64),
+            input_ids=torch.full((length,), TOKEN_ID, dtype=torch.int64, device=runner.device),
+            positions=torch.arange(length, dtype=torch.int64, device=runner.device),
             out_cache_loc=slots,
             req_pool_indices=row_tensor,
-            seq_lens=torch.tensor([length]),
+            seq_lens=torch.tensor([length], device=runner.device),
             seq_lens_cpu=[length],
             extend_prefix_lens_cpu=[0],
             extend_seq_lens_cpu=[length],
@@ -125,27 +127,31 @@ def time_mixed(runner: ModelRunner, new: int, prefix: int, rows: int, context: i
     return statistics.median(times[WARMUP_STEPS:])
 
 
-def time_verify(runner: ModelRunner, rows: int, context: int, steps: int) -> float:
-    """Median seconds of a batch-1 verify step: `rows` fed tokens (the newest and its drafts) after `context`
-    cached ones, with logits for every row, as the scheduler's verify step asks."""
-    table, allocator = runner.req_to_token_pool.req_to_token, runner.token_to_kv_pool_allocator
-    seqs, seq_tensor = fill_sequences(runner, 1, context)
+def time_verify(runner: ModelRunner, rows: int, context: int, steps: int, bs: int = 1) -> float:
+    """Median seconds of a verify step of `bs` sequences: `rows` fed tokens each (the newest and its drafts)
+    after `context` cached ones, with logits for every row, as the scheduler's verify step asks."""
+    table, allocator, device = (
+        runner.req_to_token_pool.req_to_token,
+        runner.token_to_kv_pool_allocator,
+        runner.device,
+    )
+    seqs, seq_tensor = fill_sequences(runner, bs, context)
     times = []
     for _ in range(WARMUP_STEPS + steps):
-        slots = allocator.alloc(rows)
-        table[seqs[0], context : context + rows] = slots
+        slots = allocator.alloc(rows * bs)
+        table[seq_tensor, context : context + rows] = slots.view(bs, rows)
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
-            batch_size=1,
-            input_ids=torch.full((rows,), TOKEN_ID, dtype=torch.int64),
-            positions=torch.arange(context, context + rows, dtype=torch.int64),
+            batch_size=bs,
+            input_ids=torch.full((rows * bs,), TOKEN_ID, dtype=torch.int64, device=device),
+            positions=torch.arange(context, context + rows, dtype=torch.int64, device=device).repeat(bs),
             out_cache_loc=slots,
             req_pool_indices=seq_tensor,
-            seq_lens=torch.tensor([context + rows]),
-            seq_lens_cpu=[context + rows],
-            extend_prefix_lens_cpu=[context],
-            extend_seq_lens_cpu=[rows],
-            logit_rows=torch.arange(rows, dtype=torch.int64),
+            seq_lens=torch.full((bs,), context + rows, dtype=torch.int64, device=device),
+            seq_lens_cpu=[context + rows] * bs,
+            extend_prefix_lens_cpu=[context] * bs,
+            extend_seq_lens_cpu=[rows] * bs,
+            logit_rows=torch.arange(rows * bs, dtype=torch.int64, device=device),
         )
         start = time.perf_counter()
         runner.forward(batch).argmax(-1)
@@ -253,6 +259,21 @@ def time_hf_prefill(model, length: int, repeats: int) -> float:
     return min(times)
 
 
+VERIFY_TABLE_ROWS = (2, 3, 5, 9, 17)  # fed tokens a sequence: the newest plus 1, 2, 4, 8, 16 drafts
+
+
+def log_verify_table(runner: ModelRunner, args) -> None:
+    """A verify step's cost against a decode step's at each batch size: where the ratio stays near 1, drafts
+    are nearly free, which is what a device's verify budget (srt/speculative/defaults.py) is chosen from."""
+    for bs in args.batch_sizes:
+        decode = time_decode(runner, bs, args.context, max(args.steps, 15))
+        cells = []
+        for rows in VERIFY_TABLE_ROWS:
+            verify = time_verify(runner, rows, args.context, max(args.steps, 15), bs)
+            cells.append(f"{rows * bs}:{verify * 1e3:.2f} ms ({verify / decode:.2f}x)")
+        logger.info("verify, bs=%d, decode %.2f ms | fed tokens: %s", bs, decode * 1e3, " ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=None)
@@ -273,6 +294,18 @@ def main() -> None:
     parser.add_argument("--mixed-prefix", type=int, default=128, help="cached prompt tokens before NEW")
     parser.add_argument("--kernel-times", action="store_true", help="each C kernel's share of a step")
     parser.add_argument("--verify-rows", type=int, default=0, help="also time verify steps of 1..N rows")
+    parser.add_argument(
+        "--verify-table",
+        action="store_true",
+        help="at each batch size, verify steps of 2..17 fed tokens a sequence against a decode step",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="as the server's flag (cuda: add --quantization none)"
+    )
+    parser.add_argument("--dtype", default="auto", help="as the server's flag")
+    parser.add_argument(
+        "--cuda-graph-max-bs", type=int, default=0, help="decode CUDA graphs up to this batch size (CUDA)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
@@ -281,6 +314,9 @@ def main() -> None:
         max_total_tokens=BENCH_KV_TOKENS,
         max_running_requests=max([*args.batch_sizes, args.mixed[1] + 1 if args.mixed else 1]),
         quantization=args.quantization,
+        device=args.device,
+        dtype=args.dtype,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     logger.info(
         "runner ready in %.2f s (weights %.2f s)", time.monotonic() - start, runner.load_weights_seconds
@@ -322,6 +358,8 @@ def main() -> None:
             logger.info("verify step, batch 1, %2d rows after %d: %6.2f ms", r, args.context, step * 1e3)
         pairs = ",".join(f"{r}:{step * 1e3:.2f}" for r, step in table.items())
         logger.info("--step-ms %s --prefill-ms-per-token %.3f", pairs, seconds * 1e3 / args.prefill)
+    if args.verify_table:
+        log_verify_table(runner, args)
     if args.mixed:
         new, rows = args.mixed
         timed_with_kernels(

@@ -236,18 +236,25 @@ class ModelRunner:
     def _capture_cuda_graphs(self, max_bs: int) -> CudaGraphRunner | None:
         if max_bs <= 0 or not self.device.startswith("cuda"):
             return None
-        if self.tp.size > 1:
-            logger.info(
-                "decode CUDA graphs are off with tensor parallelism (capturing its all-reduces is untested)"
-            )
-            return None
-        if not getattr(self.model.attn_backend, "cuda_graph_safe_decode", False):
-            logger.info(
-                "decode CUDA graphs are off: attention backend %s reads host data in decode",
-                self.attention_backend_name,
-            )
+        refusal = self.decode_graph_refusal()
+        if refusal is not None:
+            logger.info("decode CUDA graphs are off: %s", refusal)
             return None
         return CudaGraphRunner(self._forward_eager, self.device, min(max_bs, self.max_running_requests))
+
+    def decode_graph_refusal(self) -> str | None:
+        """Why this runner's decode steps cannot be recorded in CUDA graphs, whatever its device (None: they
+        can). A layer that reads device data on the host says why in its `HOST_SYNC_REASON`."""
+        if self.tp.size > 1:
+            return "tensor parallelism (capturing its all-reduces is untested)"
+        host_syncs = sorted(
+            {m.HOST_SYNC_REASON for m in self.model.modules() if hasattr(m, "HOST_SYNC_REASON")}
+        )
+        if host_syncs:
+            return "; ".join(host_syncs)
+        if not getattr(self.model.attn_backend, "cuda_graph_safe_decode", False):
+            return f"attention backend {self.attention_backend_name} reads host data in decode"
+        return None
 
     def _mapped_embedding(self, model: torch.nn.Module) -> torch.Tensor | None:
         """The embedding table as a private map of the checkpoint (see map_checkpoint_tensor), where the

@@ -89,14 +89,18 @@ def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
     return DraftModelProposer(draft, k)
 
 
-def verify_step_tokens(device: str) -> int:
-    """The most tokens a verify step may feed on `device` (a torch device string). On the CPU, what the fused
-    decode step takes (EXTEND_MAX_TOKENS): there a fed token costs ~0.6 ms on top of a ~7.5 ms step, past it
-    the step takes the extend path and costs about a prefill of its tokens (a decode step of 16 sequences
-    22 ms, their verify step of 64 tokens ~55 ms). Measured on a 2-core AMD EPYC Zen 4 (scripts/bench_spec.py):
+def verify_step_tokens(device: str, graph_max_bs: int = 0) -> int:
+    """The most tokens a verify step may feed on `device` (a torch device string) whose runner replays decode
+    steps from CUDA graphs up to `graph_max_bs` rows (0: none). On the CPU, what the fused decode step
+    takes (EXTEND_MAX_TOKENS): there a fed token costs ~0.6 ms on top of a ~7.5 ms step, past it the step
+    takes the extend path and costs about a prefill of its tokens (a decode step of 16 sequences 22 ms,
+    their verify step of 64 tokens ~55 ms). Measured on a 2-core AMD EPYC Zen 4 (scripts/bench_spec.py):
     with 64 on the CPU, concurrency 16 ran at 0.89x of no speculation; with 16, 1.01x. 8 drafts at batch 1,
-    3 at 4, 1 at 8, none from 9."""
-    return EXTEND_MAX_TOKENS if device.startswith("cpu") else GPU_VERIFY_STEP_TOKENS
+    3 at 4, 1 at 8, none from 9. On a GPU with graphs, no more than the largest graph: its verify rows replay
+    as a decode step (`StepBuilder.verify_rows_as_decode`), where an eager extend costs several decode steps."""
+    if device.startswith("cpu"):
+        return EXTEND_MAX_TOKENS
+    return min(GPU_VERIFY_STEP_TOKENS, graph_max_bs) if graph_max_bs else GPU_VERIFY_STEP_TOKENS
 
 
 class SpecDecoder:
@@ -106,7 +110,10 @@ class SpecDecoder:
     def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
         self.k = args.speculative_drafts_per_step  # 0 without --speculative-algorithm
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
-        self.step_tokens = verify_step_tokens(str(target.device))  # the most a verify step feeds
+        graph_max_bs = target.cuda_graph.max_bs if target.cuda_graph else 0
+        self.step_tokens = verify_step_tokens(
+            str(target.device), graph_max_bs
+        )  # the most a verify step feeds
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
         min_n, max_n = (
             args.speculative_ngram_min_match_window_size,

@@ -9,7 +9,11 @@ The scheduler decides *what* runs; this module decides *how it is laid out*:
 - decode: one token per running request;
 - verify (speculative decoding): an extend batch in which each drafting request feeds its newest token and
   its k drafts over its cached prefix, followed by the step's other running requests with their newest
-  token alone; the model returns logits for every row (`ForwardBatch.logit_rows`).
+  token alone; the model returns logits for every row (`ForwardBatch.logit_rows`). Where the runner
+  replays decode steps from CUDA graphs, a verify step that fits them is laid out as decode rows instead:
+  each fed token a sequence of its own, over its request's `req_to_token` row up to and including its own
+  position, so the causal mask falls out of the lengths and the step replays a decode graph (on an H200 an
+  eager extend of a few tokens took 18 ms where a replayed decode step of as many rows took 3).
 
 Every tensor of the batch lives on the device of the pools (the runner's): index lists are uploaded through
 `IndexUploader` (pinned staging and asynchronous copies on CUDA, plain tensors on the CPU), and the
@@ -35,8 +39,12 @@ class StepBuilder:
         allocator,
         tree_cache,
         adapter_slots: Callable[[list[Req]], list[int]] | None = None,
+        verify_rows_as_decode: int = 0,
     ):
-        """`adapter_slots` (multi-LoRA on): each of a step's requests' adapter slot, in the step's order."""
+        """`adapter_slots` (multi-LoRA on): each of a step's requests' adapter slot, in the step's order.
+        `verify_rows_as_decode`: lay out verify steps of at most this many rows as decode rows (the runner's
+        largest decode graph; 0: never)."""
+        self.verify_rows_as_decode = verify_rows_as_decode
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -151,7 +159,15 @@ class StepBuilder:
             positions.extend(range(req.kv_len, req.kv_len + n))
             table_rows.extend([req.req_pool_idx] * n)
         positions_t = up.upload("positions", positions)
-        self.req_to_token_pool.req_to_token[up.upload("verify_rows", table_rows), positions_t] = loc
+        table_rows_t = up.upload("verify_rows", table_rows)
+        self.req_to_token_pool.req_to_token[table_rows_t, positions_t] = loc
+        input_ids_t = up.upload("input_ids", input_ids)
+        if not prefill and num_rows <= self.verify_rows_as_decode:
+            batch = self._decode_rows(
+                everyone, new_lens, input_ids_t, positions, positions_t, table_rows_t, loc
+            )
+            up.end_step()
+            return batch
         prefix_lens = [r.kv_len for r in everyone]
         seq_lens = [p + n for p, n in zip(prefix_lens, new_lens, strict=True)]
         if self._all_rows.numel() < num_rows:
@@ -164,7 +180,7 @@ class StepBuilder:
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             batch_size=len(everyone),
-            input_ids=up.upload("input_ids", input_ids),
+            input_ids=input_ids_t,
             positions=positions_t,
             out_cache_loc=loc,
             req_pool_indices=up.upload("req_pool_indices", [r.req_pool_idx for r in everyone]),
@@ -176,6 +192,36 @@ class StepBuilder:
             lora_slots=self._lora_slots(everyone),
         )
         up.end_step()
+        return batch
+
+    def _decode_rows(
+        self,
+        reqs: list[Req],
+        new_lens: list[int],
+        input_ids: torch.Tensor,
+        positions: list[int],
+        positions_t: torch.Tensor,
+        table_rows: torch.Tensor,
+        loc: torch.Tensor,
+    ) -> ForwardBatch:
+        """A verify step's rows as a decode batch (see the module docstring): the row at position p of a
+        request reads that request's first p + 1 slots, which hold its cached prefix, the rows fed before it
+        and its own K/V (written by the layer before it attends). Logits come back for every row, in order."""
+        slots = self._lora_slots(reqs)
+        seq_lens = [p + 1 for p in positions]
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=len(positions),
+            input_ids=input_ids,
+            positions=positions_t,
+            out_cache_loc=loc,
+            req_pool_indices=table_rows,
+            seq_lens=positions_t + 1,
+            seq_lens_cpu=seq_lens,
+            lora_slots=None
+            if slots is None
+            else [s for s, n in zip(slots, new_lens, strict=True) for _ in range(n)],
+        )
         return batch
 
     def _give_rows(self, prefill: list[Req]) -> None:

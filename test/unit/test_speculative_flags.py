@@ -84,3 +84,13 @@ def test_a_gpu_verify_step_may_feed_more_tokens_than_a_cpu_one():
 
     assert verify_step_tokens("cpu") == EXTEND_MAX_TOKENS
     assert verify_step_tokens("cuda:0") == GPU_VERIFY_STEP_TOKENS > EXTEND_MAX_TOKENS
+
+
+@pytest.mark.parametrize("graph_max_bs", [8, 160])
+def test_with_decode_graphs_a_gpu_verify_step_stays_within_the_largest_graph(graph_max_bs):
+    """Verify rows replay as a decode step of as many rows; one more row than the largest graph would run
+    the step eagerly, several times a replayed step's cost."""
+    from srt.scheduler.spec_step import verify_step_tokens
+    from srt.speculative.defaults import GPU_VERIFY_STEP_TOKENS
+
+    assert verify_step_tokens("cuda:0", graph_max_bs) == min(graph_max_bs, GPU_VERIFY_STEP_TOKENS)

@@ -192,6 +192,32 @@ def test_greedy_output_is_the_same_with_ngram_speculation_batched(tiny_model_dir
     assert_cache_holds_only_output(sched, reference)
 
 
+def test_verify_steps_laid_out_as_decode_rows_give_the_same_tokens(tiny_model_dir, quant, reference):
+    """What a runner with decode CUDA graphs gets (`StepBuilder.verify_rows_as_decode`): each fed token a
+    decode row of its own over its request's slots up to its position. Batched arrivals and mixed steps, so
+    rows of several requests share a step, and a step with a prefill keeps the extend layout."""
+    sched, totals = make(tiny_model_dir, quant, enable_mixed_chunk=True)
+    sched.builder.verify_rows_as_decode = TEST_STEP_TOKENS
+    verify = sched.builder.verify
+    layouts = []
+
+    def recording(reqs, drafts, plain, prefill=None):
+        batch = verify(reqs, drafts, plain, prefill)
+        layouts.append((batch.is_decode, bool(prefill), batch.batch_size))
+        return batch
+
+    sched.builder.verify = recording
+    reqs = requests()
+    res = drive(sched, {0: reqs[:6], 2: reqs[6:9], 5: reqs[9:]}, on_step=assert_every_slot_accounted)
+    assert {rid: c.output_ids for rid, c in res.items()} == reference
+    assert totals.accepted > 0
+    as_rows = [bs for is_decode, _, bs in layouts if is_decode]
+    assert max(as_rows) > 1 + DRAFTS_PER_STEP, "no decode-row step held rows of several requests"
+    assert all(not is_decode for is_decode, prefill, _ in layouts if prefill)
+    assert_pool_whole(sched)
+    assert_cache_holds_only_output(sched, reference)
+
+
 def test_a_prefill_chunk_counts_against_the_verify_step_budget(tiny_model_dir):
     """Next to a prefill chunk a CPU step is bound by computing, where a rejected draft costs as much as a
     prompt token: a mixed step's prefill tokens, drafts and newest tokens together stay within the budget,

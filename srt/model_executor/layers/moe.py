@@ -30,6 +30,9 @@ GATE, UP, DOWN = "gate", "up", "down"
 
 
 class FusedMoE(nn.Module):
+    # the runner records no decode CUDA graph for a model with such a layer (seen failing on an H200)
+    HOST_SYNC_REASON = "mixture-of-experts layers read each expert's token count on the host"
+
     def __init__(
         self,
         num_experts: int,

@@ -29,9 +29,10 @@ NUM_DRAFT_TOKENS = 9
 # A verify step feeds each drafting request its newest token and its drafts; the drafts per request shrink as
 # the batch grows to keep a step within a budget of fed tokens (`drafts_for_batch`; speculation steps aside,
 # the batch decodes plainly, once even one draft each would pass it). On the CPU the budget is what the fused
-# decode step takes (`spec_step.verify_step_tokens`), on a GPU, where a verify step of a few dozen tokens
-# costs little more than a decode step, this (a first estimate, not measured: no GPU has run
-# scripts/bench_spec.py yet).
+# decode step takes (`spec_step.verify_step_tokens`); on a GPU this, capped at the largest decode graph, whose
+# replay the verify rows take: there a decode step of SmolLM2's shape cost 2.8 ms at 1 row and 3.9 ms at 64
+# (bf16, H200, scripts/bench_model_forward.py --verify-table). From step costs only: acceptance with real
+# weights has not been measured on a GPU.
 GPU_VERIFY_STEP_TOKENS = 64
 
 

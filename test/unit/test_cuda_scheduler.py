@@ -145,9 +145,9 @@ def test_every_sampling_parameter_runs_on_the_device(tiny_model_dir):
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "prediction"])
 def test_speculative_decoding_gives_the_tokens_of_plain_decoding(tiny_model_dir, alone, algorithm):
-    """Verify steps run eagerly on CUDA (graphs stay decode-only) next to graphed decode steps: NGRAM, the
-    model drafting for itself, and predictions (the answer itself) give every request its tokens alone,
-    with drafts accepted and the pools whole."""
+    """Verify steps laid out as decode rows replay the decode graphs (`StepBuilder.verify_rows_as_decode`)
+    next to graphed decode steps: NGRAM, the model drafting for itself, and predictions (the answer itself)
+    give every request its tokens alone, with drafts accepted and the pools whole."""
     from srt.speculative.stats import SpecStepStats
 
     spec = {
@@ -158,6 +158,14 @@ def test_speculative_decoding_gives_the_tokens_of_plain_decoding(tiny_model_dir,
     sched = make_scheduler(tiny_model_dir, **spec)
     steps: list[SpecStepStats] = []
     sched.reporter.on_verify = steps.append
+    verify, layouts = sched.builder.verify, []
+
+    def recording(*args, **kwargs):
+        batch = verify(*args, **kwargs)
+        layouts.append(batch.is_decode and sched.runner.cuda_graph.can_run(batch))
+        return batch
+
+    sched.builder.verify = recording
     reqs = [request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts(6))]
     if algorithm == "prediction":
         for req in reqs:
@@ -166,4 +174,5 @@ def test_speculative_decoding_gives_the_tokens_of_plain_decoding(tiny_model_dir,
     for rid, ref in alone.items():
         assert res[rid].output_ids == ref, rid
     assert sum(s.num_accepted_tokens for s in steps) > 0
+    assert any(layouts), "no verify step replayed a decode graph"
     assert_pool_whole(sched)

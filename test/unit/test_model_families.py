@@ -6,6 +6,8 @@ q/k/v and gate/up tensors (Phi-3) and scaled RoPE (Phi-3's LongRoPE, Llama's YaR
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -143,7 +145,9 @@ def test_an_unsupported_model_is_one_line_of_configuration_error(tmp_path, arch,
 def test_on_a_gpu_every_family_gives_transformers_greedy_tokens(family, dtype):
     """The GPU path (Triton attention with each layer's window and cap, decode CUDA graphs, the experts on
     the device) against transformers on the same GPU and dtype; bf16 ties are wider, so a divergence at a
-    near-tie of the top two logits is allowed there as in fp32 (test_cuda_model.py's rule)."""
+    near-tie of the top two logits is allowed there as in fp32 (test_cuda_model.py's rule). What must agree
+    is at least a prompt's worth of tokens before any such flip (on an H200 both of Qwen3-MoE's prompts
+    flipped in bf16, at gaps of 0.03 and 0.09, after 6 and 10 equal tokens; the CPU's bf16 does the same)."""
     model_dir, hf_model = family
     torch_dtype = getattr(torch, dtype)
     runner = ModelRunner(
@@ -158,7 +162,7 @@ def test_on_a_gpu_every_family_gives_transformers_greedy_tokens(family, dtype):
     reference.load_state_dict(hf_model.state_dict())
     reference = reference.to(device="cuda", dtype=torch_dtype).eval()
     traces = PagedDriver(runner).greedy(PROMPTS, NEW_TOKENS)
-    exact = 0
+    agreed = 0
     for prompt, trace in zip(PROMPTS, traces, strict=True):
         with torch.no_grad():
             out = reference.generate(
@@ -168,7 +172,10 @@ def test_on_a_gpu_every_family_gives_transformers_greedy_tokens(family, dtype):
                 do_sample=False,
             )
         want = out[0, len(prompt) :].tolist()
-        exact += same_or_diverged_at_a_near_tie(
+        same_or_diverged_at_a_near_tie(
             trace.tokens, want, trace.top2_gaps, TIE if dtype == "float32" else 0.1
         )
-    assert exact >= 1, "every prompt diverged at a near-tie: the test compares nothing"
+        agreed += len(os.path.commonprefix([trace.tokens, want]))
+    assert agreed >= NEW_TOKENS, (
+        f"only {agreed} tokens agreed before near-tie flips: the test compares little"
+    )

@@ -184,3 +184,35 @@ def test_the_load_snapshot_names_an_adapter_only_while_its_requests_run_or_wait(
     final = sched.load().lora
     assert (final.running, final.waiting) == ((), ())
     assert {name for name, _ in final.loaded} == set(adapters) and final.slots_total == 1
+
+
+@pytest.mark.parametrize("as_decode_rows", [False, True], ids=["extend", "decode_rows"])
+def test_verify_steps_apply_each_requests_adapter_to_its_drafts(
+    tiny_model_dir, adapters, expected, as_decode_rows
+):
+    """Requests of three adapters and the base, each predicting its own answer, verify their drafts in shared
+    steps: every fed row goes through its request's adapter, in the extend layout and in the decode-row
+    layout a GPU's graphs replay (`StepBuilder.verify_rows_as_decode`), and everyone gets PEFT's tokens."""
+    sched = make(
+        tiny_model_dir, adapters, max_loras_per_batch=3, disable_mixed_chunk=True
+    )  # no prefill beside
+    sched.builder.verify_rows_as_decode = 64 if as_decode_rows else 0
+    accepted, layouts = [], []
+    sched.reporter.on_verify = lambda step: accepted.append(step.num_accepted_tokens)
+    verify = sched.builder.verify
+
+    def recording(*args, **kwargs):
+        batch = verify(*args, **kwargs)
+        layouts.append((batch.is_decode, batch.has_adapters))
+        return batch
+
+    sched.builder.verify = recording
+    reqs = [lora_request(rid, p, a) for (rid, a), p in zip(CASES, prompts(len(CASES), seed=7), strict=True)]
+    for req in reqs:
+        req.prediction_ids = expected[req.rid]
+    res = drive(sched, {0: reqs[:3], 1: reqs[3:]})
+    assert {rid: c.output_ids for rid, c in res.items()} == expected
+    assert sum(accepted) > 0
+    assert any(has_adapters for _, has_adapters in layouts)
+    assert all(is_decode == as_decode_rows for is_decode, _ in layouts)
+    assert_pool_whole(sched)

@@ -127,32 +127,50 @@ def time_mixed(runner: ModelRunner, new: int, prefix: int, rows: int, context: i
     return statistics.median(times[WARMUP_STEPS:])
 
 
-def time_verify(runner: ModelRunner, rows: int, context: int, steps: int, bs: int = 1) -> float:
+def time_verify(
+    runner: ModelRunner, rows: int, context: int, steps: int, bs: int = 1, as_decode_rows: bool = False
+) -> float:
     """Median seconds of a verify step of `bs` sequences: `rows` fed tokens each (the newest and its drafts)
-    after `context` cached ones, with logits for every row, as the scheduler's verify step asks."""
+    after `context` cached ones, with logits for every row, as the scheduler's verify step asks: an extend
+    step, or with `as_decode_rows` the decode-row layout a runner with decode graphs replays
+    (`StepBuilder.verify_rows_as_decode`)."""
     table, allocator, device = (
         runner.req_to_token_pool.req_to_token,
         runner.token_to_kv_pool_allocator,
         runner.device,
     )
     seqs, seq_tensor = fill_sequences(runner, bs, context)
+    positions = torch.arange(context, context + rows, dtype=torch.int64, device=device).repeat(bs)
     times = []
     for _ in range(WARMUP_STEPS + steps):
         slots = allocator.alloc(rows * bs)
         table[seq_tensor, context : context + rows] = slots.view(bs, rows)
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            batch_size=bs,
+        fed = dict(
             input_ids=torch.full((rows * bs,), TOKEN_ID, dtype=torch.int64, device=device),
-            positions=torch.arange(context, context + rows, dtype=torch.int64, device=device).repeat(bs),
+            positions=positions,
             out_cache_loc=slots,
-            req_pool_indices=seq_tensor,
-            seq_lens=torch.full((bs,), context + rows, dtype=torch.int64, device=device),
-            seq_lens_cpu=[context + rows] * bs,
-            extend_prefix_lens_cpu=[context] * bs,
-            extend_seq_lens_cpu=[rows] * bs,
-            logit_rows=torch.arange(rows * bs, dtype=torch.int64, device=device),
         )
+        if as_decode_rows:
+            batch = ForwardBatch(
+                mode=ForwardMode.DECODE,
+                batch_size=rows * bs,
+                req_pool_indices=seq_tensor.repeat_interleave(rows),
+                seq_lens=positions + 1,
+                seq_lens_cpu=(positions + 1).tolist(),
+                **fed,
+            )
+        else:
+            batch = ForwardBatch(
+                mode=ForwardMode.EXTEND,
+                batch_size=bs,
+                req_pool_indices=seq_tensor,
+                seq_lens=torch.full((bs,), context + rows, dtype=torch.int64, device=device),
+                seq_lens_cpu=[context + rows] * bs,
+                extend_prefix_lens_cpu=[context] * bs,
+                extend_seq_lens_cpu=[rows] * bs,
+                logit_rows=torch.arange(rows * bs, dtype=torch.int64, device=device),
+                **fed,
+            )
         start = time.perf_counter()
         runner.forward(batch).argmax(-1)
         times.append(time.perf_counter() - start)
@@ -264,14 +282,23 @@ VERIFY_TABLE_ROWS = (2, 3, 5, 9, 17)  # fed tokens a sequence: the newest plus 1
 
 def log_verify_table(runner: ModelRunner, args) -> None:
     """A verify step's cost against a decode step's at each batch size: where the ratio stays near 1, drafts
-    are nearly free, which is what a device's verify budget (srt/speculative/defaults.py) is chosen from."""
+    are nearly free, which is what a device's verify budget (srt/speculative/defaults.py) is chosen from.
+    Both layouts: as an extend step, and as decode rows (replayed from a graph when the runner has one)."""
+    steps = max(args.steps, 15)
     for bs in args.batch_sizes:
-        decode = time_decode(runner, bs, args.context, max(args.steps, 15))
-        cells = []
-        for rows in VERIFY_TABLE_ROWS:
-            verify = time_verify(runner, rows, args.context, max(args.steps, 15), bs)
-            cells.append(f"{rows * bs}:{verify * 1e3:.2f} ms ({verify / decode:.2f}x)")
-        logger.info("verify, bs=%d, decode %.2f ms | fed tokens: %s", bs, decode * 1e3, " ".join(cells))
+        decode = time_decode(runner, bs, args.context, steps)
+        for as_rows in (False, True):
+            cells = []
+            for rows in VERIFY_TABLE_ROWS:
+                verify = time_verify(runner, rows, args.context, steps, bs, as_decode_rows=as_rows)
+                cells.append(f"{rows * bs}:{verify * 1e3:.2f} ms ({verify / decode:.2f}x)")
+            logger.info(
+                "verify as %s, bs=%d, decode %.2f ms | fed tokens: %s",
+                "decode rows" if as_rows else "extend",
+                bs,
+                decode * 1e3,
+                " ".join(cells),
+            )
 
 
 def main() -> None:

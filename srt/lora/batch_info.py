@@ -32,7 +32,7 @@ class LoRABatchInfo:
     order: torch.Tensor | None  # int64 [adapted rows] on the model's device: step rows grouped by slot
     segments: tuple[Segment, ...]
     table: torch.Tensor  # int64 [segments, 4] on the CPU: each (slot, rank, start, end), for the CPU kernel
-    device_table: torch.Tensor  # the same on the model's device (the Triton kernels read it there)
+    device: torch.device  # the model's
 
     @staticmethod
     def build(
@@ -56,8 +56,12 @@ class LoRABatchInfo:
         in_place = len(adapted) == len(row_slots) and order == adapted
         table = torch.tensor([(s.slot, s.rank, s.start, s.end) for s in segments], dtype=torch.int64)
         rows = None if in_place else torch.tensor(order, dtype=torch.int64, device=device)
-        device_table = table if torch.device(device).type == "cpu" else table.to(device)
-        return LoRABatchInfo(rows, tuple(segments), table, device_table)
+        return LoRABatchInfo(rows, tuple(segments), table, torch.device(device))
+
+    @functools.cached_property  # read by every adapted layer of a Triton-backend step; other backends never copy it
+    def device_table(self) -> torch.Tensor:
+        """`table` on the model's device, where the Triton kernels read it."""
+        return self.table if self.device.type == "cpu" else self.table.to(self.device)
 
     @functools.cached_property  # read by every adapted layer of the step
     def max_segment_rows(self) -> int:

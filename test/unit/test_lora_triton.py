@@ -80,7 +80,7 @@ def inputs(layer: Layer, total: int, dtype, seed) -> tuple[torch.Tensor, torch.T
 def info_of(order: torch.Tensor | None, segments: tuple[Segment, ...]) -> LoRABatchInfo:
     """A step's info over these segments (as `LoRABatchInfo.build` makes it from a batch)."""
     table = torch.tensor([(s.slot, s.rank, s.start, s.end) for s in segments], dtype=torch.int64)
-    return LoRABatchInfo(order, segments, table, table.to(DEVICE))
+    return LoRABatchInfo(order, segments, table, torch.device(DEVICE))
 
 
 def step_info(gathered: bool, base_rows: int, seed: int) -> tuple[LoRABatchInfo, int]:

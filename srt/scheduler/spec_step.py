@@ -110,10 +110,9 @@ class SpecDecoder:
     def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
         self.k = args.speculative_drafts_per_step  # 0 without --speculative-algorithm
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
+        # the most a verify step feeds
         graph_max_bs = target.cuda_graph.max_bs if target.cuda_graph else 0
-        self.step_tokens = verify_step_tokens(
-            str(target.device), graph_max_bs
-        )  # the most a verify step feeds
+        self.step_tokens = verify_step_tokens(str(target.device), graph_max_bs)
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
         min_n, max_n = (
             args.speculative_ngram_min_match_window_size,

@@ -208,8 +208,9 @@ class StepBuilder:
         request reads that request's first p + 1 slots, which hold its cached prefix, the rows fed before it
         and its own K/V (written by the layer before it attends). Logits come back for every row, in order."""
         slots = self._lora_slots(reqs)
-        seq_lens = [p + 1 for p in positions]
-        batch = ForwardBatch(
+        if slots is not None:  # each request's slot on each of its rows
+            slots = [slot for slot, n in zip(slots, new_lens, strict=True) for _ in range(n)]
+        return ForwardBatch(
             mode=ForwardMode.DECODE,
             batch_size=len(positions),
             input_ids=input_ids,
@@ -217,12 +218,9 @@ class StepBuilder:
             out_cache_loc=loc,
             req_pool_indices=table_rows,
             seq_lens=positions_t + 1,
-            seq_lens_cpu=seq_lens,
-            lora_slots=None
-            if slots is None
-            else [s for s, n in zip(slots, new_lens, strict=True) for _ in range(n)],
+            seq_lens_cpu=[p + 1 for p in positions],
+            lora_slots=slots,
         )
-        return batch
 
     def _give_rows(self, prefill: list[Req]) -> None:
         """A `req_to_token` row, holding its cached prefix's slots, for each prefill request without one."""

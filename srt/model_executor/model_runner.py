@@ -230,7 +230,7 @@ class ModelRunner:
             self.quantization,
             str(self.kv_cache_dtype).removeprefix("torch."),
             "off" if methods.cpu_kernels is None else methods.cpu_kernels.isa,
-            f"up to batch {self.cuda_graph.max_bs}" if self.cuda_graph else "off",
+            f"up to batch {self.decode_graph_max_bs}" if self.decode_graph_max_bs else "off",
         )
 
     def _capture_cuda_graphs(self, max_bs: int) -> CudaGraphRunner | None:
@@ -241,6 +241,11 @@ class ModelRunner:
             logger.info("decode CUDA graphs are off: %s", refusal)
             return None
         return CudaGraphRunner(self._forward_eager, self.device, min(max_bs, self.max_running_requests))
+
+    @property
+    def decode_graph_max_bs(self) -> int:
+        """The largest decode batch replayed from a CUDA graph (0: every step runs eagerly)."""
+        return self.cuda_graph.max_bs if self.cuda_graph is not None else 0
 
     def decode_graph_refusal(self) -> str | None:
         """Why this runner's decode steps cannot be recorded in CUDA graphs, whatever its device (None: they

@@ -129,7 +129,7 @@ class Scheduler:
             self.allocator,
             self.tree_cache,
             adapter_slots=self.lora.slots if self.lora is not None else None,
-            verify_rows_as_decode=model_runner.cuda_graph.max_bs if model_runner.cuda_graph else 0,
+            verify_rows_as_decode=model_runner.decode_graph_max_bs,
         )
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
         # decode steps in which some request drafts (--speculative-algorithm, or a request's `prediction`)

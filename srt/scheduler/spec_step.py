@@ -111,8 +111,7 @@ class SpecDecoder:
         self.k = args.speculative_drafts_per_step  # 0 without --speculative-algorithm
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
         # the most a verify step feeds
-        graph_max_bs = target.cuda_graph.max_bs if target.cuda_graph else 0
-        self.step_tokens = verify_step_tokens(str(target.device), graph_max_bs)
+        self.step_tokens = verify_step_tokens(str(target.device), target.decode_graph_max_bs)
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
         min_n, max_n = (
             args.speculative_ngram_min_match_window_size,

@@ -19,7 +19,7 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 def source_text() -> str:
     text = []
-    for name in cpu_kernel_build.HEADERS + cpu_kernel_build.SOURCES:
+    for name in cpu_kernel_build.HEADERS + cpu_kernel_build.sources():
         with open(name) as f:
             text.append(f.read())
     return "\n".join(text)

@@ -10,6 +10,7 @@ loaded, so both share one thread pool. `cpu_kernels.py` loads the library and ca
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import os
 import platform
@@ -20,18 +21,41 @@ from srt.model_executor.layers.c_abi import Prototype, parse_prototypes
 from srt.model_source import cache_root
 
 _HERE = os.path.dirname(__file__)
-# compiled together into one library; the header is part of what the cached library was built from
-SOURCES = tuple(
-    os.path.join(_HERE, name)
-    for name in (
-        "cpu_int8_linear_kernels.c",
-        "cpu_layer_kernels.c",
-        "cpu_attention_kernels.c",
-        "cpu_decode_kernels.c",
-        "cpu_sampling_kernels.c",
-    )
+# What the library is compiled from: every `cpu_*_kernels.c` beside this module, with the header, which is part
+# of what a cached library was built from. The wheel carries them as package data by the same patterns
+# (pyproject.toml: `*.c`, `*.h`), and test_kernel_sources_packaged.py checks a built wheel against this list.
+SOURCE_PATTERN = "cpu_*_kernels.c"
+HEADER_NAMES = ("cpu_kernels_common.h",)
+# The sources the default CPU path cannot run without: one missing is a broken install, reported at start-up
+# naming the file (a warning and a PyTorch fallback would hide it behind a slower server).
+REQUIRED_SOURCE_NAMES = (
+    "cpu_int8_linear_kernels.c",
+    "cpu_layer_kernels.c",
+    "cpu_attention_kernels.c",
+    "cpu_decode_kernels.c",
+    "cpu_sampling_kernels.c",
 )
-HEADERS = (os.path.join(_HERE, "cpu_kernels_common.h"),)
+
+
+class KernelSourceMissing(RuntimeError):
+    """A C source or header the kernel library is built from is not installed."""
+
+
+@functools.cache
+def sources() -> tuple[str, ...]:
+    """The C sources to compile, in a stable order; KernelSourceMissing names a required one that is absent
+    (checked when the library is first built or loaded, so the scheduler's start-up reports it)."""
+    found = {os.path.basename(p) for p in glob.glob(os.path.join(_HERE, SOURCE_PATTERN))}
+    for name in REQUIRED_SOURCE_NAMES + HEADER_NAMES:
+        if not os.path.isfile(os.path.join(_HERE, name)):
+            raise KernelSourceMissing(
+                f"srt's CPU kernel source {name} is missing from {_HERE}: the installation is incomplete "
+                "(reinstall srt)"
+            )
+    return tuple(os.path.join(_HERE, name) for name in sorted(found | set(REQUIRED_SOURCE_NAMES)))
+
+
+HEADERS = tuple(os.path.join(_HERE, name) for name in HEADER_NAMES)
 COMPILER_ENV = "CC"
 DEFAULT_COMPILER = "cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
@@ -42,12 +66,12 @@ BUILD_TIMEOUT_S = 120
 def prototypes() -> dict[str, Prototype]:
     """Every exported kernel's signature, from the sources the library is built from."""
     text = []
-    for name in HEADERS + SOURCES:
+    for name in HEADERS + sources():
         with open(name) as f:
             text.append(f.read())
     found = parse_prototypes("\n".join(text))
     if not found:
-        raise ValueError(f"no srt_* prototypes found in {SOURCES + HEADERS}")
+        raise ValueError(f"no srt_* prototypes found in {sources() + HEADERS}")
     return found
 
 
@@ -67,7 +91,7 @@ def _cpu_signature() -> str:
 
 def library_path(cc: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name in sources() + HEADERS:
         with open(name, "rb") as f:
             h.update(f.read())
     h.update(repr(flags).encode())
@@ -89,7 +113,7 @@ def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> str:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *flags, *SOURCES, "-o", tmp, "-lm"],
+            [cc, *flags, *sources(), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,

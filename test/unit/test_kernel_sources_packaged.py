@@ -1,0 +1,91 @@
+"""The wheel is the product: every C source and header the CPU kernel library is compiled from at run time is in
+the built wheel, and a missing one is a start-up error naming the file, never a warning and a slower server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from srt.model_executor.layers import cpu_kernel_build, cpu_kernels
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAYERS_IN_WHEEL = "srt/model_executor/layers/"
+
+
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory) -> set[str]:
+    """The file names of a wheel built from the tracked tree (copied, so the build leaves nothing here)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    tree = tmp / "tree"
+    files = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
+    for rel in filter(None, files):
+        dst = tree / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.join(REPO, rel), dst)
+    out = tmp / "dist"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(tree),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = out.glob("srt-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        return set(z.namelist())
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_every_source_the_kernel_build_compiles(wheel_names):
+    needed = {
+        LAYERS_IN_WHEEL + os.path.basename(p) for p in cpu_kernel_build.sources() + cpu_kernel_build.HEADERS
+    }
+    assert needed <= wheel_names, f"missing from the wheel: {sorted(needed - wheel_names)}"
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_runtime_data_files(wheel_names):
+    assert "srt/model_executor/calibration_text.txt" in wheel_names
+
+
+def test_a_missing_required_source_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setattr(
+        cpu_kernel_build,
+        "REQUIRED_SOURCE_NAMES",
+        (*cpu_kernel_build.REQUIRED_SOURCE_NAMES, "cpu_gone_kernels.c"),
+    )
+    cpu_kernel_build.sources.cache_clear()
+    try:
+        with pytest.raises(cpu_kernel_build.KernelSourceMissing, match="cpu_gone_kernels.c"):
+            cpu_kernel_build.sources()
+        # the loader does not turn it into a warning and a PyTorch fallback: it reaches start-up
+        with pytest.raises(cpu_kernel_build.KernelSourceMissing, match="cpu_gone_kernels.c"):
+            cpu_kernels.load.__wrapped__()
+    finally:
+        monkeypatch.undo()
+        cpu_kernel_build.sources.cache_clear()
+
+
+def test_every_kernel_source_beside_the_build_is_compiled():
+    here = os.path.dirname(cpu_kernel_build.__file__)
+    on_disk = {n for n in os.listdir(here) if n.startswith("cpu_") and n.endswith("_kernels.c")}
+    assert on_disk == {os.path.basename(p) for p in cpu_kernel_build.sources()}

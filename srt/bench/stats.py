@@ -136,7 +136,9 @@ def stream_timings(send_time: float, token_times: list[float]) -> tuple[float, l
     """TTFT and inter-token gaps from the arrival times of the chunks that carried output.
 
     Chunks without output (a role-only first delta, a usage-only last chunk) must be left out by the caller:
-    counting them would make TTFT look better than what a user waits for."""
+    counting them would make TTFT look better than what a user waits for. Events that arrive in one network
+    read share its arrival time, so their gap is 0: what the client saw (a busy client reads late and gets
+    several at once), not an error; the gaps always add up to the span from the first output to the last."""
     if not token_times:
         raise ValueError("no output chunk arrived")
     ttft = token_times[0] - send_time

@@ -54,8 +54,11 @@ def test_short_run_writes_every_requests_timings_and_matches_the_servers_metrics
     assert summary["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: fixed output length
     assert summary["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
     assert summary["output_throughput"] > 0
-    for stat in ("ttft", "tpot", "itl", "e2e"):
+    for stat in ("ttft", "tpot", "e2e"):
         assert summary[stat]["p99_ms"] >= summary[stat]["median_ms"] > 0
+    # An inter-token gap is 0 where SSE events arrived in one network read (a busy client reads late: seen as a
+    # median of exactly 0.0 ms on a loaded 2-core machine); the gaps still add up to the stream's span.
+    assert summary["itl"]["p99_ms"] >= summary["itl"]["median_ms"] >= 0
 
     assert len(run["requests"]) == NUM_PROMPTS
     for req in run["requests"]:
@@ -63,6 +66,7 @@ def test_short_run_writes_every_requests_timings_and_matches_the_servers_metrics
         assert (req["prompt_len"], req["output_len"]) == (INPUT_LEN, OUTPUT_LEN)
         assert 0 < req["ttft"] <= req["e2e"]
         assert len(req["itl"]) == OUTPUT_LEN - 1 and all(gap >= 0 for gap in req["itl"])
+        assert req["ttft"] + sum(req["itl"]) <= req["e2e"] + 1e-9  # the last output arrived before the end
         assert req["tpot"] > 0 and req["start"] >= 0
 
     server_view = run["server"]

@@ -1,9 +1,13 @@
 """Huge requests cannot stall the HTTP process. While normal chat traffic runs, a 50 MB
 body (over --max-request-bytes: 413) and a 5 MB prompt (over the character bound: 400) arrive together;
-/health and a small normal request keep answering, p99 within `P99_LIMIT_SECONDS`.
+/health and a small normal request keep answering.
 
-The issue's goal is 200 ms; the assertion is loose for a busy 2-core CI machine, and the measured figures
-are printed (`pytest -s`) and put in the assertion message.
+Judged against a baseline measured in the same run, never an absolute time (a loaded machine slows both
+periods alike): under the huge requests, /health's p99 (a stalled event loop shows as one slow sample) and
+the small request's median stay within `STALL_FACTOR` of the small request's median under normal traffic
+alone. The small request's p99 is printed, not judged: from ten samples it is the maximum, which one busy
+moment of a loaded machine sets (2.45 s once against a 1.0 s limit; 5.2 s within the baseline itself
+while other work ran). The figures are printed (`pytest -s`) and put in the assertion message.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ TRAFFIC_LOOPS = 2
 MIN_HEALTH_PROBES = 40
 MIN_REQUEST_PROBES = 10
 PROBE_INTERVAL_SECONDS = 0.05
-P99_LIMIT_SECONDS = 1.0
+# How much slower than under normal traffic alone a statistic may be under the huge requests.
+STALL_FACTOR = 3.0
 HTTP_TIMEOUT_SECONDS = 60.0
 BIG_TIMEOUT_SECONDS = 180.0
 # Probing stops this long after the start at the latest, whatever the counts.
 PERIOD_LIMIT_SECONDS = 300.0
-# Normal traffic alone is measured this long first: printed next to the figures, so a failure shows
-# whether the machine was already this slow without the huge requests.
+# Normal traffic alone is measured first, for at least this long and until it has MIN_REQUEST_PROBES small
+# requests (within PERIOD_LIMIT_SECONDS): the yardstick of the assertions.
 WARMUP_SECONDS = 1.0
 BASELINE_SECONDS = 3.0
 
@@ -139,8 +144,17 @@ def test_health_and_small_requests_stay_fast_under_huge_requests(server):
 
     try:
         time.sleep(WARMUP_SECONDS)
+        while (
+            not request_probe.samples and not request_probe.failures
+        ):  # the first request's costs are no baseline
+            time.sleep(PROBE_INTERVAL_SECONDS)
         t_baseline = time.monotonic()
         time.sleep(BASELINE_SECONDS)
+        while (
+            len(request_probe.between(t_baseline)) < MIN_REQUEST_PROBES
+            and time.monotonic() - t_baseline < PERIOD_LIMIT_SECONDS
+        ):
+            time.sleep(PROBE_INTERVAL_SECONDS)
         t0 = time.monotonic()
         for _ in range(BIG_ROUNDS):
             senders = [
@@ -162,6 +176,7 @@ def test_health_and_small_requests_stay_fast_under_huge_requests(server):
             p.join(HTTP_TIMEOUT_SECONDS)
 
     health_latencies, request_latencies = health_probe.between(t0), request_probe.between(t0)
+    baseline = request_probe.between(t_baseline, t0)
     report = (
         f"over {period:.1f} s with {BIG_ROUNDS} x (50 MB body + 5 MB prompt): "
         f"{summary('/health', health_latencies)}; {summary('small chat request', request_latencies)} "
@@ -175,5 +190,7 @@ def test_health_and_small_requests_stay_fast_under_huge_requests(server):
     for p in probes:
         assert not p.failures, f"{p.name}: {p.failures[:3]}"
     assert len(health_latencies) >= MIN_HEALTH_PROBES, report
-    assert percentile(health_latencies, 99) <= P99_LIMIT_SECONDS, report
-    assert percentile(request_latencies, 99) <= P99_LIMIT_SECONDS, report
+    assert len(baseline) >= MIN_REQUEST_PROBES, report
+    typical = STALL_FACTOR * percentile(baseline, 50)
+    assert percentile(health_latencies, 99) <= typical, f"limit {typical * 1000:.0f} ms: {report}"
+    assert percentile(request_latencies, 50) <= typical, f"limit {typical * 1000:.0f} ms: {report}"

@@ -208,9 +208,10 @@ def test_two_replicas_across_two_nodes_answer_as_one_rank_and_a_cut_link_ends_bo
 ):
     """`--dp-size 2`: each replica's two ranks span both nodes, meeting at the port and the port + 1, and each
     answers as one rank. Then node 1's link is cut: no socket closes when a cable is pulled, so the
-    collectives' timeout is what notices, on both sides."""
+    collectives' timeout is what notices, on both sides. Four schedulers start here, two per node, so the
+    rendezvous gets the timeout that covers a busy machine's start-up skew (the short one failed there)."""
     a, b = hosts
-    timeout = SHORT_DIST_TIMEOUT_SECONDS
+    timeout = DIST_TIMEOUT_SECONDS
     rendezvous = f"{a.address}:{DIST_PORT + 3}"  # and DIST_PORT + 4 for replica 1
     with nodes((a, 0, rendezvous, timeout), (b, 1, rendezvous, timeout), model_dir=tiny_model_dir,
                flags=("--dp-size", "2")) as (node0, node1):  # fmt: skip

@@ -88,6 +88,7 @@ class LoRAAdapterReqOutput:
     request_id: str
     success: bool
     message: str = ""
+    param: str = "lora_name"  # the request field a failure is about (the 400's OpenAI `param`)
 
 
 @dataclass

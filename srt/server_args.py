@@ -240,6 +240,12 @@ class ServerArgs:
         f"modules adapters may adapt (of {', '.join(LORA_TARGET_MODULES)}, or all); default: all",
         nargs="+",
     )
+    lora_allowed_dirs: list[str] | None = _f(
+        None,
+        "directories POST /load_lora_adapter may read adapters under (symlinks and .. resolved first); "
+        "default: the parent directories of the --lora-paths adapters; none given: runtime loads refused",
+        nargs="*",
+    )
     lora_backend: str = _f(
         LORA_BACKENDS[0],
         "how adapter products run: torch_native (PyTorch segment matmuls grouped by adapter; srt's C kernel "

@@ -141,7 +141,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             await action(tm.lora)
         except AdapterRequestError as e:
             status = HTTPStatus.NOT_FOUND if e.not_found else HTTPStatus.BAD_REQUEST
-            return OpenAIError(str(e), status=status, param="lora_name").to_response()
+            return OpenAIError(str(e), status=status, param=e.param).to_response()
         except TimeoutError:
             return OpenAIError(
                 "the schedulers did not answer",

@@ -44,7 +44,7 @@ from srt.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
-from srt.lora.specs import lora_enabled, startup_adapters
+from srt.lora.specs import allowed_adapter_dirs, lora_enabled, startup_adapters
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.port_args import PortArgs
 from srt.sampling.sampling_params import SamplingParams
@@ -95,6 +95,7 @@ class TokenizerManager:
                 startup_adapters(server_args.lora_paths, server_args.lora_modules),
                 self._send_to_all,
                 server_args.dp_size,
+                allowed_adapter_dirs(server_args),
             )
             if lora_enabled(server_args)
             else None

@@ -20,8 +20,12 @@ import torch
 from safetensors.torch import load_file
 
 from srt.lora.config import LORA_TARGET_MODULES
+from srt.lora.specs import echo
 
 CONFIG_FILE = "adapter_config.json"
+# PEFT writes a config of about a kilobyte; a larger one is not an adapter's, and reading it whole would let
+# a hostile file fill the server's memory.
+MAX_CONFIG_BYTES = 1 << 20
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's tensor names: `base_model.model.<the base's module path>.lora_A.weight` (and lora_B)
 TENSOR_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -43,11 +47,13 @@ UNSUPPORTED_FEATURES = {
 
 
 class AdapterError(ValueError):
-    """An adapter that cannot be served, said in one line."""
+    """An adapter that cannot be served, said in one line; `param`: the load request's field it is about
+    (its files, unless said otherwise)."""
 
-    def __init__(self, name: str, problem: str):
-        super().__init__(f"LoRA adapter {name!r}: {' '.join(problem.split())}")
+    def __init__(self, name: str, problem: str, param: str = "lora_path"):
+        super().__init__(f"LoRA adapter {echo(name)}: {' '.join(problem.split())}")
         self.adapter = name
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -92,11 +98,11 @@ def read_adapter(
     for tensor_name, tensor in tensors.items():
         m = TENSOR_NAME.match(tensor_name)
         if m is None:
-            raise AdapterError(name, f"tensor {tensor_name} is not a LoRA A or B weight srt can apply")
+            raise AdapterError(name, f"tensor {echo(tensor_name)} is not a LoRA A or B weight srt can apply")
         module = m["module"]
         _check_module_name(name, module.rsplit(".", 1)[-1], enabled_modules, listed=False)
         if module not in shapes:
-            raise AdapterError(name, f"adapts {module}, which this base model lacks")
+            raise AdapterError(name, f"adapts {echo(module)}, which this base model lacks")
         halves.setdefault(module, {})[m["ab"]] = tensor
     if not halves:
         raise AdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
@@ -116,37 +122,46 @@ def adapter_rank(path: str) -> int | None:
 
 
 def _read_config(name: str, path: str) -> dict:
+    """The adapter's config. JSON nested past the parser's recursion limit is a RecursionError, which is not
+    a ValueError: caught here, it is one more unreadable config rather than a crash of start-up."""
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
-        raise AdapterError(name, f"no {CONFIG_FILE} in {path}")
+        raise AdapterError(name, f"no {CONFIG_FILE} in {echo(path)}")
+    if os.path.getsize(config_path) > MAX_CONFIG_BYTES:
+        raise AdapterError(name, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes: not a PEFT config")
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise AdapterError(name, f"{config_path} is not readable JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else echo(str(e))
+        raise AdapterError(name, f"{CONFIG_FILE} is not readable JSON ({reason})") from None
     if not isinstance(config, dict):
-        raise AdapterError(name, f"{config_path} is not a JSON object")
+        raise AdapterError(name, f"{CONFIG_FILE} is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(name, f"peft_type {config['peft_type']!r} is not LORA")
+        raise AdapterError(name, f"peft_type {echo(config['peft_type'])} is not LORA")
     used = [key for key, uses in UNSUPPORTED_FEATURES.items() if uses(config.get(key))]
     if used:
         raise AdapterError(name, f"uses PEFT features srt does not serve: {', '.join(used)}")
     r, alpha = config.get("r"), config.get("lora_alpha", 8)
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise AdapterError(name, f"r must be a positive integer, not {r!r}")
+        raise AdapterError(name, f"r must be a positive integer, not {echo(r)}")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise AdapterError(name, f"lora_alpha must be a number, not {alpha!r}")
+        raise AdapterError(name, f"lora_alpha must be a number, not {echo(alpha)}")
     return config
 
 
 def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
-        raise AdapterError(name, f"no {WEIGHTS_FILE} in {path} (srt reads adapters in safetensors only)")
+        raise AdapterError(
+            name, f"no {WEIGHTS_FILE} in {echo(path)} (srt reads adapters in safetensors only)"
+        )
     try:
         return load_file(weights_path, device="cpu")
     except Exception as e:  # safetensors raises its own error type, or OSError, for a damaged file
-        raise AdapterError(name, f"{weights_path} is not a readable safetensors file ({e})") from None
+        raise AdapterError(
+            name, f"{WEIGHTS_FILE} is not a readable safetensors file ({echo(str(e))})"
+        ) from None
 
 
 def _check_module_name(name: str, module: str, enabled: tuple[str, ...], listed: bool) -> None:
@@ -154,7 +169,8 @@ def _check_module_name(name: str, module: str, enabled: tuple[str, ...], listed:
     if module not in LORA_TARGET_MODULES:
         where = "target_modules names" if listed else "has weights for"
         raise AdapterError(
-            name, f"{where} {module!r}, which srt does not adapt (it adapts {', '.join(LORA_TARGET_MODULES)})"
+            name,
+            f"{where} {echo(module)}, which srt does not adapt (it adapts {', '.join(LORA_TARGET_MODULES)})",
         )
     if module not in enabled:
         raise AdapterError(

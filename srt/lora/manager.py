@@ -129,20 +129,34 @@ class LoRAManager:
                     raise AdapterError(name, f"{module} holds values beyond the adapter pool's {dtype} range")
         return adapter
 
-    def add(self, adapter: LoRAAdapter, pinned: bool = False) -> None:
-        """Make a read adapter servable under its name; a pinned one takes a slot now and keeps it."""
+    def add(self, adapter: LoRAAdapter, pinned: bool = False, in_use: Sequence[str] = ()) -> None:
+        """Make a read adapter servable under its name; a pinned one takes a slot now and keeps it. `in_use`:
+        the adapters of the requests running now, which keep their slots: a pin they leave no slot for is
+        refused (AdapterError about `pinned`), since the next step could not serve them all."""
         name, limit = adapter.name, self.config.max_loaded_loras
         if name in self.adapters:
-            raise AdapterError(name, "an adapter of this name is already loaded")
+            raise AdapterError(name, "an adapter of this name is already loaded", param="lora_name")
         if limit is not None and len(self.adapters) >= limit:
-            raise AdapterError(name, f"{limit} adapters are loaded (--max-loaded-loras); unload one first")
+            raise AdapterError(
+                name, f"{limit} adapters are loaded (--max-loaded-loras); unload one first", param="lora_name"
+            )
         if pinned and not self.slots.can_pin():
             raise AdapterError(
-                name, f"pinning it would leave none of the {self.slots.num_slots} slots to unpinned adapters"
+                name,
+                f"pinned: pinning it would leave none of the {self.slots.num_slots} slots to unpinned adapters",
+                param="pinned",
+            )
+        if pinned and not self.slots.can_pin(in_use):
+            raise AdapterError(
+                name,
+                f"pinned: the running requests' adapters hold the slots a pin would take "
+                f"({self.slots.num_slots} slots, {len(self.slots.pinned)} pinned); pin it once they finish, "
+                "or load it with pinned false",
+                param="pinned",
             )
         self.adapters[name] = adapter
         if pinned:
-            slot, _ = self.slots.pin(name)
+            slot, _ = self.slots.pin(name, in_use)
             self._write(slot, adapter)
 
     def load(self, name: str, path: str, pinned: bool = False) -> None:
@@ -151,7 +165,7 @@ class LoRAManager:
     def unload(self, name: str) -> None:
         """Forget the adapter and free its slot. The caller first lets the requests using it finish."""
         if self.adapters.pop(name, None) is None:
-            raise AdapterError(name, "no adapter of this name is loaded")
+            raise AdapterError(name, "no adapter of this name is loaded", param="lora_name")
         slot = self.slots.release(name)
         if slot is not None:
             self._clear(slot)

@@ -158,7 +158,7 @@ class Scheduler:
             if isinstance(msg, LoadLoRAAdapterReq):
                 self.lora.load(msg)
             else:
-                self.lora.unload(msg, list(self.live.values()))
+                self.lora.unload(msg)
         else:
             logger.warning("Ignoring unknown message %r", type(msg).__name__)
         return None
@@ -292,7 +292,7 @@ class Scheduler:
         arriving meanwhile waits for it)."""
         stepped: list[Req] = []
         if self.lora is not None and self.lora.busy:
-            self.lora.poll(list(self.live.values()))
+            self.lora.poll(list(self.live.values()), self._holding_kv())
         ready, failed = self.grammar.pop_ready()
         self.waiting.extend(ready)
         self.finished_outside_step.extend(failed)

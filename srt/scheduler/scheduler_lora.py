@@ -2,14 +2,17 @@
 adapter slots, and what the metrics read. The model side (weights, slots, the per-step products) is the
 runner's `LoRAManager` (srt/lora/).
 
-- Loading reads the files off the scheduler loop, on a worker thread, and adds the adapter between steps;
-  other requests keep running meanwhile. With tensor parallelism every rank must add it at the same step,
-  so ranks read it in the loop, at the step the message arrives (the step waits for the read).
+- Loading reads the files off the scheduler loop, on a worker thread, and adds the adapter between steps
+  (`poll`, at the start of a step); other requests keep running meanwhile. With tensor parallelism every
+  rank must add it at the same step, so ranks read it in the loop, when the message arrives (the step waits
+  for the read), and add it at the next step's start.
 - Unloading drains: the adapter stops taking requests at once (the HTTP process stops routing to it; a
   request that still arrives here is refused), the requests running with it finish, and then its weights
   and its prefix-cache namespace are freed and the reply goes out.
-- Admission keeps every step within the pool's slots (`LoRAManager.fits`); a request whose adapter does not
-  fit next to the running ones waits, and the requests after it may go first.
+- Every step's adapters fit the pool's slots (srt/lora/slots.py states the invariant). Admission keeps it
+  (`fits`): a request whose adapter does not fit next to the running ones waits, and the requests after it
+  may go first. A pin keeps it by being refused (a failed reply naming `pinned`) while the running requests'
+  adapters need the slot it would take; the caller pins later, or loads it unpinned.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from srt.io_struct import FinishReason, LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
-from srt.lora.specs import check_adapter_name
+from srt.lora.adapter import AdapterError
+from srt.lora.specs import check_adapter_name, echo
 
 if TYPE_CHECKING:
     from srt.lora.manager import LoRAManager
@@ -58,9 +62,11 @@ class SchedulerLoRA:
 
     # ---- messages ----
     def load(self, msg: LoadLoRAAdapterReq) -> None:
-        problem = check_adapter_name(msg.lora_name)
-        if problem is None and self._known(msg.lora_name):
-            problem = f"LoRA adapter {msg.lora_name!r} is already loaded"
+        """Start reading the adapter; `poll` adds it (the HTTP process checks the message first: a guard)."""
+        known = [*self.manager.adapters, *(m.lora_name for m, _ in self._loading)]
+        problem = check_adapter_name(msg.lora_name, known)
+        if problem is None and msg.lora_name in known:
+            problem = f"LoRA adapter {echo(msg.lora_name)} is already loaded"
         if problem is not None:
             self.replies.append(LoRAAdapterReqOutput(msg.request_id, False, problem))
             return
@@ -73,30 +79,36 @@ class SchedulerLoRA:
         else:
             future = self._reader.submit(self.manager.read, msg.lora_name, msg.lora_path)
         self._loading.append((msg, future))
-        self.poll([])
 
-    def unload(self, msg: UnloadLoRAAdapterReq, live: list[Req]) -> None:
+    def unload(self, msg: UnloadLoRAAdapterReq) -> None:
+        """Stop taking requests for the adapter; `poll` frees it once its requests have finished."""
         if msg.lora_name not in self.manager.adapters:
             self.replies.append(
-                LoRAAdapterReqOutput(msg.request_id, False, f"LoRA adapter {msg.lora_name!r} is not loaded")
+                LoRAAdapterReqOutput(
+                    msg.request_id, False, f"LoRA adapter {echo(msg.lora_name)} is not loaded"
+                )
             )
             return
         self.draining.setdefault(msg.lora_name, []).append(msg.request_id)
-        self.poll(live)
 
-    def poll(self, live: list[Req]) -> None:
-        """Between steps: add the adapters whose files are read, unload the drained ones (`live`: every
-        request the scheduler holds)."""
+    def poll(self, live: list[Req], running: list[Req]) -> None:
+        """At the start of a step: add the adapters whose files are read, unload the drained ones. `live`:
+        every request the scheduler holds; `running`: those whose adapters the step serves whatever
+        admission decides (the running batch and a prompt mid-chunk)."""
+        in_use = sorted({r.lora_name for r in running if r.lora_name is not None})
         pending = []
         for msg, future in self._loading:
             if not future.done():
                 pending.append((msg, future))
                 continue
             try:
-                self.manager.add(future.result(), msg.pinned)
-            except Exception as e:
-                message = str(e).splitlines()[0] if str(e) else type(e).__name__
-                self.replies.append(LoRAAdapterReqOutput(msg.request_id, False, message))
+                self.manager.add(future.result(), msg.pinned, in_use)
+            except AdapterError as e:  # one line, its echoes capped
+                self.replies.append(LoRAAdapterReqOutput(msg.request_id, False, str(e), e.param))
+                continue
+            except Exception as e:  # anything else reading the files raised
+                message = f"LoRA adapter {echo(msg.lora_name)}: reading it failed: {type(e).__name__}: {echo(str(e))}"
+                self.replies.append(LoRAAdapterReqOutput(msg.request_id, False, message, "lora_path"))
                 continue
             logger.info(
                 "LoRA adapter %r loaded from %s%s", msg.lora_name, msg.lora_path, " (pinned)" * msg.pinned
@@ -141,6 +153,3 @@ class SchedulerLoRA:
             slots_total=pool.slots_total,
             loaded=pool.adapters,
         )
-
-    def _known(self, name: str) -> bool:
-        return name in self.manager.adapters or any(m.lora_name == name for m, _ in self._loading)

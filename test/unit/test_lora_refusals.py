@@ -1,6 +1,7 @@
 """Every way an adapter can be wrong is refused in one line that names the adapter and the problem (an
-`AdapterError`, a ValueError: the server's 400 or start-up error), never a traceback, and leaves the runner
-as it was. What is only a training setting (lora_dropout) is no reason to refuse."""
+`AdapterError`, a ValueError: the server's 400 or start-up error), never a traceback (a config nested
+past the JSON parser's recursion limit included), repeats at most a capped part of what the files hold, and
+leaves the runner as it was. What is only a training setting (lora_dropout) is no reason to refuse."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from srt.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from srt.lora.adapter import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterError
 from srt.lora.config import LoRAConfig
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.lora_adapters import write_adapter
@@ -20,6 +21,9 @@ MAX_RANK = 8
 # the server adapts every module but gate_proj, so an adapter of gate_proj names a module it does not adapt
 ENABLED = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 NAME = "bad-adapter"
+# The longest refusal: a fixed sentence plus capped echoes (srt/lora/specs.py MAX_ECHO_CHARS) of what the files
+# hold; a 5 KB field must not come back whole.
+MAX_MESSAGE_CHARS = 400
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,9 @@ CASES: list[tuple[str, Callable[[Path, dict], Path], str]] = [
     ("a corrupt weights file", lambda d, s: (write_adapter(d, s) / WEIGHTS_FILE).write_bytes(b"\x00garbage" * 9) and d, "not a readable safetensors file"),
     ("a truncated weights file", lambda d, s: truncate(write_adapter(d, s) / WEIGHTS_FILE) or d, "not a readable safetensors file"),
     ("another PEFT method", lambda d, s: write_adapter(d, s, peft_type="PREFIX_TUNING"), "is not LORA"),
+    ("a 5 KB peft_type", lambda d, s: write_adapter(d, s, peft_type="P" * 5000), "characters) is not LORA"),
+    ("a config nested past the parser's recursion limit", lambda d, s: (write_adapter(d, s) / CONFIG_FILE).write_text('{"r": 4, "x": ' + "[" * 100_000 + "]" * 100_000 + "}") and d, "nested too deeply"),
+    ("a config of megabytes", lambda d, s: (write_adapter(d, s) / CONFIG_FILE).write_text('{"r": 4, "x": "' + "y" * (MAX_CONFIG_BYTES + 1) + '"}') and d, "larger than"),
     ("DoRA", lambda d, s: write_adapter(d, s, use_dora=True), "use_dora"),
     ("modules_to_save", lambda d, s: write_adapter(d, s, modules_to_save=["lm_head"]), "modules_to_save"),
     ("trained biases", lambda d, s: write_adapter(d, s, bias="all"), "bias"),
@@ -75,7 +82,7 @@ CASES: list[tuple[str, Callable[[Path, dict], Path], str]] = [
     ("tensors of another rank than the config's", lambda d, s: write_adapter(d, s, r=2), "not of the config's rank 2"),
     ("a module srt does not adapt", lambda d, s: write_adapter(d, s, target_modules=["c_attn"]), "'c_attn', which srt does not adapt"),
     ("a module the server does not adapt", lambda d, s: write_adapter(d, {"model.layers.0.mlp.gate_proj": (64, 128)}), "gate_proj, not among the enabled"),
-    ("a layer the base lacks", lambda d, s: write_adapter(d, {"model.layers.7.self_attn.q_proj": (64, 64)}), "model.layers.7.self_attn.q_proj, which this base model lacks"),
+    ("a layer the base lacks", lambda d, s: write_adapter(d, {"model.layers.7.self_attn.q_proj": (64, 64)}), "'model.layers.7.self_attn.q_proj', which this base model lacks"),
     ("another base model's shapes", lambda d, s: rewrite_tensors(write_adapter(d, s), grow_input) or d, "another base model"),
     ("an A without its B", lambda d, s: rewrite_tensors(write_adapter(d, s), lambda t: t.pop(first(t, "lora_B.weight"))) or d, "without its pair"),
     ("an embedding adapter's tensor", lambda d, s: rewrite_tensors(write_adapter(d, s), lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)})) or d, "not a LoRA A or B weight"),
@@ -92,6 +99,7 @@ def test_a_bad_adapter_is_refused_in_one_line_naming_it(runner, tmp_path, make, 
     message = str(refused.value)
     assert isinstance(refused.value, ValueError)
     assert "\n" not in message and message.startswith(f"LoRA adapter {NAME!r}: ")
+    assert len(message) <= MAX_MESSAGE_CHARS  # what it repeats of the adapter's files is capped
     assert phrase in message, message
     assert runner.lora.loaded == [] and runner.lora.slots.used == 0
 

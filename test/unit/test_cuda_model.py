@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.model_runner import MAX_CONTEXTS_IN_KV_POOL, ModelRunner
 from test.unit.model_driver import PagedDriver, same_or_diverged_at_a_near_tie
 
 pytestmark = pytest.mark.cuda
@@ -110,12 +110,18 @@ def test_a_replayed_decode_step_equals_the_eager_step(smollm2_shaped_model_dir):
 
 
 def test_kv_capacity_comes_from_free_gpu_memory(tiny_model_dir):
+    """The free-memory branch: a fraction of free memory chosen to hold half the pool's context cap (a fixed
+    1 % of an H200's free memory holds more than the tiny model's cap, so the cap alone was being tested)."""
+    probe = ModelRunner(tiny_model_dir, device="cuda", max_total_tokens=1024, cuda_graph_max_bs=0)
+    pool = probe.token_to_kv_pool
+    per_token = pool.bytes_per_token(probe.kv_cache_dtype, pool.head_num, pool.head_dim, pool.layer_num)
+    cap = MAX_CONTEXTS_IN_KV_POOL * probe.context_len
+    del probe, pool
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    runner = ModelRunner(tiny_model_dir, device="cuda", mem_fraction_static=0.01, cuda_graph_max_bs=0)
-    per_token = runner.token_to_kv_pool.bytes_per_token(
-        runner.kv_cache_dtype, runner.token_to_kv_pool.head_num, runner.token_to_kv_pool.head_dim,
-        runner.token_to_kv_pool.layer_num,
-    )  # fmt: skip
-    expected = min(0.01 * free / per_token, 64 * runner.context_len)
+    fraction = 0.5 * cap * per_token / free
+    runner = ModelRunner(tiny_model_dir, device="cuda", mem_fraction_static=fraction, cuda_graph_max_bs=0)
+    expected = fraction * free / per_token
+    assert runner.max_total_num_tokens < cap
     assert abs(runner.max_total_num_tokens - expected) / expected < 0.05
     assert runner.dtype == torch.bfloat16 and runner.attention_backend_name in ("triton", "flashinfer")

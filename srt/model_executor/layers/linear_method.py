@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.cpu_kernels import CpuKernels
+from srt.model_executor.layers.gguf_linear import BlockMatrix, block_matmul_parts
 from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 
@@ -92,7 +93,36 @@ class W8A8Int8LinearMethod(LinearMethod):
         return None if self.weights is None else self.weights[key]
 
 
-LINEAR_METHODS = {m.name: m for m in (LinearMethod, W8A8Int8LinearMethod)}
+class GGUFLinearMethod(LinearMethod):
+    """A GGUF file's weights in their own block formats (`gguf_linear.py`): each weight key holds its parts,
+    stacked along the output in shard order (a fused qkv: [q, k, v], each with its own ggml type, as Q4_K_M
+    files keep attn_v in Q6_K); the product is their concatenation. The layer never holds dense weights."""
+
+    name = "gguf"
+
+    def __init__(self):
+        self.weights: dict[str, list[BlockMatrix]] | None = None
+
+    def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None, key: str = WEIGHT):
+        if self.weights is None:
+            raise RuntimeError("a gguf linear layer was called before its blocks were installed")
+        out = block_matmul_parts(x, self.weights[key])
+        return out if bias is None else out.add_(bias)
+
+    def install(self, layer: LinearWeights, weights: dict[str, list[BlockMatrix]]) -> None:
+        missing = set(layer.weight_keys()) - set(weights)
+        if missing:
+            raise KeyError(f"gguf weights missing for {sorted(missing)}")
+        for key, parts in weights.items():
+            if not parts or len({p.cols for p in parts}) != 1:
+                raise ValueError(f"gguf weight {key!r}: its parts must be non-empty and share one input size")
+        self.weights = {key: list(parts) for key, parts in weights.items()}
+        layer.drop_dense_weights()
+
+
+LINEAR_METHODS = {m.name: m for m in (LinearMethod, W8A8Int8LinearMethod, GGUFLinearMethod)}
+# The methods whose layers run srt's C kernels on the CPU, the fused norm/rope/attention ones with them
+CPU_KERNEL_QUANTIZATIONS = ("w8a8_int8", "gguf")
 
 
 @dataclass(frozen=True)
@@ -107,9 +137,11 @@ class LayerMethods:
 
     @staticmethod
     def for_run(quantization: str, device: str) -> LayerMethods:
+        if quantization == "gguf":
+            from srt.model_executor.layers import gguf_linear  # noqa: F401 (registers GGUFLinearMethod)
         if quantization not in LINEAR_METHODS:
             raise ValueError(f"unknown quantization {quantization!r}; choose one of {sorted(LINEAR_METHODS)}")
-        kernels = cpu_kernels.load() if quantization == "w8a8_int8" and device == "cpu" else None
+        kernels = cpu_kernels.load() if quantization in CPU_KERNEL_QUANTIZATIONS and device == "cpu" else None
         return LayerMethods(quantization, kernels)
 
     def linear(self) -> LinearMethod:

@@ -1,0 +1,248 @@
+"""GGUF weights multiplied in their own block formats (`cpu_gguf_kernels.c`), and embedding rows looked up in
+them: the `gguf` linear method's arithmetic (`linear_method.GGUFLinearMethod`).
+
+A `BlockMatrix` is one 2-D tensor of a GGUF file as it lies there (usually a view of the file's read-only
+memory map): `rows` output features, each `row_bytes` of ggml blocks along the `cols` input features. Nothing
+is converted, copied or calibrated: a decode step reads each weight block once from the page cache.
+
+Activations: quantized per block of 32 to int8 (ggml's Q8_0, as llama.cpp does for these formats), then
+integer dot products (vpdpbusd with AVX-512 VNNI, vpmaddubsw with AVX2, a portable loop elsewhere: one per
+machine, as for srt's int8 kernels). An output then differs from the exact fp32 product of the dequantized
+weight by at most sum_i |w_i| * d_i / 2 (d_i: the activation scale of input i's block, amax / 127): about
+1/254 of the block's largest activation per unit of weight, below the weight's own 4-6 bit rounding by two
+orders of magnitude. What it buys (scripts/bench_gguf_gemm.py, one 2048 x 2048 Q4_K weight, this 2-core Xeon
+with AVX-512 VNNI): see docs/benchmarks; exact fp32 activations would need the weights dequantized to floats
+in registers and 16 fp32 products an instruction instead of 64 int8 ones. F32/F16/BF16 rows (norm-sized
+tensors, the odd F16 embedding) keep exact fp32 activations.
+
+Every operand is checked here before a C call (type, shape, dtype, strides, ids in range): a bad call is a
+Python exception, never a read past a tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from dataclasses import dataclass
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from srt.model_executor.layers.cpu_kernel_build import build
+from srt.model_executor.layers.cpu_kernels import CpuKernels
+
+_T = GGMLQuantizationType
+QUANTIZED_TYPES = frozenset(int(t) for t in (_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K))
+FLOAT_TYPES = frozenset(int(t) for t in (_T.F32, _T.F16, _T.BF16))
+SUPPORTED_TYPES = QUANTIZED_TYPES | FLOAT_TYPES
+# the activations' quantization block (QK in the C source): every quantized type's block is a multiple of it
+ACTIVATION_BLOCK = 32
+
+
+class UnsupportedBlockType(ValueError):
+    """A tensor's ggml type has no kernel here (the message names the type)."""
+
+
+def type_name(qtype: int) -> str:
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"unknown ggml type {qtype}"
+
+
+def block_shape(qtype: int) -> tuple[int, int]:
+    """(elements, bytes) of one block of `qtype`; UnsupportedBlockType for a type srt cannot run."""
+    if qtype not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES))
+        raise UnsupportedBlockType(f"ggml type {type_name(qtype)} is not supported (srt runs {supported})")
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMatrix:
+    """A [rows, cols] matrix in a ggml block format: `data` uint8 [rows, row_bytes] on the CPU, unit stride
+    along a row (rows may lie any distance apart: a view of a file's map, or rows picked by an index).
+    Checked once at construction; the kernels trust what passed."""
+
+    qtype: int
+    rows: int
+    cols: int
+    data: torch.Tensor
+
+    def __post_init__(self):
+        elements, nbytes = block_shape(self.qtype)
+        what = f"{type_name(self.qtype)} matrix [{self.rows}, {self.cols}]"
+        if self.rows < 0 or self.cols <= 0 or self.cols % elements:
+            raise ValueError(f"{what}: cols must be a positive multiple of the block size {elements}")
+        if self.qtype in QUANTIZED_TYPES and self.cols % ACTIVATION_BLOCK:
+            raise ValueError(f"{what}: cols must be a multiple of {ACTIVATION_BLOCK}")
+        d = self.data
+        if d.dtype != torch.uint8 or d.device.type != "cpu" or d.dim() != 2:
+            raise TypeError(
+                f"{what}: data must be a 2-D uint8 CPU tensor, got {d.dtype} {tuple(d.shape)} on {d.device}"
+            )
+        if tuple(d.shape) != (self.rows, self.row_bytes):
+            raise ValueError(
+                f"{what}: data has shape {tuple(d.shape)}, expected {(self.rows, self.row_bytes)}"
+            )
+        if self.rows > 1 and (d.stride(1) != 1 or d.stride(0) < self.row_bytes):
+            raise ValueError(f"{what}: each row's bytes must be contiguous and rows must not overlap")
+
+    @property
+    def row_bytes(self) -> int:
+        elements, nbytes = block_shape(self.qtype)
+        return self.cols // elements * nbytes
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+    def select_rows(self, index: torch.Tensor) -> BlockMatrix:
+        """The rows `index` (int64), in that order, as a new matrix (a copy of their bytes): rows are
+        quantized along the input only, so any permutation of a weight's outputs is exact."""
+        _check_ids(index, self.rows)
+        return BlockMatrix(self.qtype, index.numel(), self.cols, self.data.index_select(0, index.reshape(-1)))
+
+
+class GGUFKernels:
+    """The C functions of one built kernel library, with checked entry points. `kernels()` is this
+    process's; a test builds others (portable, AVX2) to compare them with it."""
+
+    def __init__(self, lib: CpuKernels):
+        self.isa = lib.isa
+        self._quantize = lib.function("srt_gguf_quantize_rows")
+        self._matmul = lib.function("srt_gguf_matmul")
+        self._matmul_float = lib.function("srt_gguf_matmul_float")
+        self._dequantize = lib.function("srt_gguf_dequantize_rows")
+        self._act_row_bytes = lib.function("srt_gguf_act_row_bytes")
+        # the C source and gguf's tables must agree on every block's size
+        type_bytes, type_elements = (
+            lib.function("srt_gguf_type_bytes"),
+            lib.function("srt_gguf_type_elements"),
+        )
+        for t in SUPPORTED_TYPES:
+            elements, nbytes = block_shape(t)
+            if (type_elements(t), type_bytes(t)) != (elements, nbytes):
+                raise RuntimeError(
+                    f"the GGUF kernels disagree with gguf on the size of {type_name(t)} blocks"
+                )
+
+    def quantize_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, cols] (unit column stride, cols a multiple of 32) -> the kernels' int8 activation rows."""
+        t, cols = x.shape
+        act = torch.empty((t, self._act_row_bytes(cols)), dtype=torch.uint8)
+        if t:
+            self._quantize(x.data_ptr(), t, cols, x.stride(0), act.data_ptr())
+        return act
+
+    def matmul_into(
+        self, out: torch.Tensor, x: torch.Tensor, act: torch.Tensor | None, m: BlockMatrix
+    ) -> None:
+        """out [T, m.rows] (a unit-stride column slice of a larger output may do) = x @ dequantized(m).T, from
+        `act` (quantize_activations(x)) for a quantized type, from x for a float one."""
+        t = x.shape[0]
+        if out.shape != (t, m.rows) or out.dtype != torch.float32 or (m.rows > 1 and out.stride(1) != 1):
+            raise ValueError(f"output {tuple(out.shape)} for a [{t}, {m.rows}] product")
+        if t == 0 or m.rows == 0:
+            return
+        w_stride = m.data.stride(0) if m.rows > 1 else m.row_bytes
+        if m.qtype in QUANTIZED_TYPES:
+            if act is None or act.shape != (t, self._act_row_bytes(m.cols)):
+                raise ValueError("quantized activations of the wrong shape")
+            rc = self._matmul(
+                m.qtype,
+                act.data_ptr(),
+                t,
+                m.data.data_ptr(),
+                w_stride,
+                m.rows,
+                m.cols,
+                out.data_ptr(),
+                out.stride(0),
+            )
+        else:
+            rc = self._matmul_float(
+                m.qtype, x.data_ptr(), t, x.stride(0), m.data.data_ptr(), w_stride, m.rows, m.cols,
+                out.data_ptr(), out.stride(0),
+            )  # fmt: skip
+        if rc != 0:
+            raise UnsupportedBlockType(f"the GGUF kernels do not take ggml type {m.type_name}")
+
+    def matmul(self, x: torch.Tensor, parts: list[BlockMatrix]) -> torch.Tensor:
+        """x fp32 [..., cols] times the parts' matrices stacked along the output: [..., sum of rows]. The
+        activations are quantized once for all quantized parts."""
+        if not parts:
+            raise ValueError("no block matrices to multiply")
+        cols = parts[0].cols
+        for p in parts:
+            if not isinstance(p, BlockMatrix):
+                raise TypeError(f"expected a BlockMatrix, got {type(p).__name__}")
+            if p.cols != cols:
+                raise ValueError(f"fused block matrices disagree on their input size ({p.cols} != {cols})")
+        x2 = _activation_rows(x, cols)
+        total = sum(p.rows for p in parts)
+        out = torch.empty((x2.shape[0], total), dtype=torch.float32)
+        act = self.quantize_activations(x2) if any(p.qtype in QUANTIZED_TYPES for p in parts) else None
+        offset = 0
+        for p in parts:
+            self.matmul_into(out[:, offset : offset + p.rows], x2, act, p)
+            offset += p.rows
+        return out.view(*x.shape[:-1], total)
+
+    def dequantize_rows(self, m: BlockMatrix, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [*ids.shape, cols]: the rows `ids` (int64) dequantized exactly as gguf-py's dequantize."""
+        _check_ids(ids, m.rows)
+        flat = ids.reshape(-1).contiguous()
+        out = torch.empty((flat.numel(), m.cols), dtype=torch.float32)
+        if flat.numel():
+            w_stride = m.data.stride(0) if m.rows > 1 else m.row_bytes
+            rc = self._dequantize(
+                m.qtype, m.data.data_ptr(), w_stride, m.cols, flat.data_ptr(), flat.numel(), out.data_ptr()
+            )
+            if rc != 0:
+                raise UnsupportedBlockType(f"the GGUF kernels do not take ggml type {m.type_name}")
+        return out.view(*ids.shape, m.cols)
+
+
+def _activation_rows(x: torch.Tensor, cols: int) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"GGUF matmul takes fp32 CPU activations, got {x.dtype} on {x.device}")
+    if x.dim() == 0 or x.shape[-1] != cols:
+        raise ValueError(f"activations of shape {tuple(x.shape)} for a matrix of {cols} input features")
+    x2 = x.reshape(-1, cols)
+    return x2 if x2.stride(1) == 1 and x2.stride(0) >= cols else x2.contiguous()
+
+
+def _check_ids(ids: torch.Tensor, rows: int) -> None:
+    if ids.dtype != torch.int64 or ids.device.type != "cpu":
+        raise TypeError(f"row ids must be int64 on the CPU, got {ids.dtype} on {ids.device}")
+    if ids.numel() and bool((ids < 0).any() or (ids >= rows).any()):
+        raise IndexError(f"row id out of range for a matrix of {rows} rows")
+
+
+@functools.cache
+def kernels() -> GGUFKernels:
+    """This process's GGUF kernels (the srt kernel library, built for this CPU at first use). There is no
+    fallback: a GGUF's blocks run here or not at all."""
+    try:
+        return GGUFKernels(CpuKernels(build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        raise RuntimeError(
+            f"the CPU kernels for GGUF block formats did not build: {str(detail)[-500:]}"
+        ) from e
+
+
+def block_matmul(x: torch.Tensor, m: BlockMatrix) -> torch.Tensor:
+    """x fp32 [..., cols] -> fp32 [..., rows]: x times the block matrix's dequantized weight, transposed."""
+    return kernels().matmul(x, [m])
+
+
+def block_matmul_parts(x: torch.Tensor, parts: list[BlockMatrix]) -> torch.Tensor:
+    """x times each part, concatenated along the output (a fused layer: the activations quantized once)."""
+    return kernels().matmul(x, parts)
+
+
+def dequantize_rows(m: BlockMatrix, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 [*rows.shape, cols]: rows of the matrix (an embedding lookup), exactly as gguf dequantizes them."""
+    return kernels().dequantize_rows(m, rows)

@@ -10,8 +10,9 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,6 +40,7 @@ from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.http_server.openai.serving_chat import ChatHandler
 from srt.http_server.openai.serving_common import model_not_found
 from srt.http_server.openai.serving_completions import CompletionHandler
+from srt.http_server.request_parsing import json_body, strict_query
 from srt.http_server.server_info import adapter_card, model_card, model_info, server_info, tokenizer_info
 from srt.http_server.serving_native import GenerateHandler
 from srt.http_server.serving_tokenize import TokenizeHandler
@@ -52,6 +54,17 @@ from srt.tracing.common import parse_trace_level
 from srt.tracing.http import ReceivedTimeMiddleware
 
 logger = logging.getLogger(__name__)
+
+# Every body is read by request_parsing.json_body: large ones are parsed off the event loop.
+ChatBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
+CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
+GenerateBody = Annotated[GenerateRequest, Depends(json_body(GenerateRequest))]
+TokenizeBody = Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
+DetokenizeBody = Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))]
+LoadAdapterBody = Annotated[LoadLoRAAdapterRequest, Depends(json_body(LoadLoRAAdapterRequest))]
+UnloadAdapterBody = Annotated[UnloadLoRAAdapterRequest, Depends(json_body(UnloadLoRAAdapterRequest))]
+AbortBody = Annotated[AbortRequest, Depends(json_body(AbortRequest))]
+FlushCacheBody = Annotated[FlushCacheRequest | None, Depends(json_body(FlushCacheRequest, optional=True))]
 
 # /health_generate gives up (503) if one token takes longer than this.
 HEALTH_GENERATE_TIMEOUT_SECONDS = 20.0
@@ -78,12 +91,17 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         tm.fail_all("the server is shutting down")
         await tm.stop()
 
-    app = FastAPI(title="srt", version=SRT_VERSION, lifespan=lifespan)
+    # strict_query: a query parameter a route does not declare is a 400, as an unknown body key is
+    app = FastAPI(title="srt", version=SRT_VERSION, lifespan=lifespan, dependencies=[Depends(strict_query)])
     app.state.tokenizer_manager = tm
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         return validation_error(exc).to_response()
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request: Request, exc: OpenAIError):
+        return exc.to_response()
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -100,11 +118,11 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     # ---- OpenAI ----
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatBody, request: Request):
         return await chat.handle(body, request)
 
     @app.post("/v1/completions")
-    async def v1_completions(body: CompletionRequest, request: Request):
+    async def v1_completions(body: CompletionBody, request: Request):
         return await completions.handle(body, request)
 
     @app.get("/v1/models")
@@ -124,12 +142,12 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     # ---- LoRA adapters (SGLang's routes and vLLM's /v1/ names; docs/lora.md) ----
     @app.post("/load_lora_adapter")
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+    async def load_lora_adapter(body: LoadAdapterBody):
         return await lora_call(lambda registry: registry.load(body.lora_name, body.lora_path, body.pinned))
 
     @app.post("/unload_lora_adapter")
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+    async def unload_lora_adapter(body: UnloadAdapterBody):
         return await lora_call(lambda registry: registry.unload(body.lora_name))
 
     async def lora_call(action) -> JSONResponse:
@@ -154,17 +172,17 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     # ---- tokenizer (vLLM's and SGLang's routes) ----
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeBody):
         return await tokens.tokenize(body)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: DetokenizeBody):
         return await tokens.detokenize(body)
 
     # ---- native ----
     @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request):
+    async def generate(body: GenerateBody, request: Request):
         return await native.handle(body, request)
 
     @app.get("/health")
@@ -225,7 +243,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return loads_body(ranks, tm.ready.max_running_requests if tm.ready else 0)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(body: FlushCacheRequest | None = None):
+    async def flush_cache(body: FlushCacheBody):
         try:
             out = await tm.flush_cache()
         except (TimeoutError, ServerUnavailableError) as e:
@@ -238,7 +256,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return Response("Cache flushed.\n", media_type="text/plain")
 
     @app.post("/abort_request")
-    async def abort_request(body: AbortRequest):
+    async def abort_request(body: AbortBody):
         if body.abort_all:
             tm.abort_all()
             return {"success": True}

@@ -3,9 +3,9 @@ from the same strict value types as the OpenAI models so both surfaces accept ex
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
 from srt.http_server.request_types import (
     MAX_COUNT,
@@ -33,8 +33,6 @@ from srt.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 
 class NativeSamplingParams(ConstraintFields):
     """`/generate`'s `sampling_params`: SGLang's names; an unknown name is an error, not ignored."""
-
-    model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: Count = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: Count = 0
@@ -67,6 +65,8 @@ class NativeSamplingParams(ConstraintFields):
 
 class GenerateRequest(RequestBody):
     """Body of `/generate`: exactly one of `text` (one or several) and `input_ids` (one or several)."""
+
+    route: ClassVar[str] = "/generate"
 
     text: Annotated[
         list[str] | None, BeforeValidator(lambda v: v if v is None else prompt_list(v, "text", ids=False))
@@ -114,7 +114,7 @@ class AbortRequest(RequestBody):
     """`{"rid": ...}` aborts one request (all its samples); `{"abort_all": true}` aborts every request.
     Anything else is a 400: an empty body must never mean "abort everything"."""
 
-    model_config = ConfigDict(extra="forbid")
+    route: ClassVar[str] = "/abort_request"
 
     rid: Rid | None = None
     abort_all: bool = False
@@ -129,13 +129,13 @@ class AbortRequest(RequestBody):
 class FlushCacheRequest(RequestBody):
     """`/flush_cache` takes no parameters: an empty body or `{}`."""
 
-    model_config = ConfigDict(extra="forbid")
+    route: ClassVar[str] = "/flush_cache"
 
 
 class LoadLoRAAdapterRequest(RequestBody):
     """`/load_lora_adapter` (SGLang's body) and `/v1/load_lora_adapter` (vLLM's, without `pinned`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    route: ClassVar[str] = "/load_lora_adapter"
 
     lora_name: str
     lora_path: str
@@ -145,6 +145,6 @@ class LoadLoRAAdapterRequest(RequestBody):
 class UnloadLoRAAdapterRequest(RequestBody):
     """`/unload_lora_adapter` and `/v1/unload_lora_adapter`."""
 
-    model_config = ConfigDict(extra="forbid")
+    route: ClassVar[str] = "/unload_lora_adapter"
 
     lora_name: str

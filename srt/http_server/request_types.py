@@ -9,7 +9,8 @@ documented maxima, so nothing a child process receives can overflow a C integer 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from functools import cache
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -77,10 +78,49 @@ def _first_surrogate_path(value: Any, path: str) -> str | None:
     return None
 
 
-class StrictModel(BaseModel):
-    """Strict types and finite floats; unknown fields are ignored (OpenAI clients send many)."""
+class RefusedKey(FieldError):
+    """A key an object may not have (unknown, or a feature srt lacks); `param` is the key, which the HTTP
+    layer prefixes with the object's path."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+@cache
+def _known_keys(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(f.alias or name for name, f in model.model_fields.items())
+
+
+class StrictModel(BaseModel):
+    """Strict types and finite floats, and srt's one rule for keys: an unknown one is a 400 naming it, at
+    every level of every body (the README's promise). A client's typo or a parameter of another route or
+    server never does silently nothing.
+
+    `refused` names parameters of features srt lacks: null is accepted as "not used", any other value is a
+    400 with the reason. `route` is what the message calls a whole body ("/generate"); a nested object has
+    none. The check runs in Python once per object, which also lets a body parsed on a worker thread hand
+    the GIL back between objects (srt/http_server/body_parsing.py)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    route: ClassVar[str] = ""
+    refused: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = _known_keys(cls)
+        extra = [k for k in data if k not in known]
+        if not extra:
+            return data
+        for name in extra:
+            if name not in cls.refused:
+                where = f"a parameter of {cls.route}" if cls.route else "a field of this object"
+                raise RefusedKey(
+                    f"`{name}` is not {where}: srt refuses what it does not know rather than ignore it",
+                    str(name),
+                )
+            if data[name] is not None:
+                raise RefusedKey(f"`{name}` is not supported: {cls.refused[name]}", name)
+        return {k: v for k, v in data.items() if k not in cls.refused}
 
 
 class RequestBody(StrictModel):

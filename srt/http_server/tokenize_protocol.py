@@ -7,9 +7,9 @@ Unknown fields are refused by name, as on the generation routes.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from srt.http_server.openai.protocol import ChatMessages
 from srt.http_server.openai.tool_types import ToolFields
@@ -17,8 +17,7 @@ from srt.http_server.request_types import MAX_PROMPTS, FieldError, RequestBody
 
 
 class TokenizeRequest(ToolFields, RequestBody):
-    model_config = ConfigDict(extra="forbid")
-
+    route: ClassVar[str] = "/tokenize"
     model: str | None = None
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
     messages: ChatMessages | None = None
@@ -51,8 +50,7 @@ class TokenizeRequest(ToolFields, RequestBody):
 
 
 class DetokenizeRequest(RequestBody):
-    model_config = ConfigDict(extra="forbid")
-
+    route: ClassVar[str] = "/detokenize"
     model: str | None = None
     # At most the model's context length (`max_model_len`) ids, each in the vocabulary: the handler checks
     # both, as it knows the model. A longer list costs its parsing first, bounded by --max-request-bytes: for

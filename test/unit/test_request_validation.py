@@ -73,7 +73,7 @@ BAD = [
     (
         ChatCompletionRequest,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-        "messages.0.content.0.type",
+        "messages.0.content.0.image_url",
     ),
     (ChatCompletionRequest, {"messages": MSGS * 1025}, "messages"),
     (GenerateRequest, {"text": "x", "sampling_params": {"seed": 2**64}}, "sampling_params.seed"),

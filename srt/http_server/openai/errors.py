@@ -11,6 +11,8 @@ from http import HTTPStatus
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from srt.http_server.request_types import RefusedKey
+
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
@@ -54,6 +56,8 @@ def _field_path(loc: tuple) -> str:
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
+# pydantic's error for a whole body that is not an object (as FastAPI validates it, and as a model does)
+_NOT_AN_OBJECT = ("model_attributes_type", "model_type")
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -65,13 +69,15 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return OpenAIError(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-    if first.get("type") == "model_attributes_type" and not _field_path(first.get("loc", ())):
+    if first.get("type") in _NOT_AN_OBJECT and not _field_path(first.get("loc", ())):
         return OpenAIError("the request body must be a JSON object", code="invalid_value")
     best = max(errors, key=lambda e: len(_field_path(e.get("loc", ())).split(".")))
     path = _field_path(best.get("loc", ()))
     msg = best.get("msg", "invalid value").removeprefix(_VALUE_ERROR_PREFIX)
     cause = (best.get("ctx") or {}).get("error")
     field = path or getattr(cause, "param", None)  # a FieldError's message names its field itself
+    if isinstance(cause, RefusedKey) and path:  # the refused key itself, inside the object at `path`
+        field = f"{path}.{cause.param}"
     message = f"{path}: {msg}" if path else msg
     others = len({_field_path(e.get("loc", ())) for e in errors} - {path})
     if others:

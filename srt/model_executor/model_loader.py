@@ -31,6 +31,8 @@ from srt.model_executor.layers.linear import ColumnParallelLinear
 from srt.model_executor.layers.linear_method import UNQUANTIZED, LayerMethods
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.model_executor.quantization import GGUF_QUANTIZATION, resolve_quantization
+from srt.model_source import is_gguf_file, resolve_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -198,3 +200,60 @@ def load_model(
     model.eval().requires_grad_(False)
     logger.info("loaded %s (%s) from %s", arch, dtype, model_dir)
     return model
+
+
+class HFCheckpoint:
+    """A Hugging Face safetensors directory as the model runner reads a checkpoint: its config, EOS ids and
+    `load_model` (`gguf_loader.GGUFCheckpoint` is the same for a GGUF's blocks)."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoConfig
+
+        from srt.model_executor.runner_setup import eos_token_ids_of
+
+        self.path = model_dir
+        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.eos_token_ids = eos_token_ids_of(model_dir, self.hf_config)
+
+    def load_model(self, max_positions, dtype, device, tp, methods, skip=None) -> nn.Module:
+        return load_model(self.path, self.hf_config, max_positions, dtype, device, tp, skip, methods)
+
+
+def open_checkpoint(path: str, requested: str | None, device: str):
+    """(the checkpoint a runner loads from `path`, a directory or a .gguf file, and the quantization it runs
+    with): a GGUF's own blocks under `gguf` (a GGUF's CPU default), else the dense weights (a GGUF converted
+    once, `model_source.resolve_model_dir`). The one place that tells the two apart.
+
+    A GGUF holding a block type the kernels cannot run is refused in one line when `gguf` was asked for;
+    by default it is served as before this method existed, converted and int8-calibrated, with a warning
+    naming the tensor and its type (Gemma 3 270M's Q4_K_M file keeps q/k/gate/up in Q5_0)."""
+    if not is_gguf_file(path):
+        return HFCheckpoint(path), resolve_quantization(requested, device)
+    quantization = resolve_quantization(requested, device, gguf=True)
+    if quantization == GGUF_QUANTIZATION:
+        from srt.model_executor.gguf_file import GGUFError
+        from srt.model_executor.gguf_loader import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(path)
+        if checkpoint.refusal is None:
+            return checkpoint, quantization
+        if requested == GGUF_QUANTIZATION:
+            raise GGUFError(checkpoint.refusal)
+        quantization = resolve_quantization(None, device)
+        logger.warning(
+            "%s: serving its converted weights with --quantization %s", checkpoint.refusal, quantization
+        )
+    return HFCheckpoint(resolve_model_dir(path)), quantization
+
+
+def checkpoint_config(path: str):
+    """The transformers config of a directory or a .gguf file, read without loading or converting anything
+    (a launcher's checks before the runners start)."""
+    if is_gguf_file(path):
+        from srt.model_executor.gguf_file import GGUFFile
+        from srt.model_executor.gguf_loader import gguf_config
+
+        return gguf_config(GGUFFile.open(path))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoConfig
 
 from srt.engine_options import DIST_TIMEOUT_SECONDS, MIN_KV_TOKENS
 from srt.heap import release_free_heap
@@ -29,25 +28,23 @@ from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
-from srt.model_executor.layers.linear_method import LayerMethods
-from srt.model_executor.model_loader import load_model, map_checkpoint_tensor
+from srt.model_executor.layers.linear_method import CPU_KERNEL_QUANTIZATIONS, LayerMethods
+from srt.model_executor.model_loader import map_checkpoint_tensor, open_checkpoint
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import (
     cached_int8_weights,
     calibrated_int8_weights,
     install_int8_weights,
     replaced_weights,
-    resolve_quantization,
 )
 from srt.model_executor.runner_setup import (
     available_memory_bytes,
     check_tp_divides,
-    eos_token_ids_of,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from srt.model_source import resolve_model_dir
+from srt.model_source import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -109,23 +106,24 @@ class ModelRunner:
         local_tp = tp_size // nnodes  # the ranks on this machine
         # on a CPU this machine's ranks share its cores: oversubscribed threads would only contend
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_tp))
-        self.model_dir = resolve_model_dir(model_dir)
+        path = resolve_model_path(model_dir)
         self.device = resolve_device(device, tp_rank % local_tp, local_tp, dp_rank)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        checkpoint, self.quantization = open_checkpoint(path, quantization, self.device)
+        self.model_dir = checkpoint.path
+        self.hf_config = checkpoint.hf_config
         check_tp_divides(self.hf_config, tp_size)
         self.tp = TensorParallelGroup.create(
             tp_rank, tp_size, dist_init_method, self.device, dist_timeout, ranks_per_node=local_tp
         )
         self.context_len = context_length or self.hf_config.max_position_embeddings
         self.vocab_size = self.hf_config.vocab_size
-        self.eos_token_ids = eos_token_ids_of(self.model_dir, self.hf_config)
+        self.eos_token_ids = checkpoint.eos_token_ids
 
         start = time.monotonic()
         max_positions = max(self.context_len, self.hf_config.max_position_embeddings)
-        self.quantization = resolve_quantization(quantization, self.device)
-        if self.quantization == "w8a8_int8" and self.dtype != torch.float32:
-            raise ValueError("--quantization w8a8_int8 needs --dtype float32 (auto on the CPU)")
+        if self.quantization in CPU_KERNEL_QUANTIZATIONS and self.dtype != torch.float32:
+            raise ValueError(f"--quantization {self.quantization} needs --dtype float32 (auto on the CPU)")
         methods = LayerMethods.for_run(self.quantization, self.device)
         int8_weights = mapped_embedding = None
 
@@ -143,15 +141,8 @@ class ModelRunner:
             mapped_embedding = self._mapped_embedding(model)
             return skipped | {model.EMBEDDING_WEIGHT} if mapped_embedding is not None else skipped
 
-        self.model = load_model(
-            self.model_dir,
-            self.hf_config,
-            max_positions,
-            self.dtype,
-            self.device,
-            self.tp,
-            skip=replaced_by_cached_int8,
-            methods=methods,
+        self.model = checkpoint.load_model(
+            max_positions, self.dtype, self.device, self.tp, methods, skip=replaced_by_cached_int8
         )
         if mapped_embedding is not None:
             self.model.input_embedding.weight = torch.nn.Parameter(mapped_embedding, requires_grad=False)

@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 
 from srt.engine_options import DTYPE_NAMES, KV_CACHE_DTYPES
 from srt.model_executor.layers import cpu_kernels
+from srt.model_executor.layers.linear_method import CPU_KERNEL_QUANTIZATIONS
 
 MEMINFO_PATH = "/proc/meminfo"
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -65,12 +66,15 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 def resolve_kv_cache_dtype(
     requested: str, quantization: str, device: str, model_dtype: torch.dtype
 ) -> torch.dtype:
-    """`--kv-cache-dtype`: auto is float16 where srt's CPU int8 kernels attend (they read half-precision K/V
-    exactly; the cache then takes half the memory and a decode step reads half the bytes), else the model's
-    dtype. An explicit choice other than the model's is CPU-only: the GPU backend attends in one dtype."""
+    """`--kv-cache-dtype`: auto is float16 where srt's CPU kernels attend (with the int8 and GGUF methods:
+    they read half-precision K/V exactly; the cache then takes half the memory and a decode step reads half
+    the bytes), else the model's dtype. An explicit choice other than the model's is CPU-only: the GPU
+    backend attends in one dtype."""
     if requested == "auto":
-        int8_kernels = quantization == "w8a8_int8" and device == "cpu" and cpu_kernels.load() is not None
-        return torch.float16 if int8_kernels else model_dtype
+        kernels = (
+            quantization in CPU_KERNEL_QUANTIZATIONS and device == "cpu" and cpu_kernels.load() is not None
+        )
+        return torch.float16 if kernels else model_dtype
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {requested!r}; choose one of {KV_CACHE_DTYPES}")
     dtype = getattr(torch, requested)

@@ -61,12 +61,10 @@ def tp_init_method(server_args: ServerArgs, port_args: PortArgs | None, dp_rank:
 def check_tp_size(model_dir: str, tp_size: int) -> None:
     """Raise the model runner's divisibility error in rank 0 alone, before peers exist that would fail
     with it too (and whose death would race rank 0's error report)."""
-    from transformers import AutoConfig
-
+    from srt.model_executor.model_loader import checkpoint_config
     from srt.model_executor.runner_setup import check_tp_divides
-    from srt.model_source import resolve_model_dir
 
-    check_tp_divides(AutoConfig.from_pretrained(resolve_model_dir(model_dir)), tp_size)
+    check_tp_divides(checkpoint_config(model_dir), tp_size)
 
 
 def peer_process_name(tp_rank: int) -> str:

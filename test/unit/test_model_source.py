@@ -169,6 +169,7 @@ def test_a_gemma3_gguf_gets_the_turn_template_and_end_of_turn_as_an_end_token():
     from types import SimpleNamespace
 
     from srt.model_executor import gguf_convert
+    from srt.tokenizer_loading import GEMMA3_CHAT_TEMPLATE
 
     class Tokenizer:
         unk_token_id = 3
@@ -179,7 +180,7 @@ def test_a_gemma3_gguf_gets_the_turn_template_and_end_of_turn_as_an_end_token():
 
     tok, gen = Tokenizer(), SimpleNamespace(eos_token_id=1)
     gguf_convert.add_chat_conventions("gemma3_text", tok, gen)
-    assert tok.chat_template == gguf_convert.GEMMA3_CHAT_TEMPLATE and gen.eos_token_id == [1, 106]
+    assert tok.chat_template == GEMMA3_CHAT_TEMPLATE and gen.eos_token_id == [1, 106]
     gguf_convert.add_chat_conventions("gemma3_text", tok, gen)  # idempotent
     assert gen.eos_token_id == [1, 106]
     tok, gen = Tokenizer(), SimpleNamespace(eos_token_id=[2])
@@ -194,7 +195,7 @@ def test_a_gemma3_gguf_gets_the_turn_template_and_end_of_turn_as_an_end_token():
 def test_the_gemma3_template_renders_gemmas_turns():
     from jinja2 import Environment
 
-    from srt.model_executor.gguf_convert import GEMMA3_CHAT_TEMPLATE
+    from srt.tokenizer_loading import GEMMA3_CHAT_TEMPLATE
 
     messages = [
         {"role": "system", "content": "Be brief."},

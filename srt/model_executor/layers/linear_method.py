@@ -137,8 +137,6 @@ class LayerMethods:
 
     @staticmethod
     def for_run(quantization: str, device: str) -> LayerMethods:
-        if quantization == "gguf":
-            from srt.model_executor.layers import gguf_linear  # noqa: F401 (registers GGUFLinearMethod)
         if quantization not in LINEAR_METHODS:
             raise ValueError(f"unknown quantization {quantization!r}; choose one of {sorted(LINEAR_METHODS)}")
         kernels = cpu_kernels.load() if quantization in CPU_KERNEL_QUANTIZATIONS and device == "cpu" else None

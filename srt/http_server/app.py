@@ -47,7 +47,6 @@ from srt.http_server.serving_tokenize import TokenizeHandler
 from srt.http_server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from srt.http_server.tokenizer_manager import TokenizerManager
 from srt.metrics.load_snapshot import SchedulerLoadReader
-from srt.metrics.multiprocess import multiprocess_dir
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.tracing.common import parse_trace_level
@@ -79,9 +78,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     native = GenerateHandler(tm)
     tokens = TokenizeHandler(tm, model_name, chat.tool_parser)
     created = int(time.time())
-    load_reader = None  # load reports read the schedulers' gauges
-    if server_args.metrics_enabled and multiprocess_dir():
-        load_reader = SchedulerLoadReader(multiprocess_dir())
+    # load reports read the schedulers' own records, which --disable-metrics leaves in place
+    load_reader = SchedulerLoadReader(tm.port_args.ipc_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -230,15 +228,12 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         if unknown:
             msg = f"unknown load section {unknown[0]!r}: SGLang's are {', '.join(LOAD_SECTIONS)}"
             return OpenAIError(msg, param="include", code="invalid_value").to_response()
-        ranks = None if load_reader is None else load_reader.read_ranks()
+        ranks = load_reader.read_ranks()
         if ranks is None:
-            msg = (
-                "no load figures: they come from the schedulers' gauges, which --disable-metrics turns off"
-                if load_reader is None
-                else "no scheduler has reported its load yet"
-            )
             return OpenAIError(
-                msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type=SERVICE_UNAVAILABLE
+                "no scheduler has reported its load yet",
+                status=HTTPStatus.SERVICE_UNAVAILABLE,
+                type=SERVICE_UNAVAILABLE,
             ).to_response()
         return loads_body(ranks, tm.ready.max_running_requests if tm.ready else 0)
 
@@ -280,8 +275,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
         instrument_http_app(app, {"model_name": model_name})
         app.router.routes.append(Route("/metrics", endpoint=make_metrics_asgi_app()))
-    if load_reader is not None:
-        app.add_middleware(LoadReportMiddleware, reader=load_reader)
+    app.add_middleware(LoadReportMiddleware, reader=load_reader)
     app.state.admission = install_middlewares(app, server_args)
     if server_args.enable_trace:  # outermost: a request's trace starts before its body is read
         app.add_middleware(ReceivedTimeMiddleware)

@@ -13,9 +13,10 @@ response's `endpoint-load-metrics` header, in ORCA's named-metrics form:
     endpoint-load-metrics: TEXT named_metrics.kv_cache_usage_perc=0.12, named_metrics.num_requests_waiting=0.0, ...
     endpoint-load-metrics: JSON {"named_metrics": {"kv_cache_usage_perc": 0.12, ...}}
 
-The numbers come from the schedulers' gauges (srt/metrics/load_snapshot.py, which says how fresh they are).
-Any other format value (ORCA's BIN included), or a server running with `--disable-metrics`, gets no header:
-the request itself is never refused for it. A streamed response carries the load at its start.
+The numbers are the schedulers' own counts (srt/metrics/load_snapshot.py, which says how fresh they are),
+kept with metrics on or off. Any other format value (ORCA's BIN included), or no scheduler having reported
+yet, gets no header: the request itself is never refused for it. A streamed response carries the load at
+its start.
 """
 
 from __future__ import annotations

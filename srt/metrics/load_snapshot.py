@@ -1,33 +1,40 @@
-"""The schedulers' load as the main process can read it cheaply: from their gauges' files.
+"""The schedulers' load as the main process reads it cheaply: from one small file each scheduler keeps.
 
-Each scheduler already writes `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:num_used_tokens` and
-`sglang:max_total_num_tokens` into `PROMETHEUS_MULTIPROC_DIR` (livemostrecent gauge files, one per process).
-Reading those few hundred bytes costs tens of microseconds and needs no message on the ZMQ ring, so this is
-the source of the load reports for gateways (srt/http_server/load_report.py).
+Each scheduler (tensor-parallel rank 0 of each `--dp-size` replica) writes its own counts (running and
+waiting requests, KV tokens in use and its capacity, generation throughput, prefix-cache hit rate) as one
+JSON record, `load_<dp_rank>.json`, into the server's IPC directory: `SchedulerLoadWriter`, at the moments
+its reporter pushes its gauges (srt/scheduler/step_reporter.py) and only when a figure changed. They are the
+scheduler's own counts, not its metrics, so `--disable-metrics` takes nothing away from the load reports for
+gateways (srt/http_server/load_report.py); `/metrics` shows the same figures as gauges. A record is
+replaced atomically, so a reader sees a whole one; reading a few hundred bytes per replica costs tens of
+microseconds and needs no message on the ZMQ ring.
 
-Freshness: the scheduler pushes its gauges after every prefill batch, every `--decode-log-interval` decode
-steps, at least every FLUSH_PERIOD (1 s) while busy, and at once when it goes idle; on top of that this
-reader reuses a snapshot for SNAPSHOT_MAX_AGE. So a report is at most about 1.1 s old, and exact once idle.
-With `--dp-size N` each replica's values are kept apart (`RankLoad`, one per `dp_rank`, for SGLang's
-`/v1/loads`) and summed for the whole server (`LoadSnapshot`: KV usage is total used over total capacity);
-only tensor-parallel rank 0 is read.
+Freshness: the scheduler writes after every prefill batch, every `--decode-log-interval` decode steps, at
+least every FLUSH_PERIOD (1 s) while busy, and at once when it goes idle; on top of that this reader reuses
+a snapshot for SNAPSHOT_MAX_AGE. So a report is at most about 1.1 s old, and exact once idle. With
+`--dp-size N` each replica's values are kept apart (`RankLoad`, one per `dp_rank`, for SGLang's
+`/v1/loads`) and summed for the whole server (`LoadSnapshot`: KV usage is total used over total capacity).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
 
+logger = logging.getLogger(__name__)
+
 # A snapshot younger than this is reused: a burst of requests reads the files once.
 SNAPSHOT_MAX_AGE = 0.1
-GAUGE_FILE_GLOB = "gauge_livemostrecent_*.db"
-RUNNING, WAITING = "sglang:num_running_reqs", "sglang:num_queue_reqs"
-USED, CAPACITY = "sglang:num_used_tokens", "sglang:max_total_num_tokens"
-THROUGHPUT, HIT_RATE = "sglang:gen_throughput", "sglang:cache_hit_rate"
-_WANTED = (RUNNING, WAITING, USED, CAPACITY, THROUGHPUT, HIT_RATE)
+LOAD_FILE_GLOB = "load_*.json"
+
+
+def load_file(directory: str, dp_rank: int) -> str:
+    return os.path.join(directory, f"load_{dp_rank}.json")
 
 
 @dataclass(frozen=True)
@@ -54,38 +61,50 @@ class RankLoad:
         return self.num_used_tokens / self.max_total_num_tokens if self.max_total_num_tokens > 0 else 0.0
 
 
-def _read_file(path: str, key_cache: dict[str, tuple[str, int] | None]) -> dict[tuple[str, int], float]:
-    """{(metric, dp_rank): value} of a gauge file's wanted metrics, tensor-parallel rank 0 only (a replica
-    without a `dp_rank` label is rank 0: the label exists only with `--dp-size` > 1)."""
-    from prometheus_client.mmap_dict import MmapedDict  # deferred: see srt/metrics/multiprocess.py
+class SchedulerLoadWriter:
+    """One scheduler's record; `write` replaces it when a figure changed (a flush with nothing new writes
+    nothing)."""
 
-    values: dict[tuple[str, int], float] = {}
-    for key, value, _timestamp, _pos in MmapedDict.read_all_values_from_file(path):
-        parsed = key_cache.get(key, False)
-        if parsed is False:
-            metric, _name, labels, _help = json.loads(key)
-            wanted = metric in _WANTED and labels.get("tp_rank", "0") == "0"
-            parsed = key_cache[key] = (metric, int(labels.get("dp_rank", "0"))) if wanted else None
-        if parsed is not None:
-            values[parsed] = values.get(parsed, 0.0) + value
-    return values
+    def __init__(self, directory: str, dp_rank: int):
+        self.path = load_file(directory, dp_rank)
+        self.dp_rank = dp_rank
+        self._last: RankLoad | None = None
+
+    def write(
+        self,
+        *,
+        running: int,
+        waiting: int,
+        used_tokens: int,
+        capacity: int,
+        gen_throughput: float = 0.0,
+        cache_hit_rate: float = 0.0,
+    ) -> None:
+        load = RankLoad(self.dp_rank, running, waiting, used_tokens, capacity, gen_throughput, cache_hit_rate)
+        if load == self._last:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(dataclasses.asdict(load), f)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full or vanished directory must not stop the scheduler
+            logger.warning("could not write the load record: %s", e)
+            return
+        self._last = load
 
 
-def _rank_load(rank: int, values: dict[str, float]) -> RankLoad:
-    return RankLoad(
-        dp_rank=rank,
-        num_running_reqs=int(values.get(RUNNING, 0)),
-        num_waiting_reqs=int(values.get(WAITING, 0)),
-        num_used_tokens=int(values.get(USED, 0)),
-        max_total_num_tokens=int(values[CAPACITY]),
-        gen_throughput=values.get(THROUGHPUT, 0.0),
-        cache_hit_rate=values.get(HIT_RATE, 0.0),
-    )
+def _read_record(path: str) -> RankLoad | None:
+    try:
+        with open(path) as f:
+            return RankLoad(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None  # its scheduler is gone meanwhile (the directory with it), or not one of these records
 
 
 class SchedulerLoadReader:
     """`read()` the schedulers' current load, `read_ranks()` each replica's; None when no scheduler has
-    written its gauges."""
+    written its record."""
 
     def __init__(self, directory: str, max_age: float = SNAPSHOT_MAX_AGE, clock=time.monotonic):
         self.directory = directory
@@ -93,23 +112,14 @@ class SchedulerLoadReader:
         self.clock = clock
         self._cached: list[RankLoad] | None = None
         self._cached_at = float("-inf")
-        self._key_cache: dict[str, tuple[str, int] | None] = {}
 
     def read_ranks(self) -> list[RankLoad] | None:
-        """Each replica that has written its capacity, by `dp_rank`."""
+        """Each replica that has written its record, by `dp_rank`."""
         now = self.clock()
         if now - self._cached_at < self.max_age:
             return self._cached
-        per_rank: dict[int, dict[str, float]] = {}
-        for path in glob.glob(os.path.join(self.directory, GAUGE_FILE_GLOB)):
-            try:
-                values = _read_file(path, self._key_cache)
-            except (OSError, RuntimeError, ValueError):
-                continue  # removed by mark_process_dead meanwhile, or being written for the first time
-            for (name, rank), value in values.items():
-                into = per_rank.setdefault(rank, {})
-                into[name] = into.get(name, 0.0) + value
-        ranks = [_rank_load(r, v) for r, v in sorted(per_rank.items()) if CAPACITY in v]
+        records = (_read_record(path) for path in glob.glob(os.path.join(self.directory, LOAD_FILE_GLOB)))
+        ranks = sorted((r for r in records if r is not None), key=lambda r: r.dp_rank)
         self._cached, self._cached_at = ranks or None, now
         return self._cached
 

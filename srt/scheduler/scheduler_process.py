@@ -57,7 +57,9 @@ def run_scheduler_process(
             dist_init_method = tp_init_method(server_args, port_args, dp_rank)
             peers = TpPeers.start(server_args, model_dir, dp_rank, dist_init_method)
         runner = build_runner(server_args, model_dir, 0, dist_init_method, dp_rank)
-        reporter = build_reporter(server_args, runner, dp_rank, startup_seconds=time.monotonic() - start)
+        reporter = build_reporter(
+            server_args, runner, dp_rank, time.monotonic() - start, load_dir=port_args.ipc_dir
+        )
         kv_events = start_kv_event_publisher(server_args, dp_rank, reporter.collector)
         tracing = SchedulerTracing.create(server_args, dp_rank)
         scheduler = Scheduler(server_args, runner, reporter, kv_events=kv_events, tracing=tracing)

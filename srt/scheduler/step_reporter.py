@@ -46,6 +46,9 @@ class SchedulerReporter(StepReporter):
         # --speculative-algorithm, else from the first verify step (a request's prediction)
         self._spec_metrics_factory = spec_metrics_factory
         self.lora_state = None  # srt/metrics/lora_state.py's writer, with multi-LoRA and metrics on
+        self.load_writer = (
+            None  # srt/metrics/load_snapshot.py's writer: the load gateways read, metrics or not
+        )
         self.spec_metrics = None
         self.spec_log: stat_logger.SpecDecodingLogger | None = None
         if args.speculative_algorithm:
@@ -175,6 +178,15 @@ class SchedulerReporter(StepReporter):
         self.last_flush = time.monotonic()
         if self.spec_metrics is not None:
             self.spec_metrics.flush()
+        if self.load_writer is not None:
+            self.load_writer.write(
+                running=load.running_with_chunked,
+                waiting=load.waiting,
+                used_tokens=load.used_tokens,
+                capacity=self.capacity,
+                gen_throughput=self.gen_throughput,
+                cache_hit_rate=self.last_hit_rate,
+            )
         if self.lora_state is not None and load.lora is not None:
             lora = load.lora
             self.lora_state.write(lora.running, lora.waiting, lora.slots_used, lora.slots_total, lora.loaded)
@@ -197,8 +209,9 @@ class SchedulerReporter(StepReporter):
 
 
 def build_reporter(
-    args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float
+    args: ServerArgs, runner: ModelRunner, dp_rank: int, startup_seconds: float, load_dir: str | None = None
 ) -> SchedulerReporter:
+    """`load_dir`: where the scheduler keeps its load record (the IPC directory)."""
     collector = observer = grammar_metrics = spec_metrics_factory = None
     if args.metrics_enabled:
         from srt.metrics.collector import SchedulerMetricsCollector, start_process_metrics
@@ -234,6 +247,11 @@ def build_reporter(
         spec_metrics_factory = functools.partial(SpecDecodeMetricsCollector, labels)
     reporter = SchedulerReporter(args, runner.max_total_num_tokens, collector, observer, spec_metrics_factory)
     reporter.grammar_metrics = grammar_metrics
+    if load_dir is not None:
+        from srt.metrics.load_snapshot import SchedulerLoadWriter
+
+        reporter.load_writer = SchedulerLoadWriter(load_dir, dp_rank)
+        reporter.load_writer.write(running=0, waiting=0, used_tokens=0, capacity=runner.max_total_num_tokens)
     if args.metrics_enabled and runner.lora is not None:
         from srt.metrics.lora_state import LoRAStateWriter
         from srt.metrics.multiprocess import multiprocess_dir

@@ -7,14 +7,12 @@ test/integration/test_smg_gateway.py checks the same against a real gateway."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from srt.http_server.load_report import loads_body, unknown_sections
 from srt.http_server.openai.serving_common import ChoiceAcc, chunk_usage
 from srt.http_server.server_info import OWNED_BY, model_card, model_info, server_info, tokenizer_info
 from srt.io_struct import SchedulerReady
-from srt.metrics.load_snapshot import RankLoad
+from srt.metrics.load_snapshot import RankLoad, SchedulerLoadReader, SchedulerLoadWriter
 from srt.server_args import ServerArgs
 from srt.tokenizer_loading import load_tokenizer
 
@@ -70,32 +68,17 @@ def test_load_sections_are_sglangs():
     assert unknown_sections("core, gpu,") == ["gpu"]
 
 
-READER_SCRIPT = """
-import json, sys
-from prometheus_client.mmap_dict import MmapedDict, mmap_key
-from srt.metrics.load_snapshot import SchedulerLoadReader
-
-root = sys.argv[1]
-for pid, rank, used, hit in ((21, "0", 100, 0.25), (22, "1", 300, 0.75)):
-    labels = {"model_name": "m", "tp_rank": "0", "dp_rank": rank}
-    values = {"sglang:num_running_reqs": 1, "sglang:num_queue_reqs": int(rank), "sglang:num_used_tokens": used,
-              "sglang:max_total_num_tokens": 1000, "sglang:gen_throughput": 5.0, "sglang:cache_hit_rate": hit}
-    d = MmapedDict(f"{root}/gauge_livemostrecent_{pid}.db")
-    for name, value in values.items():
-        d.write_value(mmap_key(name, name, list(labels), list(labels.values()), "h"), value, 0.0)
-    d.close()
-print(json.dumps([[r.dp_rank, r.num_waiting_reqs, r.num_used_tokens, r.cache_hit_rate]
-                  for r in SchedulerLoadReader(root).read_ranks()]))
-"""
-
-
 def test_the_reader_keeps_each_replica_apart(tmp_path):
-    # A fresh interpreter: importing prometheus_client here would fix this test process's storage mode.
-    out = subprocess.run(
-        [sys.executable, "-c", READER_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [[0, 0, 100, 0.25], [1, 1, 300, 0.75]]
+    for rank, used, hit in ((0, 100, 0.25), (1, 300, 0.75)):
+        writer = SchedulerLoadWriter(str(tmp_path), rank)
+        writer.write(
+            running=1, waiting=rank, used_tokens=used, capacity=1000, gen_throughput=5.0, cache_hit_rate=hit
+        )
+    ranks = SchedulerLoadReader(str(tmp_path)).read_ranks()
+    assert [[r.dp_rank, r.num_waiting_reqs, r.num_used_tokens, r.cache_hit_rate] for r in ranks] == [
+        [0, 0, 100, 0.25],
+        [1, 1, 300, 0.75],
+    ]
 
 
 def test_tokenizer_info_answers_what_lm_evals_remote_tokenizer_reads(model_assets_dir):

@@ -4,8 +4,7 @@ drops, the load report's formats and its reader over gauge files, and the timing
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 import threading
 from datetime import UTC, datetime
 
@@ -14,7 +13,7 @@ import pytest
 from srt.child_startup import ConfigError
 from srt.http_server.load_report import format_load_report
 from srt.metrics.custom_labels import OTHER_VALUE, parse_allowed_custom_labels
-from srt.metrics.load_snapshot import LoadSnapshot
+from srt.metrics.load_snapshot import LoadSnapshot, SchedulerLoadReader, SchedulerLoadWriter, load_file
 from srt.metrics.request_export import RequestExporter, check_export_dir, hourly_file_name
 from srt.metrics.request_stats import FinishedRequestStats
 from srt.server_args import ServerArgs
@@ -106,44 +105,24 @@ def test_load_report_formats():
     assert format_load_report("BIN", load) is None
 
 
-READER_SCRIPT = """
-import json, sys
-from prometheus_client.mmap_dict import MmapedDict, mmap_key
-from srt.metrics.load_snapshot import SchedulerLoadReader
-
-def write(path, values, labels):
-    d = MmapedDict(path)
-    for name, value in values.items():
-        d.write_value(mmap_key(name, name, list(labels), list(labels.values()), "h"), value, 0.0)
-    d.close()
-
-root = sys.argv[1]
-for pid, running, used in ((11, 2, 100), (12, 1, 300)):
-    values = {"sglang:num_running_reqs": running, "sglang:num_queue_reqs": 1, "sglang:num_used_tokens": used,
-              "sglang:max_total_num_tokens": 1000}
-    write(f"{root}/gauge_livemostrecent_{pid}.db", values, {"model_name": "m", "tp_rank": "0", "dp_rank": str(pid)})
-write(f"{root}/gauge_livemostrecent_13.db", {"sglang:num_running_reqs": 50}, {"tp_rank": "1"})
-now = [0.0]
-reader = SchedulerLoadReader(root, max_age=0.1, clock=lambda: now[0])
-out = [reader.read()]
-import os
-os.unlink(f"{root}/gauge_livemostrecent_12.db")
-out.append(reader.read())  # cached
-now[0] = 1.0
-out.append(reader.read())
-out.append(SchedulerLoadReader(root + "/none").read())
-print(json.dumps([None if s is None else [s.num_requests_running, s.num_requests_waiting, s.kv_cache_usage_perc]
-                  for s in out]))
-"""
-
-
 def test_reader_sums_data_parallel_schedulers_and_caches(tmp_path):
-    # A fresh interpreter: importing prometheus_client here would fix this test process's storage mode.
-    out = subprocess.run(
-        [sys.executable, "-c", READER_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [[3, 2, 0.2], [3, 2, 0.2], [2, 1, 0.1], None]
+    for rank, running, used in ((0, 2, 100), (1, 1, 300)):
+        writer = SchedulerLoadWriter(str(tmp_path), rank)
+        writer.write(running=running, waiting=1, used_tokens=used, capacity=1000)
+    (tmp_path / "load_9.json").write_text("{")  # being replaced, or not a record: skipped
+    now = [0.0]
+    reader = SchedulerLoadReader(str(tmp_path), max_age=0.1, clock=lambda: now[0])
+    out = [reader.read()]
+    os.unlink(load_file(str(tmp_path), 1))
+    out.append(reader.read())  # cached
+    now[0] = 1.0
+    out.append(reader.read())
+    out.append(SchedulerLoadReader(str(tmp_path / "none")).read())
+    got = [
+        None if s is None else [s.num_requests_running, s.num_requests_waiting, s.kv_cache_usage_perc]
+        for s in out
+    ]
+    assert got == [[3, 2, 0.2], [3, 2, 0.2], [2, 1, 0.1], None]
 
 
 # ---------------------------------------------------------------- the finished record

@@ -54,6 +54,18 @@ def test_a_pinned_adapter_keeps_its_slot_and_one_slot_stays_unpinned():
     assert table.slot_of["p"] == 1 and table.slot_of["q"] == 2
 
 
+def test_a_pin_never_takes_a_slot_the_running_adapters_need():
+    """With a and b running in both slots, pinning would leave them one unpinned slot: refused. With only a
+    running, the pin takes b's slot (b is idle), never a's, and a still fits."""
+    table = SlotTable(2)
+    table.place(["a", "b"])
+    assert not table.can_pin(["a", "b"])
+    table.place(["b"])  # a is now the least recently used, but it is running
+    assert table.can_pin(["a"])
+    assert table.pin("p", ["a"]) == (1, "b")
+    assert table.fits(["a", "p"]) and not table.fits(["a", "b"])
+
+
 def test_a_step_fits_when_its_unpinned_adapters_fit_the_unpinned_slots():
     table = SlotTable(3)
     table.pin("p")

@@ -113,12 +113,20 @@ def test_block_matmul_is_the_dequantized_weight_times_the_activations(qtype):
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_exact_activations_give_the_fp32_product_of_the_dequantized_weight(qtype):
+    m, w = matrix(qtype)
+    x = torch.randn(5, m.cols, generator=torch.Generator().manual_seed(5)) * 3
+    assert_product(block_matmul(x, m, exact=True).numpy(), w, x.numpy(), quantized=False)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 def test_a_token_gets_the_same_bits_alone_and_in_a_batch(qtype):
     m, _ = matrix(qtype)
     x = torch.randn(37, m.cols, generator=torch.Generator().manual_seed(2))
-    batch = block_matmul(x, m)
-    for t in (0, 5, 36):
-        assert torch.equal(block_matmul(x[t : t + 1], m), batch[t : t + 1])
+    for exact in (False, True):
+        batch = block_matmul(x, m, exact)
+        for t in (0, 5, 36):
+            assert torch.equal(block_matmul(x[t : t + 1], m, exact), batch[t : t + 1])
 
 
 def test_strided_rows_and_activations_give_the_contiguous_result():

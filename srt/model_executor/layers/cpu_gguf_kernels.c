@@ -17,8 +17,9 @@
  * each output differs by at most sum_i |w_i| * d_block(i) / 2 (the rounding of a to the nearest int8 step):
  * gguf_linear.py's docstring says what that costs and what it buys.
  *
- * F32, F16 and BF16 rows keep fp32 activations (srt_gguf_matmul_float): they are small tensors in the files
- * srt runs (norms, an occasional F16 embedding) and exact is free there.
+ * srt_gguf_matmul_exact keeps fp32 activations instead, with each chunk of a row dequantized exactly into L1:
+ * F32, F16 and BF16 rows always take it (small tensors in the files srt runs: exact is free there), and any
+ * quantized type where a caller wants the fp32 product (the reference of an end-to-end comparison).
  *
  * Results depend on a token's own row only (the order of a row's sums is fixed by cols), never on the batch. */
 
@@ -446,14 +447,30 @@ int srt_gguf_matmul(int qtype, const uint8_t *act, int64_t m, const uint8_t *w, 
     }
 }
 
-/* ---- float rows (F32, F16, BF16): exact fp32 activations ---- */
+/* ---- exact fp32 activations: rows dequantized a chunk at a time (in L1), then fp32 dot products ---- */
 
-static void float_row(int qtype, const uint8_t *row, int64_t c0, int64_t n, float *dst) {
-    if (qtype == GGML_F32) {
-        memcpy(dst, row + 4 * c0, (size_t)n * sizeof(float));
-    } else if (qtype == GGML_BF16) {
+/* Elements [c0, c0 + n) of a row as fp32, exactly as ggml (and gguf-py) dequantize them. */
+ALWAYS_INLINE void dequantize_chunk_type(const int QTYPE, const uint8_t *row, int64_t c0, int64_t n, float *dst) {
+    const int OFF = QTYPE == GGML_Q4_0 ? OFF_Q4_0 : QTYPE == GGML_Q8_0 ? OFF_Q8_0 : QTYPE == GGML_Q6_K ? OFF_Q6_K : 0;
+    uint8_t u[COL_CHUNK];
+    float sc4[COL_CHUNK / LANE], mn16[COL_CHUNK / GROUP];
+    decode(QTYPE, row, c0, n, u, sc4, mn16);
+    for (int64_t i = 0; i < n; i++) dst[i] = sc4[i / LANE] * (float)((int32_t)u[i] - OFF) + mn16[i / GROUP];
+}
+
+static void dequantize_chunk(int qtype, const uint8_t *row, int64_t c0, int64_t n, float *dst) {
+    switch (qtype) {
+    case GGML_Q4_0: dequantize_chunk_type(GGML_Q4_0, row, c0, n, dst); break;
+    case GGML_Q4_1: dequantize_chunk_type(GGML_Q4_1, row, c0, n, dst); break;
+    case GGML_Q8_0: dequantize_chunk_type(GGML_Q8_0, row, c0, n, dst); break;
+    case GGML_Q4_K: dequantize_chunk_type(GGML_Q4_K, row, c0, n, dst); break;
+    case GGML_Q5_K: dequantize_chunk_type(GGML_Q5_K, row, c0, n, dst); break;
+    case GGML_Q6_K: dequantize_chunk_type(GGML_Q6_K, row, c0, n, dst); break;
+    case GGML_F32: memcpy(dst, row + 4 * c0, (size_t)n * sizeof(float)); break;
+    case GGML_BF16:
         for (int64_t i = 0; i < n; i++) dst[i] = bf16(row + 2 * (c0 + i));
-    } else {
+        break;
+    default: { /* F16 */
         int64_t i = 0;
 #ifdef __F16C__
         for (; i + 8 <= n; i += 8)
@@ -461,11 +478,27 @@ static void float_row(int qtype, const uint8_t *row, int64_t c0, int64_t n, floa
 #endif
         for (; i < n; i++) dst[i] = fp16(row + 2 * (c0 + i));
     }
+    }
 }
 
+/* a . b in LANES partial sums (explicit vectors where there are: GCC leaves such loops scalar inside OpenMP
+ * regions, see cpu_layer_kernels.c's dot_lanes), then the tail, then the lanes */
 static float dot_float(const float *a, const float *b, int64_t n) {
     float lane[LANES] = {0};
     int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    for (; i + LANES <= n; i += LANES) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+    _mm512_storeu_ps(lane, v);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 v0 = _mm256_setzero_ps(), v1 = v0;
+    for (; i + LANES <= n; i += LANES) {
+        v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
+        v1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), v1);
+    }
+    _mm256_storeu_ps(lane, v0);
+    _mm256_storeu_ps(lane + 8, v1);
+#endif
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
     float s = 0.0f;
@@ -474,22 +507,23 @@ static float dot_float(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* out [m, rows] (row stride out_stride) = x [m, cols] (row stride x_stride) times the F32/F16/BF16 matrix w
- * [rows, cols]; -1 for another type. */
-int srt_gguf_matmul_float(int qtype, const float *x, int64_t m, int64_t x_stride, const uint8_t *w, int64_t w_stride,
+/* out [m, rows] (row stride out_stride) = x [m, cols] (row stride x_stride) times the matrix w [rows, cols]
+ * of any type this library takes, dequantized exactly: the fp32 product up to summation order. Each chunk of
+ * a row is dequantized once for a block of tokens. -1 for a type it does not take. */
+int srt_gguf_matmul_exact(int qtype, const float *x, int64_t m, int64_t x_stride, const uint8_t *w, int64_t w_stride,
                           int64_t rows, int64_t cols, float *out, int64_t out_stride) {
-    if (qtype != GGML_F32 && qtype != GGML_F16 && qtype != GGML_BF16) return -1;
+    if (!type_bytes(qtype)) return -1;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (m * rows * cols >= PARALLEL_MIN_MACS)
     for (int64_t j0 = 0; j0 < rows; j0 += ROW_TASK)
         for (int64_t b0 = 0; b0 < m; b0 += TOKEN_BLOCK) {
             const int64_t j1 = j0 + ROW_TASK < rows ? j0 + ROW_TASK : rows;
             const int64_t b1 = b0 + TOKEN_BLOCK < m ? b0 + TOKEN_BLOCK : m;
-            float buf[COL_CHUNK];
+            float buf[COL_CHUNK] __attribute__((aligned(64)));
             for (int64_t j = j0; j < j1; j++) {
                 float acc[TOKEN_BLOCK] = {0};
                 for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK) {
                     const int64_t n = cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK;
-                    float_row(qtype, w + j * w_stride, c0, n, buf);
+                    dequantize_chunk(qtype, w + j * w_stride, c0, n, buf);
                     for (int64_t t = b0; t < b1; t++) acc[t - b0] += dot_float(buf, x + t * x_stride + c0, n);
                 }
                 for (int64_t t = b0; t < b1; t++) out[t * out_stride + j] = acc[t - b0];
@@ -500,37 +534,15 @@ int srt_gguf_matmul_float(int qtype, const float *x, int64_t m, int64_t x_stride
 
 /* ---- rows of the matrix as fp32 (an embedding lookup) ---- */
 
-ALWAYS_INLINE void dequantize_type(const int QTYPE, const uint8_t *row, int64_t cols, float *dst) {
-    const int OFF = QTYPE == GGML_Q4_0 ? OFF_Q4_0 : QTYPE == GGML_Q8_0 ? OFF_Q8_0 : QTYPE == GGML_Q6_K ? OFF_Q6_K : 0;
-    uint8_t u[COL_CHUNK];
-    float sc4[COL_CHUNK / LANE], mn16[COL_CHUNK / GROUP];
-    for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK) {
-        const int64_t n = cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK;
-        decode(QTYPE, row, c0, n, u, sc4, mn16);
-        for (int64_t i = 0; i < n; i++) dst[c0 + i] = sc4[i / LANE] * (float)((int32_t)u[i] - OFF) + mn16[i / GROUP];
-    }
-}
-
 /* out [n, cols] = the rows ids[0..n) of the matrix w (qtype, row stride w_stride), exactly as ggml (and gguf-py)
  * dequantize them. Returns 0, or -1 for a type this library does not take. */
 int srt_gguf_dequantize_rows(int qtype, const uint8_t *w, int64_t w_stride, int64_t cols, const int64_t *ids, int64_t n,
                              float *out) {
     if (!type_bytes(qtype)) return -1;
 #pragma omp parallel for if (n * cols >= PARALLEL_MIN_MACS) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *row = w + ids[r] * w_stride;
-        float *dst = out + r * cols;
-        switch (qtype) {
-        case GGML_Q4_0: dequantize_type(GGML_Q4_0, row, cols, dst); break;
-        case GGML_Q4_1: dequantize_type(GGML_Q4_1, row, cols, dst); break;
-        case GGML_Q8_0: dequantize_type(GGML_Q8_0, row, cols, dst); break;
-        case GGML_Q4_K: dequantize_type(GGML_Q4_K, row, cols, dst); break;
-        case GGML_Q5_K: dequantize_type(GGML_Q5_K, row, cols, dst); break;
-        case GGML_Q6_K: dequantize_type(GGML_Q6_K, row, cols, dst); break;
-        default:
-            for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK)
-                float_row(qtype, row, c0, cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK, dst + c0);
-        }
-    }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK)
+            dequantize_chunk(qtype, w + ids[r] * w_stride, c0, cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK,
+                             out + r * cols + c0);
     return 0;
 }

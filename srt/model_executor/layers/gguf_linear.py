@@ -112,7 +112,7 @@ class GGUFKernels:
         self.isa = lib.isa
         self._quantize = lib.function("srt_gguf_quantize_rows")
         self._matmul = lib.function("srt_gguf_matmul")
-        self._matmul_float = lib.function("srt_gguf_matmul_float")
+        self._matmul_exact = lib.function("srt_gguf_matmul_exact")
         self._dequantize = lib.function("srt_gguf_dequantize_rows")
         self._act_row_bytes = lib.function("srt_gguf_act_row_bytes")
         # the C source and gguf's tables must agree on every block's size
@@ -138,16 +138,17 @@ class GGUFKernels:
     def matmul_into(
         self, out: torch.Tensor, x: torch.Tensor, act: torch.Tensor | None, m: BlockMatrix
     ) -> None:
-        """out [T, m.rows] (a unit-stride column slice of a larger output may do) = x @ dequantized(m).T, from
-        `act` (quantize_activations(x)) for a quantized type, from x for a float one."""
+        """out [T, m.rows] (a unit-stride column slice of a larger output may do) = x @ dequantized(m).T: from
+        `act` (quantize_activations(x)) for a quantized type, from x itself for a float one or where act is
+        None (exact fp32 activations)."""
         t = x.shape[0]
         if out.shape != (t, m.rows) or out.dtype != torch.float32 or (m.rows > 1 and out.stride(1) != 1):
             raise ValueError(f"output {tuple(out.shape)} for a [{t}, {m.rows}] product")
         if t == 0 or m.rows == 0:
             return
         w_stride = m.data.stride(0) if m.rows > 1 else m.row_bytes
-        if m.qtype in QUANTIZED_TYPES:
-            if act is None or act.shape != (t, self._act_row_bytes(m.cols)):
+        if m.qtype in QUANTIZED_TYPES and act is not None:
+            if act.shape != (t, self._act_row_bytes(m.cols)):
                 raise ValueError("quantized activations of the wrong shape")
             rc = self._matmul(
                 m.qtype,
@@ -161,16 +162,17 @@ class GGUFKernels:
                 out.stride(0),
             )
         else:
-            rc = self._matmul_float(
+            rc = self._matmul_exact(
                 m.qtype, x.data_ptr(), t, x.stride(0), m.data.data_ptr(), w_stride, m.rows, m.cols,
                 out.data_ptr(), out.stride(0),
             )  # fmt: skip
         if rc != 0:
             raise UnsupportedBlockType(f"the GGUF kernels do not take ggml type {m.type_name}")
 
-    def matmul(self, x: torch.Tensor, parts: list[BlockMatrix]) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, parts: list[BlockMatrix], exact: bool = False) -> torch.Tensor:
         """x fp32 [..., cols] times the parts' matrices stacked along the output: [..., sum of rows]. The
-        activations are quantized once for all quantized parts."""
+        activations are quantized once for all quantized parts, or kept in fp32 (`exact`: the product of
+        the dequantized weights, slower; see the module's docstring)."""
         if not parts:
             raise ValueError("no block matrices to multiply")
         cols = parts[0].cols
@@ -182,7 +184,8 @@ class GGUFKernels:
         x2 = _activation_rows(x, cols)
         total = sum(p.rows for p in parts)
         out = torch.empty((x2.shape[0], total), dtype=torch.float32)
-        act = self.quantize_activations(x2) if any(p.qtype in QUANTIZED_TYPES for p in parts) else None
+        quantized = not exact and any(p.qtype in QUANTIZED_TYPES for p in parts)
+        act = self.quantize_activations(x2) if quantized else None
         offset = 0
         for p in parts:
             self.matmul_into(out[:, offset : offset + p.rows], x2, act, p)
@@ -233,14 +236,15 @@ def kernels() -> GGUFKernels:
         ) from e
 
 
-def block_matmul(x: torch.Tensor, m: BlockMatrix) -> torch.Tensor:
-    """x fp32 [..., cols] -> fp32 [..., rows]: x times the block matrix's dequantized weight, transposed."""
-    return kernels().matmul(x, [m])
+def block_matmul(x: torch.Tensor, m: BlockMatrix, exact: bool = False) -> torch.Tensor:
+    """x fp32 [..., cols] -> fp32 [..., rows]: x times the block matrix's dequantized weight, transposed
+    (activations quantized per block of 32 unless `exact`)."""
+    return kernels().matmul(x, [m], exact)
 
 
-def block_matmul_parts(x: torch.Tensor, parts: list[BlockMatrix]) -> torch.Tensor:
+def block_matmul_parts(x: torch.Tensor, parts: list[BlockMatrix], exact: bool = False) -> torch.Tensor:
     """x times each part, concatenated along the output (a fused layer: the activations quantized once)."""
-    return kernels().matmul(x, parts)
+    return kernels().matmul(x, parts, exact)
 
 
 def dequantize_rows(m: BlockMatrix, rows: torch.Tensor) -> torch.Tensor:

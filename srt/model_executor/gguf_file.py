@@ -136,7 +136,9 @@ class _Parser:
         if version not in SUPPORTED_VERSIONS:
             if version & 0xFFFF == 0:
                 raise GGUFError("big-endian GGUF files are not supported")
-            raise GGUFError(f"GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
+            raise GGUFError(
+                f"GGUF version {version} is not supported (srt reads versions {' and '.join(map(str, SUPPORTED_VERSIONS))})"
+            )
         n_tensors = self.count(self.u64("the tensor count"), _MIN_TENSOR_INFO_BYTES, MAX_TENSORS, "tensor")
         n_keys = self.count(self.u64("the key/value count"), _MIN_KV_BYTES, MAX_KEYS, "key/value")
         metadata: dict[str, object] = {}
@@ -164,9 +166,10 @@ class _Parser:
         left = self.end - self.pos
         if self.end < self.size:
             return GGUFError(
-                f"{what} at byte {self.pos} needs {n} bytes: the header would pass its {MAX_METADATA_BYTES}-byte limit"
+                f"{what} at byte {self.pos}: {n} bytes more would take the header past its "
+                f"{MAX_METADATA_BYTES}-byte limit"
             )
-        return GGUFError(f"truncated file: {what} at byte {self.pos} needs {n} bytes, {left} remain")
+        return GGUFError(f"truncated file: {what} at byte {self.pos}: {n} bytes needed, {left} remain")
 
     def need(self, n: int, what: str) -> None:
         if n > self.end - self.pos:
@@ -290,8 +293,10 @@ class _Parser:
             raise GGUFError(f"tensor {name!r} has unknown ggml type {ggml_type}") from None
         for d in shape:
             if d == 0 or d > INT64_MAX:
-                shown = d - (1 << 64) if d > INT64_MAX else d
-                raise GGUFError(f"tensor {name!r} has dimension {shown} in shape {list(shape)}: not positive")
+                signed = [x - (1 << 64) if x > INT64_MAX else x for x in shape]
+                raise GGUFError(
+                    f"tensor {name!r} has dimension {signed[shape.index(d)]} in shape {signed}: not positive"
+                )
         n_elements = math.prod(shape)
         if n_elements > INT64_MAX:
             raise GGUFError(f"tensor {name!r} shape {list(shape)} has more elements than an int64 holds")

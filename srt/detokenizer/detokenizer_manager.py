@@ -26,6 +26,7 @@ from srt.port_args import PortArgs
 from srt.process_logging import configure_process_logging
 from srt.server_args import ServerArgs
 from srt.sockets import get_zmq_socket
+from srt.speculative.stats import SpecRequestStats
 from srt.tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ _OPTIONAL_FIELDS = (
     "input_token_logprobs",
     "input_top_logprobs",
     "spec_stats",
+    "embeddings",
 )
 
 
@@ -168,6 +170,18 @@ class IncrementalDetokenizer:
         return delta, len(new_ids), None
 
 
+def _final_figures(
+    stats: SpecRequestStats, reason: FinishReason | None, completion_tokens: int
+) -> SpecRequestStats | None:
+    """A request's speculative figures go on with its final entry only, counting only the completion's
+    positions: a stop string found here may end the output inside a verify step's run, or before steps the
+    scheduler already counted (srt/speculative/stats.py)."""
+    if reason is None:
+        return None
+    stats.truncate(completion_tokens)
+    return stats
+
+
 class DetokenizerManager:
     """Receives BatchTokenIDOut, sends BatchStrOut; forwards every other message unchanged."""
 
@@ -209,6 +223,8 @@ class DetokenizerManager:
                     value = reason
                 elif name == "completion_tokens":
                     value -= unused
+                elif name == "spec_stats" and value is not None:
+                    value = _final_figures(value, reason, batch.completion_tokens[i] - unused)
                 out[name].append(value)
             strs.append(delta)
         if not strs:

@@ -18,6 +18,7 @@ from srt.metrics.custom_labels import CustomLabelPolicy, parse_allowed_custom_la
 from srt.metrics.request_stats import FinishedRequestStats, inter_token_latencies
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+from srt.speculative.defaults import most_drafts_per_step
 
 if TYPE_CHECKING:
     from srt.http_server.req_state import ReqState
@@ -59,6 +60,18 @@ class RequestMetricsRecorder:
                 server_args.export_metrics_to_file_dir,
                 metric_labels if server_args.metrics_enabled else None,
             )
+        # the speculative decoding counters, moved by each request's final figures: from the start with
+        # --speculative-algorithm, else from the first request that ran a verify step (a `prediction`)
+        self.spec_collector = None
+        self._spec_labels = metric_labels if server_args.metrics_enabled else None
+        self._spec_max_drafts = most_drafts_per_step(server_args.speculative_drafts_per_step)
+        if server_args.metrics_enabled and server_args.speculative_algorithm:
+            self._start_spec_counters()
+
+    def _start_spec_counters(self) -> None:
+        from srt.metrics.spec_collector import SpecRequestMetricsCollector
+
+        self.spec_collector = SpecRequestMetricsCollector(self._spec_labels, self._spec_max_drafts)
 
     def custom_labels(self, headers) -> tuple[str, ...]:
         """The request's custom label values from its headers (a Starlette Headers or a dict); () if none
@@ -117,6 +130,10 @@ class RequestMetricsRecorder:
             self.collector.observe_finished_request(
                 stats, counts_prompt=st.index % st.n == 0, custom=st.labels
             )
+            if stats.spec is not None:
+                if self.spec_collector is None:
+                    self._start_spec_counters()
+                self.spec_collector.on_request(stats.spec)
         if st.abandoned and st.export:
             self.export(stats)  # no response will carry it
 

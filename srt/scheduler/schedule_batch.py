@@ -68,6 +68,10 @@ class Req:
         self.input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
         self.prompt_logprobs_done = False
         self.prompt_logprobs_sent = False
+        # An embedding server's (--is-embedding; srt/scheduler/pooling.py): what the prompt's chunks pooled so
+        # far, then the finished vector, sent with the final output.
+        self.pooled: torch.Tensor | None = None
+        self.embedding: bytes | None = None
 
     # ---- derived ----
     @property
@@ -175,13 +179,15 @@ class Req:
 
     def due_for_output(self, stream_interval: int) -> bool:
         """First token at once (TTFT is observed when it is produced), then every `stream_interval` tokens
-        when streaming, and always on finish."""
+        when streaming, and always on finish. A request with stop strings reports every step's tokens,
+        streamed or not: only the detokenizer can tell that one ended it, and the abort it then causes
+        stops the request a step or two later instead of at max_tokens."""
         pending = len(self.output_ids) - self.sent_len
         if self.finished:
             return True
         if pending == 0:
             return False
-        if self.sent_len == 0:
+        if self.sent_len == 0 or self.sampling_params.stop:
             return True
         return self.stream and pending >= stream_interval
 
@@ -194,7 +200,9 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
     and the stamps the metrics need. Marks what it took as sent."""
     want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
     want_input = any(r.prompt_logprobs_done and not r.prompt_logprobs_sent for r in reqs)
-    want_spec = any(r.finished and r.spec_stats is not None for r in reqs)
+    # figures travel with the final message, and with each message a stop string may end (the detokenizer
+    # then cuts them: SpecRequestStats.truncate)
+    want_spec = any(r.spec_stats is not None and (r.finished or r.sampling_params.stop) for r in reqs)
     out = BatchTokenIDOut(
         rids=[],
         output_ids=[],
@@ -212,6 +220,7 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
         input_token_logprobs=[] if want_input else None,
         input_top_logprobs=[] if want_input else None,
         spec_stats=[] if want_spec else None,
+        embeddings=[] if any(r.embedding is not None for r in reqs) else None,
     )
     for req in reqs:
         out.rids.append(req.rid)
@@ -239,7 +248,10 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
                 req.prompt_logprobs_sent = True
                 req.input_logprobs = req.input_top_logprobs = None
         if want_spec:
-            out.spec_stats.append(req.spec_stats if req.finished else None)
+            cuttable = req.spec_stats is not None and (req.finished or req.sampling_params.stop)
+            out.spec_stats.append(req.spec_stats.hand_off() if cuttable else None)
+        if out.embeddings is not None:
+            out.embeddings.append(req.embedding)
         req.sent_len = len(req.output_ids)
         req.pending_ts = []
     return out

@@ -41,7 +41,7 @@ from srt.speculative.defaults import (
 from srt.speculative.ngram import NgramProposer
 from srt.speculative.prediction import PredictionProposer
 from srt.speculative.proposer import Proposer, draft_len_limit
-from srt.speculative.stats import SpecRequestStats, SpecStepStats
+from srt.speculative.stats import SpecRequestStats, SpecStep, SpecStepStats
 from srt.speculative.verify import DraftBatch, verify
 
 if TYPE_CHECKING:
@@ -223,9 +223,10 @@ class SpecDecoder:
         after them one at a time with the stop checks (`append_token_runs`), its logprobs and penalty counts,
         give the KV slots of every fed position whose token was not appended back to `allocator` (so a
         request's KV covers exactly its tokens and nothing rejected can reach the prefix cache), and record
-        the figures. Returns how many tokens each request took, and the step's totals for the counters."""
+        the figures. Returns how many tokens each request took, and the step's totals."""
         tokens, accepted = self.verify(logits, reqs, drafts)
         logprobs = self.run_logprobs(logits, reqs, drafts, tokens)
+        starts = [len(r.output_ids) for r in reqs]
         taken = append_token_runs(tokens, list(reqs), time.monotonic(), eos_token_ids, context_len, logprobs)
         self.record_penalties(reqs, tokens, taken)
         rejected: list[int] = []
@@ -236,14 +237,20 @@ class SpecDecoder:
             row += len(run) + 1
         if rejected:
             allocator.free(fed_slots[torch.tensor(rejected, device=fed_slots.device)])
-        # a draft counts as accepted once it is output: a stop inside an accepted run drops the rest
-        kept = [min(a, n) for a, n in zip(accepted, taken, strict=True)]
-        predicted = [r.rid in self._from_prediction for r in reqs]
-        for req, run, a, p in zip(reqs, drafts, kept, predicted, strict=True):
+        # only what is output counts: a stop token, EOS or max_tokens inside an accepted run drops the rest
+        steps = [
+            SpecStep(start, len(run), a, req.rid in self._from_prediction).cut(start + n)
+            for req, run, a, start, n in zip(reqs, drafts, accepted, starts, taken, strict=True)
+        ]
+        for req, step in zip(reqs, steps, strict=True):
+            if step is None:
+                continue
             if req.spec_stats is None:
                 req.spec_stats = SpecRequestStats()
-            req.spec_stats.record(len(run), a, p)
-        return taken, SpecStepStats.from_counts([len(r) for r in drafts], kept, predicted)
+            # a stop string, which the detokenizer finds later (in this step's message at the earliest), may
+            # still cut it
+            req.spec_stats.record(step, may_be_cut=bool(req.sampling_params.stop))
+        return taken, SpecStepStats.from_steps(steps)
 
     def _apply_context_rules(
         self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]

@@ -150,3 +150,27 @@ def test_manager_convert_cuts_meta_at_the_stop_token(tokenizer):
     assert out.output_token_logprobs is None
     # the stopped request's later outputs are dropped: nothing left to send
     assert mgr.convert(_batch(["a"], [[11]], [None], [["END"]], [len(a) + 1])) is None
+
+
+def test_manager_convert_cuts_the_speculative_figures_with_the_output(tokenizer):
+    """A stop string that ends the output inside a verify step's run cuts its figures there (the drafts after
+    the cut are neither drafts nor accepted: srt/speculative/stats.py); figures travel with final entries
+    only, though the scheduler hands them over with each message a stop string may end."""
+    from srt.speculative.stats import SpecRequestStats, SpecStep
+
+    mgr = DetokenizerManager(tokenizer, None, None)
+    a = tokenizer.encode("x = 1; END; y = 2")
+    b = tokenizer.encode("plain text")
+    figures = []
+    for _ in range(2):
+        stats = SpecRequestStats()  # one step: every token after the first came from accepted drafts
+        stats.record(SpecStep(1, len(a) - 1, len(a) - 2, from_prediction=True), may_be_cut=True)
+        figures.append(stats)
+    batch = _batch(["a", "b"], [a, b], [None, None], [["END"], ["END"]], [len(a), len(b)])
+    batch.spec_stats = figures
+    out = mgr.convert(batch)
+    used = out.completion_tokens[0]
+    assert used < len(a) and out.spec_stats[1] is None
+    cut = out.spec_stats[0]
+    assert (cut.verify_steps, cut.draft_tokens, cut.accepted_tokens) == (1, used - 1, used - 1)
+    assert cut.prediction_usage() == {"accepted_prediction_tokens": used - 1, "rejected_prediction_tokens": 0}

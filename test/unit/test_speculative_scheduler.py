@@ -395,8 +395,10 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(tiny_model_d
     assert res.finish.type == "stop" and res.finish.matched == stop
     last_rid, start, run = seen[-1]
     assert last_rid == rid and start + run.index(stop) == at and run.index(stop) < len(run) - 1
-    # the drafts after the stop were accepted by verification but are not output, so not counted
+    # the drafts after the stop were accepted by verification but are not output, so not counted: the last
+    # step counts as one given only the drafts up to the stop, every one accepted
     assert res.spec_stats.accepted_tokens <= len(res.output_ids) - 1
+    assert res.spec_stats.accepted_tokens == res.spec_stats.draft_tokens
     assert_pool_whole(sched)
 
 
@@ -600,20 +602,22 @@ def predicted_requests(reference: dict[str, list[int]]):
 @pytest.mark.parametrize("spec", [False, True], ids=["no-algorithm", "ngram"])
 def test_greedy_output_is_the_same_with_predictions(tiny_model_dir, quant, reference, spec):
     """A prediction drafts on any server, the server's algorithm or none; the output is the model's, not the
-    prediction's; every slot is accounted for after each step; the prediction's counts in the step totals
-    are the per-request figures of the requests that carried one, counting only the drafts their prediction
-    gave (past an edit a request may draft from its own tokens)."""
+    prediction's; every slot is accounted for after each step; the per-request figures add up to the step
+    totals; the prediction's counts are those of the drafts the prediction gave (past an edit a request may
+    draft from its own tokens), and its accepted and rejected tokens never exceed the completion."""
     sched, totals = make(tiny_model_dir, quant, spec=spec)
     reqs = predicted_requests(reference)
     res = drive(sched, {0: reqs[:6], 3: reqs[6:]}, on_step=assert_every_slot_accounted)
     assert {rid: c.output_ids for rid, c in res.items()} == reference
     with_prediction = [res[r.rid].spec_stats for r in reqs if r.prediction_ids]
     assert all(f is not None for f in with_prediction)
-    drafted = sum(s.num_prediction_draft_tokens for s in totals.steps)
-    accepted = sum(s.num_accepted_prediction_tokens for s in totals.steps)
-    assert drafted == sum(f.prediction_draft_tokens for f in with_prediction)
-    assert accepted == sum(f.prediction_accepted_tokens for f in with_prediction)
+    drafted = sum(f.prediction_draft_tokens for f in with_prediction)
+    accepted = sum(f.prediction_accepted_tokens for f in with_prediction)
+    figures = [c.spec_stats for c in res.values() if c.spec_stats is not None]
+    assert sum(f.accepted_tokens for f in figures) == totals.accepted
     assert all(f.prediction_draft_tokens <= f.draft_tokens for f in with_prediction)
+    for r in (r for r in reqs if r.prediction_ids):  # completion positions, the prefill's token none of them
+        assert sum(res[r.rid].spec_stats.prediction_usage().values()) <= len(res[r.rid].output_ids) - 1
     assert 0 < accepted < drafted, "edited predictions must have drafts rejected, exact ones accepted"
     exact = [res[r.rid].spec_stats for r in reqs[:-1:2]]
     assert all(f.prediction_accepted_tokens == f.prediction_draft_tokens for f in exact)

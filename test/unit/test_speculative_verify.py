@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from srt.sampling.token_filters import sample_from_probs
-from srt.speculative.stats import SpecRequestStats, SpecStepStats
+from srt.speculative.stats import SpecRequestStats, SpecStep, SpecStepStats
 from srt.speculative.verify import DraftBatch, draw_uniforms, verify, verify_greedy, verify_sampled
 
 VOCAB = 8
@@ -226,10 +226,11 @@ def test_step_totals_equal_the_sums_of_the_request_figures():
     rows = torch.cat([torch.arange(k + 1) for k in lens])  # position j of every request reads p_j
     result = verify_sampled(small, p[rows], uniforms[:200])
 
-    step = SpecStepStats.from_counts(lens, result.accepted)
+    steps = [SpecStep(1, k, a) for k, a in zip(lens, result.accepted, strict=True)]
+    step = SpecStepStats.from_steps(steps)
     per_request = [SpecRequestStats() for _ in lens]
-    for stats, k, a in zip(per_request, lens, result.accepted, strict=True):
-        stats.record(k, a)
+    for stats, s in zip(per_request, steps, strict=True):
+        stats.record(s)
     assert step.num_drafts == sum(s.verify_steps for s in per_request) == 150  # no draft: not a spec step
     assert step.num_draft_tokens == sum(s.draft_tokens for s in per_request)
     assert step.num_accepted_tokens == sum(s.accepted_tokens for s in per_request) <= step.num_draft_tokens

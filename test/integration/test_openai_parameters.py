@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import typing
 import uuid
 from dataclasses import dataclass, field
 
@@ -21,9 +22,18 @@ import openai
 import pytest
 from openai.resources.chat.completions import Completions as ChatResource
 from openai.resources.completions import Completions as CompletionResource
+from pydantic import BaseModel
 
-from srt.http_server.native_protocol import NativeSamplingParams
+from srt.http_server.native_protocol import (
+    AbortRequest,
+    FlushCacheRequest,
+    GenerateRequest,
+    LoadLoRAAdapterRequest,
+    NativeSamplingParams,
+    UnloadLoRAAdapterRequest,
+)
 from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from srt.http_server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from test.integration.conftest import REPO_ROOT, ServerHandle, running_server
 
 pytestmark = pytest.mark.slow
@@ -478,3 +488,123 @@ def test_sglang_route_names_answer_beside_the_old_ones(server: ServerHandle):
 
 def test_server_info_reports_the_quantization_in_effect(server: ServerHandle):
     assert httpx.get(f"{server.base_url}/server_info", timeout=TIMEOUT).json()["quantization"] == "none"
+
+
+# ---------------------------------------------------------------- one rule for keys, on every route
+UNKNOWN = "zz_unknown"
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+PARTS = [{"type": "text", "text": "hi"}]
+# A valid body of every route that takes one, (route, body, the model it is, its answer without the unknown
+# key); together they hold every kind of nested object those models have (checked below).
+TOOL_TURNS = {
+    "messages": [{"role": "user", "content": PARTS}, {"role": "assistant", "tool_calls": [TOOL_CALL]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "x"}],
+    "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}},
+}  # fmt: skip
+BODIES = [
+    ("/v1/chat/completions", {**TOOL_TURNS, "max_tokens": 1, "stream_options": {"include_usage": True},
+                              "stream": True}, ChatCompletionRequest, 200),
+    ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "metadata": {"k": "v"},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TINY_SCHEMA}},
+        "prediction": {"type": "content", "content": PARTS}, "logit_bias": {"1": 1},
+    }, ChatCompletionRequest, 200),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "prediction": {"type": "content", "content": PARTS},
+                         "stream": True, "stream_options": {"include_usage": True}}, CompletionRequest, 200),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "t", "schema": TINY_SCHEMA}}}, CompletionRequest, 200),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}, GenerateRequest, 200),
+    ("/tokenize", TOOL_TURNS, TokenizeRequest, 200),
+    ("/detokenize", {"tokens": [1, 2]}, DetokenizeRequest, 200),
+    ("/abort_request", {"rid": "no-such-request"}, AbortRequest, 200),
+    ("/flush_cache", {}, FlushCacheRequest, 200),
+    # this server has no LoRA: the valid body is a 400 naming `lora_name`, after validation
+    ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere", "pinned": False},
+     LoadLoRAAdapterRequest, 400),
+    ("/unload_lora_adapter", {"lora_name": "a"}, UnloadLoRAAdapterRequest, 400),
+]  # fmt: skip
+# Objects whose keys are the client's own (JSON schemas, metadata, token ids): no model, no key rule.
+FREE_FORM = {"parameters", "schema", "metadata", "logit_bias"}
+
+
+def object_paths(value, path: str = "") -> list[str]:
+    """The dotted path of every JSON object in `value` that a model reads (free-form ones left out)."""
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in object_paths(v, f"{path}.{i}" if path else str(i))]
+    if not isinstance(value, dict) or path.rsplit(".", 1)[-1] in FREE_FORM:
+        return []
+    inner = [p for k, v in value.items() for p in object_paths(v, f"{path}.{k}" if path else k)]
+    return [path, *inner]
+
+
+def with_key(body: dict, path: str, key: str) -> dict:
+    body = json.loads(json.dumps(body))
+    target = body
+    for part in filter(None, path.split(".")):
+        target = target[int(part) if isinstance(target, list) else part]
+    target[key] = 1
+    return body
+
+
+def reachable_models(annotation, seen: set | None = None) -> set[type]:
+    """Every model class a value of `annotation` can contain, itself included."""
+    seen = set() if seen is None else seen
+    for arg in typing.get_args(annotation):
+        reachable_models(arg, seen)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation not in seen:
+        seen.add(annotation)
+        for f in annotation.model_fields.values():
+            reachable_models(f.annotation, seen)
+    return seen
+
+
+def models_in(value) -> set[type]:
+    if isinstance(value, BaseModel):
+        return {type(value)}.union(*(models_in(getattr(value, n)) for n in type(value).model_fields))
+    if isinstance(value, list | tuple):
+        return set().union(*map(models_in, value))
+    return set()
+
+
+def test_the_bodies_hold_every_nested_object_of_every_route():
+    """So the key test below reaches every model: a new nested object needs a place in BODIES."""
+    for model in {m for _, _, m, _ in BODIES}:
+        held = set().union(*(models_in(model.model_validate(b)) for _, b, m, _ in BODIES if m is model))
+        assert held == reachable_models(model), model
+
+
+@pytest.mark.parametrize(
+    "route,body,status",
+    [(r, b, s) for r, b, _, s in BODIES],
+    ids=[f"{r}-{i}" for i, (r, *_) in enumerate(BODIES)],
+)
+def test_an_unknown_key_anywhere_in_a_body_is_a_400_naming_it(server: ServerHandle, route, body, status):
+    with server.http_client(TIMEOUT) as client:
+        assert client.post(route, json=body).status_code == status
+        for path in object_paths(body):
+            r = client.post(route, json=with_key(body, path, UNKNOWN))
+            named = f"{path}.{UNKNOWN}" if path else UNKNOWN
+            assert r.status_code == 400 and r.json()["error"]["param"] == named, (path, r.text)
+            assert UNKNOWN in r.json()["error"]["message"]
+
+
+def test_an_unknown_query_parameter_of_any_route_is_a_400_naming_it(server: ServerHandle):
+    """Every route the server lists (its OpenAPI document), every method: query parameters are checked
+    like body keys."""
+    valid = {route: body for route, body, _, _ in BODIES}
+    with server.http_client(TIMEOUT) as client:
+        paths = client.get("/openapi.json").json()["paths"]
+        assert {"/v1/loads", "/generate", "/v1/models/{model}", "/set_trace_level"} <= set(paths)
+        for path, methods in paths.items():
+            url = path.replace("{model}", MODEL)
+            for method in methods:
+                body = valid.get(
+                    url.removeprefix("/v1") if url.startswith("/v1/") and url not in valid else url
+                )
+                r = client.request(method, url, params={UNKNOWN: "1"}, json=body)
+                assert r.status_code == 400, (method, url, r.text)
+                assert r.json()["error"]["param"] == UNKNOWN, (method, url, r.text)
+        r = client.get("/v1/loads", params={"include": "bogus"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "include"
+        assert client.get("/v1/loads", params={"include": "core,queues"}).status_code == 200
+        assert client.get("/health").status_code == 200

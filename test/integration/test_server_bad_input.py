@@ -65,6 +65,21 @@ CASES = [
         400,
         "sampling_params.warp",
     ),
+    ("generate-unknown-key", "/generate", {"text": "x", "bogus": 1}, 400, "bogus"),
+    (
+        "generate-has-no-prediction",
+        "/generate",
+        {"text": "x", "prediction": {"type": "content"}},
+        400,
+        "prediction",
+    ),
+    (
+        "content-part-unknown-key",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "bogus": 1}]}]},
+        400,
+        "messages.0.content.0.bogus",
+    ),
     (
         "generate-mistyped-param",
         "/generate",

@@ -11,7 +11,7 @@ from http import HTTPStatus
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from srt.http_server.request_types import RefusedKey
+from srt.http_server.request_types import RefusedKey, StrictModel
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -52,12 +52,27 @@ def _field_path(loc: tuple) -> str:
     """`messages.0.content` from pydantic's location, without the body and the union branch names
     (`str`, `list[int]`, `function-after[...]`) it puts in between."""
     parts = [str(p) for p in loc if isinstance(p, int) or (p != "body" and p.isidentifier())]
-    return ".".join(p for p in parts if p not in _TYPE_NAMES)
+    branches = _TYPE_NAMES | _model_names(StrictModel)  # a union's model branch is named by its class
+    return ".".join(p for p in parts if p not in branches)
+
+
+def _model_names(model: type) -> set[str]:
+    return {model.__name__}.union(*map(_model_names, model.__subclasses__()))
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
 # pydantic's error for a whole body that is not an object (as FastAPI validates it, and as a model does)
 _NOT_AN_OBJECT = ("model_attributes_type", "model_type")
+
+
+def _named_field(error: dict) -> str:
+    """The field an error is about: its location, or the field a FieldError names itself (a refused key:
+    the key inside the object at the location)."""
+    path = _field_path(error.get("loc", ()))
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, RefusedKey) and path:
+        return f"{path}.{cause.param}"
+    return path or getattr(cause, "param", None) or ""
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -71,15 +86,12 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     if first.get("type") in _NOT_AN_OBJECT and not _field_path(first.get("loc", ())):
         return OpenAIError("the request body must be a JSON object", code="invalid_value")
-    best = max(errors, key=lambda e: len(_field_path(e.get("loc", ())).split(".")))
+    named = [(_named_field(e), e) for e in errors]
+    field, best = max(named, key=lambda pair: len(pair[0].split(".")) if pair[0] else 0)
     path = _field_path(best.get("loc", ()))
     msg = best.get("msg", "invalid value").removeprefix(_VALUE_ERROR_PREFIX)
-    cause = (best.get("ctx") or {}).get("error")
-    field = path or getattr(cause, "param", None)  # a FieldError's message names its field itself
-    if isinstance(cause, RefusedKey) and path:  # the refused key itself, inside the object at `path`
-        field = f"{path}.{cause.param}"
     message = f"{path}: {msg}" if path else msg
-    others = len({_field_path(e.get("loc", ())) for e in errors} - {path})
+    others = len({name for name, _ in named} - {field})
     if others:
         message += f" (and {others} more problem(s))"
     return OpenAIError(message, param=field or None, code="invalid_value")

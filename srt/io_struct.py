@@ -151,6 +151,10 @@ class BatchOutMeta:
     # Speculative decoding, present only when some request in the batch finished after a verify step: per
     # request its figures (srt/speculative/stats.py) with its final message, else None.
     spec_stats: list[SpecRequestStats | None] | None = None
+    # An embedding server's (--is-embedding), present only when some request in the batch finished with its
+    # vector: per request the L2-normalized vector as little-endian float32 bytes (srt/scheduler/pooling.py),
+    # else None. It passes the detokenizer untouched.
+    embeddings: list[bytes | None] | None = None
 
 
 @dataclass

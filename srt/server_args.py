@@ -37,6 +37,10 @@ from srt.speculative.defaults import (
 )
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+# --pooling-type: an embedding server's vector is its prompt's last token's final hidden state (vLLM's default
+# for decoder checkpoints, what gte-Qwen2 and e5-mistral were trained with) or the mean over every prompt token
+POOLING_LAST, POOLING_MEAN = "last", "mean"
+POOLING_TYPES = (POOLING_LAST, POOLING_MEAN)
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = (AUTO, *DTYPE_NAMES)
@@ -76,6 +80,18 @@ class ServerArgs:
     context_length: int | None = _f(None, "override the model's maximum context length")
     device: str = _f("auto", "cpu, cuda or auto")
     random_seed: int = _f(0, "seed for sampling of requests without their own seed")
+    # Embeddings (docs/embeddings.md)
+    is_embedding: bool = _f(
+        False,
+        "serve the checkpoint as an embedding model: POST /v1/embeddings answers, the generation routes are "
+        "a 400; quantization defaults to none",
+    )
+    pooling_type: str = _f(
+        POOLING_LAST,
+        "with --is-embedding, how a prompt's final hidden states become its vector: the last token's, or the "
+        "mean of all; L2-normalized either way",
+        choices=POOLING_TYPES,
+    )
     # HTTP
     host: str = _f("127.0.0.1", "address the HTTP server binds")
     port: int = _f(30000, "HTTP port")
@@ -326,6 +342,15 @@ class ServerArgs:
             return 0
         n = self.speculative_num_draft_tokens or NUM_DRAFT_TOKENS
         return drafts_per_step(n)
+
+    @property
+    def quantization_or_default(self) -> str | None:
+        """--quantization, else none on an embedding server, else None (the device's default). An embedding is
+        compared against the checkpoint's own hidden states: the CPU's int8 default passed a gate on generated
+        text (docs/cpu_execution.md), never one on vectors."""
+        if self.quantization is None and self.is_embedding:
+            return "none"
+        return self.quantization
 
     @property
     def metrics_enabled(self) -> bool:

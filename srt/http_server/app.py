@@ -40,6 +40,7 @@ from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.http_server.openai.serving_chat import ChatHandler
 from srt.http_server.openai.serving_common import model_not_found
 from srt.http_server.openai.serving_completions import CompletionHandler
+from srt.http_server.openai.serving_embedding import install_embedding_routes
 from srt.http_server.request_parsing import json_body, strict_query
 from srt.http_server.server_info import adapter_card, model_card, model_info, server_info, tokenizer_info
 from srt.http_server.serving_native import GenerateHandler
@@ -136,6 +137,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             if card["id"] == model:  # an empty name never matches: here it is the resource asked for
                 return card
         return model_not_found(model, model_name).to_response()
+
+    # ---- embeddings (--is-embedding; docs/embeddings.md) ----
+    install_embedding_routes(app, tm, server_args)
 
     # ---- LoRA adapters (SGLang's routes and vLLM's /v1/ names; docs/lora.md) ----
     @app.post("/load_lora_adapter")

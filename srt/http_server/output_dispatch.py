@@ -40,6 +40,8 @@ class ReqOutput:
     stats: FinishedRequestStats | None = None
     # With the final output of a request that ran verify steps: its speculative decoding figures.
     spec_stats: SpecRequestStats | None = None
+    # With the final output on an embedding server: the vector as little-endian float32 bytes (io_struct).
+    embedding: bytes | None = None
 
 
 def dispatch_batch(
@@ -75,6 +77,7 @@ def dispatch_batch(
                     **_prompt_logprobs(st, b, i),
                     stats=stats,
                     spec_stats=b.spec_stats[i] if b.spec_stats is not None else None,
+                    embedding=b.embeddings[i] if b.embeddings is not None else None,
                 )
             )
         if reason is not None:

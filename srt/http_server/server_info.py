@@ -55,7 +55,7 @@ def model_info(args: ServerArgs, model_dir: str, context_len: int) -> dict:
         "model_path": args.model_path or model_dir,
         "tokenizer_path": args.tokenizer_path or model_dir,
         "served_model_name": args.model_name,
-        "is_generation": True,
+        "is_generation": not args.is_embedding,
         "context_length": context_len,
         "model_type": config.get("model_type"),
         "architectures": config.get("architectures"),
@@ -71,7 +71,7 @@ def server_info(args: ServerArgs, ready: SchedulerReady | None, version: str) ->
         info["max_total_tokens"] = ready.max_total_num_tokens
     info["model_id"] = args.model_name
     info["served_model_name"] = args.model_name
-    info["is_embedding"] = False
+    info["is_embedding"] = args.is_embedding
     info["version"] = version
     return info
 

@@ -308,6 +308,16 @@ class ModelRunner:
         hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logit_rows])
 
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """An extend step's final hidden states [tokens, hidden] (fp32, after the final norm) instead of logits:
+        an embedding server (--is-embedding) pools them, and its head never runs."""
+        self._begin_step(batch)
+        hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch)
+        hidden = self.model.final_hidden_states(hidden)
+        self.synchronize()
+        return hidden
+
     def _begin_step(self, batch: ForwardBatch) -> None:
         """What the attention backend and the adapted layers derive from the batch, once per step."""
         self.model.attn_backend.init_forward_metadata(batch)

@@ -15,9 +15,12 @@ from srt.scheduler.schedule_batch import Req
 INTEGER_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "logprobs")
 
 
-def refusal(req: Req, live: dict[str, Req], max_input_len: int, vocab_size: int) -> FinishReason | None:
+def refusal(
+    req: Req, live: dict[str, Req], max_input_len: int, vocab_size: int, embedding: bool = False
+) -> FinishReason | None:
     """`error` for a request that cannot run (duplicate rid, bad prompt, bad parameters), `length` for one
-    with nothing to compute, else None. `live`: the requests held now, by rid."""
+    with nothing to compute, else None. `live`: the requests held now, by rid. `embedding`: an embedding
+    server's request, whose prefill is the whole work (it generates nothing)."""
     ids, params = req.origin_input_ids, req.sampling_params
     if req.rid in live:
         return FinishReason("error", message=f"a request with rid {req.rid!r} is already running")
@@ -39,6 +42,6 @@ def refusal(req: Req, live: dict[str, Req], max_input_len: int, vocab_size: int)
         value = getattr(params, name)
         if type(value) is not int and not (name == "logprobs" and value is None):
             return FinishReason("error", message=f"{name} must be an integer, got {value!r}")
-    if params.max_new_tokens == 0 and params.logprob_start_len is None:
+    if params.max_new_tokens == 0 and params.logprob_start_len is None and not embedding:
         return FinishReason("length")  # nothing to compute (with prompt logprobs: prefill, no sampling)
     return None

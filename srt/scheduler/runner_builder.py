@@ -38,7 +38,7 @@ def build_runner(
         tp_rank=tp_rank,
         tp_size=server_args.tp_size,
         dist_init_method=dist_init_method,
-        quantization=server_args.quantization,
+        quantization=server_args.quantization_or_default,
         kv_cache_dtype=server_args.kv_cache_dtype,
         cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
         dp_rank=dp_rank,

@@ -40,6 +40,7 @@ from srt.sampling.sampler import Sampler, make_generator
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, TEST_FAULT_ENV, fail_request
 from srt.scheduler.mixed_chunk import MixedChunkBudget, mixed_chunk_enabled
+from srt.scheduler.pooling import needs_every_token
 from srt.scheduler.prefill_admission import PrefillAdmission
 from srt.scheduler.request_checks import refusal
 from srt.scheduler.schedule_batch import Req, build_token_output
@@ -78,7 +79,9 @@ class Scheduler:
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
         self.reporter = reporter or NullReporter()
-        if server_args.disable_radix_cache:
+        if server_args.disable_radix_cache or (
+            server_args.is_embedding and needs_every_token(server_args.pooling_type)
+        ):
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator)
         else:
             self.tree_cache = RadixCache(
@@ -175,7 +178,9 @@ class Scheduler:
             req.prediction_ids = recv.prediction_ids
             req.lora_name = recv.lora_name
             self.tracing.attach(req, recv.trace)
-            req.finished_reason = refusal(req, self.live, self.max_req_input_len, self.vocab_size)
+            req.finished_reason = refusal(
+                req, self.live, self.max_req_input_len, self.vocab_size, self.args.is_embedding
+            )
             if not req.finished and req.lora_name is not None:
                 req.finished_reason = (
                     self.lora.refusal(req.lora_name)
@@ -327,8 +332,12 @@ class Scheduler:
         return admitted.can_run
 
     def _run_extend(self, reqs: list[Req], decode: list[Req]) -> list[Req]:
-        """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step (StepExecutor)."""
-        out = self.executor.extend(reqs, decode)
+        """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step (StepExecutor); on an
+        embedding server, whose requests all finish in their prefill, a pooling step."""
+        if self.args.is_embedding:
+            out = self.executor.embed(reqs, self.args.pooling_type)
+        else:
+            out = self.executor.extend(reqs, decode)
         if out.decoded:
             self._after_decode()
         self.running.extend(r for r in out.prefilled if not r.finished)

@@ -21,6 +21,7 @@ from srt.io_struct import FinishReason
 from srt.mem_cache.base_prefix_cache import BasePrefixCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.scheduler.mixed_chunk import MixedChunkBudget
+from srt.scheduler.pooling import add_chunk, finish_embedding, pool_rows
 from srt.scheduler.prompt_logprobs import plan_prompt_logprobs
 from srt.scheduler.schedule_batch import Req
 from srt.scheduler.scheduler_grammar import SchedulerGrammar
@@ -76,15 +77,8 @@ class StepExecutor:
         """A prefill step of `reqs`, or, with `decode` (the running batch), a mixed step that also decodes
         one token for each running request (or verifies their drafts)."""
         now = time.monotonic()
-        new_seqs = queries = hits = 0
-        for req in reqs:
-            if req.scheduled_ts is None:
-                req.scheduled_ts = now
-                req.cached_tokens = req.kv_len
-                new_seqs += 1
-                queries += len(req.origin_input_ids)
-                hits += req.kv_len
-        total = sum(r.extend_len for r in reqs)
+        prefill_report = self._first_scheduled(reqs, now)
+        total = prefill_report["new_tokens"]
         plan = plan_prompt_logprobs(reqs)
         drafts = None
         if decode and plan is None:  # the running requests may draft in a mixed step too
@@ -140,13 +134,60 @@ class StepExecutor:
             forward_seconds=forward_seconds,
             decoded=bool(decode) or drafts is not None,
             prefilled=[reqs[i] for i in done],
-            prefill_report=dict(
-                new_seqs=new_seqs,
-                new_tokens=total,
-                cached_tokens=hits,
-                prefix_queries=queries,
-                prefix_hits=hits,
-            ),
+            prefill_report=prefill_report,
+        )
+
+    def embed(self, reqs: list[Req], pooling: str) -> StepOutcome:
+        """An embedding server's prefill step (--is-embedding): the prompts' final hidden states are pooled
+        (srt/scheduler/pooling.py) instead of a token sampled, and a request whose whole prompt has run finishes
+        with its vector. Nothing decodes, so the decode path never sees an embedding."""
+        now = time.monotonic()
+        prefill_report = self._first_scheduled(reqs, now)
+        counts = [r.extend_len for r in reqs]
+        batch = self.builder.extend(reqs, [])
+        t0 = time.perf_counter()
+        hidden = self.runner.forward_hidden(batch)
+        forward_seconds = time.perf_counter() - t0
+        self.tracing.on_prefill_step(reqs, now, time.monotonic())
+        self._observe(prefill_report["new_tokens"], 0, forward_seconds)
+        pooled = pool_rows(hidden, counts, pooling)
+        for req, rows in zip(reqs, pooled, strict=True):
+            req.kv_len += req.extend_len
+            req.extend_len = 0
+            req.pooled = add_chunk(req.pooled, rows, pooling)
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            req.embedding = finish_embedding(req.pooled, len(req.origin_input_ids), pooling)
+            req.pooled = None
+            req.finished_reason = FinishReason("stop")
+            self.finish(req)
+        return StepOutcome(
+            stepped=reqs,
+            decode_tokens=0,
+            forward_seconds=forward_seconds,
+            decoded=False,
+            prefill_report=prefill_report,
+        )
+
+    @staticmethod
+    def _first_scheduled(reqs: list[Req], now: float) -> dict:
+        """Stamp the requests this step schedules for the first time (their prefix-cache hit is what their
+        first step found in KV); the prefill's figures for the reporter."""
+        new_seqs = queries = hits = 0
+        for req in reqs:
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+                req.cached_tokens = req.kv_len
+                new_seqs += 1
+                queries += len(req.origin_input_ids)
+                hits += req.kv_len
+        return dict(
+            new_seqs=new_seqs,
+            new_tokens=sum(r.extend_len for r in reqs),
+            cached_tokens=hits,
+            prefix_queries=queries,
+            prefix_hits=hits,
         )
 
     def decode(self, reqs: list[Req]) -> StepOutcome:

@@ -67,6 +67,8 @@ MESSAGES = [
     BatchTokenIDOut(**_meta(), trace_contexts=[TraceContext("00-ab-cd-01", level=2), None]),
     BatchStrOut(**_meta(), output_strs=["hé", "🎉"]),
     BatchStrOut(**_meta(spec_stats=[None, SpecRequestStats(2, 6, 5, [0, 0, 1, 1])]), output_strs=["a", "b"]),
+    BatchTokenIDOut(**_meta(embeddings=[None, b"\x00\x00\x80?\x00\x00\x00\x80"])),  # [1.0, -0.0]
+    BatchStrOut(**_meta(embeddings=[b"\x00\x00\x80?", None]), output_strs=["", ""]),
 ]
 
 

@@ -109,6 +109,7 @@ class ChoiceAcc:
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     stats: FinishedRequestStats | None = None  # with the final output: the request's timings
     spec_stats: SpecRequestStats | None = None  # with the final output, if it ran verify steps
+    embedding: bytes | None = None  # with the final output on an embedding server: its vector (io_struct)
 
     def add(self, out: ReqOutput) -> None:
         self.text += out.text
@@ -123,6 +124,7 @@ class ChoiceAcc:
         self.cached_tokens = out.cached_tokens
         self.stats = out.stats or self.stats
         self.spec_stats = out.spec_stats or self.spec_stats
+        self.embedding = out.embedding or self.embedding
         if out.input_token_logprobs is not None:
             self.input_token_ids = out.input_token_ids
             self.input_token_logprobs = out.input_token_logprobs

@@ -49,6 +49,11 @@ class CausalLM(nn.Module):
         """fp32 logits of the given rows of `hidden_states`."""
         raise NotImplementedError
 
+    def final_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 final-norm output of the given rows of `hidden_states`: the head's input, and what transformers'
+        base model returns as `last_hidden_state`, which an embedding server pools (--is-embedding)."""
+        return self.model.norm(hidden).float()
+
     @property
     def kv_layout(self) -> KVLayout:
         a = self.model.layers[0].self_attn

@@ -1,20 +1,22 @@
 /* Matrix products over GGUF's block formats (ggml's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and F32/F16/BF16
  * rows), read where they lie (a memory map of the file): gguf_linear.py checks every operand and calls these.
  *
- * One decoded form serves every block type. A weight row is decoded a chunk at a time (COL_CHUNK
- * elements, in L1) into unsigned bytes u, a float scale per lane of 4 elements (sc4) and a float offset per
- * group of 16 (mn16), with a per-type integer offset OFF: element i is sc4[i/4] * (u[i] - OFF) + mn16[i/16].
- * That is each format's own dequantization, in its own float operations (gguf-py's order: the dequantized
- * rows equal gguf.quants.dequantize to the bit), and the only code that differs by type (decode_*).
+ * One decoded form serves every block type. A weight row is decoded a chunk at a time (COL_CHUNK elements,
+ * in L1) into signed bytes w, and per group of 16 elements a float scale sc16 and a float offset mn16:
+ * element i is sc16[i/16] * w[i] + mn16[i/16]. That is each format's own dequantization, in its own float
+ * operations (gguf-py's order: the dequantized rows equal gguf.quants.dequantize to the bit), and the only
+ * code that differs by type (decode_*); |w| <= 128 for every type.
  *
- * Activations are quantized per block of 32 as ggml's Q8_0 (int8, scale amax / 127), once per call for all
- * parts of a fused layer (srt_gguf_quantize_rows), with per lane the block scale (d4) and the sum of the
- * lane's 4 int8 values (s4), and per group of 16 the scaled sum (m16). A weight lane's contribution is then
- * sc4 * d4 * (sum(u * a) - OFF * s4), an exact integer scaled once, and a group's offset mn16 * m16: the
- * integer dot of 4 bytes is one lane of vpdpbusd (AVX-512 VNNI) or of vpmaddubsw + vpmaddwd (AVX2), and the
- * decoded chunk is reused by every token of the call (a decode step of 16 sequences decodes each weight block
- * once, not 16 times). Compared with the exact product of the dequantized weight and the fp32 activations,
- * each output differs by at most sum_i |w_i| * d_block(i) / 2 (the rounding of a to the nearest int8 step):
+ * Activations are quantized per block of 32 as ggml's Q8_0 (int8 a, scale d = amax / 127), once per call for
+ * all parts of a fused layer (srt_gguf_quantize_rows), kept as unsigned bytes a + 128, with per lane of 4
+ * elements the block scale (d4) and per group of 16 the scaled sum d * sum(a) (m16, for the offsets). A lane's
+ * integer dot sum(w * a) is exact: with AVX-512 VNNI, vpdpbusd of (a + 128) and w started from
+ * -128 * sum(w) (which depends on the weight only, so a tile of tokens shares it); with AVX2, vpmaddubsw of
+ * |w| and a signed as w, then vpmaddwd (no pair reaches 2^15: 2 * 128 * 127); a portable loop elsewhere.
+ * Each lane is then scaled once in fp32 (sc16 * d4), and the offsets add sum(mn16 * m16). A decoded chunk is
+ * reused by every token of the call (a decode step of 16 sequences decodes each weight block once, not 16
+ * times). Compared with the exact product of the dequantized weight and the fp32 activations, each output
+ * differs by at most sum_i |w_i| * d_block(i) / 2 (the rounding of a to the nearest int8 step):
  * gguf_linear.py's docstring says what that costs and what it buys.
  *
  * srt_gguf_matmul_exact keeps fp32 activations instead, with each chunk of a row dequantized exactly into L1:
@@ -22,7 +24,6 @@
  * quantized type where a caller wants the fp32 product (the reference of an end-to-end comparison).
  *
  * Results depend on a token's own row only (the order of a row's sums is fixed by cols), never on the batch. */
-
 #include "cpu_kernels_common.h"
 
 #if defined(__F16C__) && !defined(__AVX2__)
@@ -45,7 +46,7 @@
 #define LANE 4      /* elements of one int32 lane of the integer dot */
 #define GROUP 16    /* elements of one weight offset (Q6_K's sub-block; coarser scales repeat) */
 #define ACT_MAX 127.0f
-/* Elements of a weight row decoded at once: u, sc4 and mn16 of one chunk take 4.6 KiB of L1. */
+/* Elements of a weight row decoded at once: w, sc16 and mn16 of one chunk take 3 KiB of L1. */
 #define COL_CHUNK 2048
 /* Tokens whose activations one pass over a decoded chunk multiplies, and one tile of them (the vector
  * accumulators of a tile stay in registers while each weight vector is loaded once for all of them). */
@@ -85,9 +86,9 @@ static int64_t type_elements(int qtype) {
 /* The ABI's sizes, for gguf_linear.py to check its tables against (0: a type this library cannot run). */
 int64_t srt_gguf_type_bytes(int qtype) { return type_bytes(qtype); }
 int64_t srt_gguf_type_elements(int qtype) { return type_elements(qtype); }
-/* Bytes of one token's quantized activations (srt_gguf_quantize_rows): a [cols] int8, d4 [cols/4] float,
- * s4 [cols/4] int32, m16 [cols/16] float. */
-int64_t srt_gguf_act_row_bytes(int64_t cols) { return cols + cols + cols + cols / 4; }
+/* Bytes of one token's quantized activations (srt_gguf_quantize_rows): a + 128 [cols] uint8, d4 [cols/4] and
+ * m16 [cols/16] float. */
+int64_t srt_gguf_act_row_bytes(int64_t cols) { return cols + cols + cols / 4; }
 
 static inline float fp16(const uint8_t *p) {
     uint16_t h;
@@ -108,113 +109,141 @@ static inline float bf16(const uint8_t *p) {
     return f;
 }
 
-/* ---- decoding: nb blocks of one row into u, sc4, mn16 (see the top of the file) ---- */
+/* ---- decoding: nb blocks of one row into w, sc16, mn16 (see the top of the file) ---- */
 
 static inline void fill(float *p, int n, float v) {
     for (int i = 0; i < n; i++) p[i] = v;
 }
 
-static void decode_q4_0(const uint8_t *b, int64_t nb, uint8_t *u, float *sc4, float *mn16) {
-    for (int64_t k = 0; k < nb; k++, b += 2 + QK / 2, u += QK, sc4 += QK / LANE, mn16 += QK / GROUP) {
-        const uint8_t *q = b + 2;
-        for (int j = 0; j < QK / 2; j++) {
-            u[j] = q[j] & 0x0f;
-            u[j + QK / 2] = q[j] >> 4;
-        }
-        fill(sc4, QK / LANE, fp16(b));
-        fill(mn16, QK / GROUP, 0.0f);
+/* 16 bytes as one vector value (GCC/Clang vector extension: an SSE2 or NEON register, else scalars; the
+ * compiler does not vectorize the byte loops below by itself), loaded and stored at any address. */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+static inline u8x16 load16(const uint8_t *p) {
+    u8x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(int8_t *p, u8x16 v) { memcpy(p, &v, sizeof v); }
+
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+
+static void decode_q4_0(const uint8_t *restrict b, int64_t nb, int8_t *restrict w, float *restrict sc16,
+                        float *restrict mn16) {
+    for (int64_t k = 0; k < nb; k++, b += 2 + QK / 2, w += QK, sc16 += QK / GROUP, mn16 += QK / GROUP) {
+        const u8x16 q = load16(b + 2);
+        store16(w, (q & 0x0f) - 8);
+        store16(w + QK / 2, (q >> 4) - 8);
+        sc16[0] = sc16[1] = fp16(b);
+        mn16[0] = mn16[1] = 0.0f;
     }
 }
 
-static void decode_q4_1(const uint8_t *b, int64_t nb, uint8_t *u, float *sc4, float *mn16) {
-    for (int64_t k = 0; k < nb; k++, b += 4 + QK / 2, u += QK, sc4 += QK / LANE, mn16 += QK / GROUP) {
-        const uint8_t *q = b + 4;
-        for (int j = 0; j < QK / 2; j++) {
-            u[j] = q[j] & 0x0f;
-            u[j + QK / 2] = q[j] >> 4;
-        }
-        fill(sc4, QK / LANE, fp16(b));
-        fill(mn16, QK / GROUP, fp16(b + 2));
+static void decode_q4_1(const uint8_t *restrict b, int64_t nb, int8_t *restrict w, float *restrict sc16,
+                        float *restrict mn16) {
+    for (int64_t k = 0; k < nb; k++, b += 4 + QK / 2, w += QK, sc16 += QK / GROUP, mn16 += QK / GROUP) {
+        const u8x16 q = load16(b + 4);
+        store16(w, q & 0x0f);
+        store16(w + QK / 2, q >> 4);
+        sc16[0] = sc16[1] = fp16(b);
+        mn16[0] = mn16[1] = fp16(b + 2);
     }
 }
 
-static void decode_q8_0(const uint8_t *b, int64_t nb, uint8_t *u, float *sc4, float *mn16) {
-    for (int64_t k = 0; k < nb; k++, b += 2 + QK, u += QK, sc4 += QK / LANE, mn16 += QK / GROUP) {
-        for (int j = 0; j < QK; j++) u[j] = b[2 + j] ^ 0x80; /* int8 q as q + 128 */
-        fill(sc4, QK / LANE, fp16(b));
-        fill(mn16, QK / GROUP, 0.0f);
+static void decode_q8_0(const uint8_t *restrict b, int64_t nb, int8_t *restrict w, float *restrict sc16,
+                        float *restrict mn16) {
+    for (int64_t k = 0; k < nb; k++, b += 2 + QK, w += QK, sc16 += QK / GROUP, mn16 += QK / GROUP) {
+        memcpy(w, b + 2, QK);
+        sc16[0] = sc16[1] = fp16(b);
+        mn16[0] = mn16[1] = 0.0f;
     }
 }
 
-/* Q4_K/Q5_K's 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32 (ggml's get_scale_min_k4) */
-static inline void scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
+/* Q4_K/Q5_K's 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32 (ggml's get_scale_min_k4), four at a
+ * time in 32-bit words: sub-blocks 0-3 keep the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 take
+ * the nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 / 4-7 above them. */
+static inline void scale_min_k4(const uint8_t *restrict s, uint8_t *restrict sc, uint8_t *restrict mn) {
+    uint32_t v[3], r[4];
+    memcpy(v, s, sizeof v);
+    r[0] = v[0] & 0x3f3f3f3fu;
+    r[1] = (v[2] & 0x0f0f0f0fu) | (((v[0] >> 6) & 0x03030303u) << 4);
+    r[2] = v[1] & 0x3f3f3f3fu;
+    r[3] = ((v[2] >> 4) & 0x0f0f0f0fu) | (((v[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, r, 8);
+    memcpy(mn, r + 2, 8);
 }
 
 /* Q4_K and Q5_K (HIGH: the fifth bit from qh): d and dmin fp16, scales, [qh,] qs; sub-block j of 32 takes
- * the low nibbles of qs[32 * (j / 2) ..] for even j, the high ones for odd j; value (d * sc) * q - dmin * m. */
-ALWAYS_INLINE void decode_k45(const uint8_t *b, int64_t nb, uint8_t *u, float *sc4, float *mn16, const int HIGH) {
+ * the low nibbles of qs[32 * (j / 2) ..] for even j, the high ones for odd j, and bit j of qh[0..31] above
+ * them; value (d * sc) * q - dmin * m. */
+ALWAYS_INLINE void decode_k45(const uint8_t *restrict b, int64_t nb, int8_t *restrict w, float *restrict sc16,
+                              float *restrict mn16, const int HIGH) {
     const int64_t bytes = HIGH ? type_bytes(GGML_Q5_K) : type_bytes(GGML_Q4_K);
-    for (int64_t k = 0; k < nb; k++, b += bytes, u += QK_K, sc4 += QK_K / LANE, mn16 += QK_K / GROUP) {
+    for (int64_t k = 0; k < nb; k++, b += bytes, w += QK_K, sc16 += QK_K / GROUP, mn16 += QK_K / GROUP) {
         const float d = fp16(b), dmin = fp16(b + 2);
         uint8_t sc[8], mn[8];
         scale_min_k4(b + 4, sc, mn);
         const uint8_t *qh = b + 16, *qs = b + 16 + (HIGH ? QK_K / 8 : 0);
         for (int g = 0; g < 4; g++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t hi0 = HIGH ? ((qh[l] >> (2 * g)) & 1) << 4 : 0, hi1 = HIGH ? ((qh[l] >> (2 * g + 1)) & 1) << 4 : 0;
-                u[64 * g + l] = (qs[32 * g + l] & 0x0f) | hi0;
-                u[64 * g + 32 + l] = (qs[32 * g + l] >> 4) | hi1;
+            for (int l = 0; l < 32; l += 16) {
+                const u8x16 q = load16(qs + 32 * g + l), h = HIGH ? load16(qh + l) : q;
+                const u8x16 hi0 = HIGH ? ((h >> (2 * g)) & 1) << 4 : q & 0, hi1 = HIGH ? ((h >> (2 * g + 1)) & 1) << 4 : q & 0;
+                store16(w + 64 * g + l, (q & 0x0f) | hi0);
+                store16(w + 64 * g + 32 + l, (q >> 4) | hi1);
             }
-        for (int j = 0; j < 8; j++) {
-            fill(sc4 + 8 * j, 8, d * (float)sc[j]);
-            fill(mn16 + 2 * j, 2, -(dmin * (float)mn[j]));
-        }
+        /* the 8 scales and mins as vectors: the compiler converts bytes to floats one at a time otherwise */
+        u8x8 scv, mnv;
+        memcpy(&scv, sc, sizeof scv);
+        memcpy(&mnv, mn, sizeof mnv);
+        const v8f s = v8f_splat(d) * __builtin_convertvector(scv, v8f);
+        const v8f o = -(v8f_splat(dmin) * __builtin_convertvector(mnv, v8f));
+        const v16f s2 = __builtin_shufflevector(s, s, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        const v16f o2 = __builtin_shufflevector(o, o, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        memcpy(sc16, &s2, sizeof s2);
+        memcpy(mn16, &o2, sizeof o2);
     }
 }
 
-/* Q6_K: ql [128], qh [64], 16 int8 scales, d fp16. Element 128 h + i takes the low (i < 64) or high nibble of
- * ql[64 h + i % 64] and bits 2 (i / 32) of qh[32 h + i % 32] above them; value (d * sc) * (q - 32). */
-static void decode_q6_k(const uint8_t *b, int64_t nb, uint8_t *u, float *sc4, float *mn16) {
-    for (int64_t k = 0; k < nb; k++, b += type_bytes(GGML_Q6_K), u += QK_K, sc4 += QK_K / LANE, mn16 += QK_K / GROUP) {
+/* Q6_K: ql [128], qh [64], 16 int8 scales, d fp16. Element 128 h + 32 k + l (k < 4, l < 32) takes the low
+ * (k < 2) or high nibble of ql[64 h + 32 (k % 2) + l] and bits 2k of qh[32 h + l] above them; value
+ * (d * sc) * (q - 32). */
+static void decode_q6_k(const uint8_t *restrict b, int64_t nb, int8_t *restrict w, float *restrict sc16,
+                        float *restrict mn16) {
+    for (int64_t k = 0; k < nb; k++, b += type_bytes(GGML_Q6_K), w += QK_K, sc16 += QK_K / GROUP, mn16 += QK_K / GROUP) {
         const uint8_t *ql = b, *qh = b + QK_K / 2;
         const int8_t *sc = (const int8_t *)(b + QK_K / 2 + QK_K / 4);
         const float d = fp16(b + QK_K / 2 + QK_K / 4 + QK_K / 16);
         for (int h = 0; h < 2; h++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t a = ql[64 * h + l], b2 = ql[64 * h + 32 + l], hb = qh[32 * h + l];
-                u[128 * h + l] = (a & 0x0f) | ((hb & 3) << 4);
-                u[128 * h + 32 + l] = (b2 & 0x0f) | (((hb >> 2) & 3) << 4);
-                u[128 * h + 64 + l] = (a >> 4) | (((hb >> 4) & 3) << 4);
-                u[128 * h + 96 + l] = (b2 >> 4) | (((hb >> 6) & 3) << 4);
+            for (int l = 0; l < 32; l += 16) {
+                const u8x16 a = load16(ql + 64 * h + l), b2 = load16(ql + 64 * h + 32 + l), hb = load16(qh + 32 * h + l);
+                store16(w + 128 * h + l, ((a & 0x0f) | ((hb & 3) << 4)) - 32);
+                store16(w + 128 * h + 32 + l, ((b2 & 0x0f) | (((hb >> 2) & 3) << 4)) - 32);
+                store16(w + 128 * h + 64 + l, ((a >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+                store16(w + 128 * h + 96 + l, ((b2 >> 4) | (((hb >> 6) & 3) << 4)) - 32);
             }
-        for (int j = 0; j < QK_K / GROUP; j++) fill(sc4 + 4 * j, 4, d * (float)sc[j]);
+        i8x16 scv;
+        memcpy(&scv, sc, sizeof scv);
+        const v16f s = (v16f){d, d, d, d, d, d, d, d, d, d, d, d, d, d, d, d} * __builtin_convertvector(scv, v16f);
+        memcpy(sc16, &s, sizeof s);
         fill(mn16, QK_K / GROUP, 0.0f);
     }
 }
 
-/* The integer offset OFF of each type's decoded bytes (see the top of the file). */
-#define OFF_Q4_0 8
-#define OFF_Q8_0 128
-#define OFF_Q6_K 32
-
-/* Elements [c0, c0 + n) of one row (c0 and n multiples of the type's block) into u, sc4, mn16. */
-ALWAYS_INLINE void decode(const int QTYPE, const uint8_t *row, int64_t c0, int64_t n, uint8_t *u, float *sc4,
+/* Elements [c0, c0 + n) of one row (c0 and n multiples of the type's block) into w, sc16, mn16. */
+ALWAYS_INLINE void decode(const int QTYPE, const uint8_t *row, int64_t c0, int64_t n, int8_t *w, float *sc16,
                           float *mn16) {
     const int64_t per = type_elements(QTYPE), first = c0 / per, nb = n / per;
     const uint8_t *b = row + first * type_bytes(QTYPE);
     switch (QTYPE) {
-    case GGML_Q4_0: decode_q4_0(b, nb, u, sc4, mn16); break;
-    case GGML_Q4_1: decode_q4_1(b, nb, u, sc4, mn16); break;
-    case GGML_Q8_0: decode_q8_0(b, nb, u, sc4, mn16); break;
-    case GGML_Q4_K: decode_k45(b, nb, u, sc4, mn16, 0); break;
-    case GGML_Q5_K: decode_k45(b, nb, u, sc4, mn16, 1); break;
-    default: decode_q6_k(b, nb, u, sc4, mn16); break;
+    case GGML_Q4_0: decode_q4_0(b, nb, w, sc16, mn16); break;
+    case GGML_Q4_1: decode_q4_1(b, nb, w, sc16, mn16); break;
+    case GGML_Q8_0: decode_q8_0(b, nb, w, sc16, mn16); break;
+    case GGML_Q4_K: decode_k45(b, nb, w, sc16, mn16, 0); break;
+    case GGML_Q5_K: decode_k45(b, nb, w, sc16, mn16, 1); break;
+    default: decode_q6_k(b, nb, w, sc16, mn16); break;
     }
 }
 
@@ -228,10 +257,8 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
 #pragma omp parallel for if (m * cols >= PARALLEL_MIN_MACS) schedule(static)
     for (int64_t t = 0; t < m; t++) {
         const float *xr = x + t * x_stride;
-        uint8_t *base = act + t * row_bytes;
-        int8_t *a = (int8_t *)base;
-        float *d4 = (float *)(void *)(base + cols), *m16 = (float *)(void *)(base + 3 * cols);
-        int32_t *s4 = (int32_t *)(void *)(base + 2 * cols);
+        uint8_t *au = act + t * row_bytes;
+        float *d4 = (float *)(void *)(au + cols), *m16 = d4 + cols / LANE;
         for (int64_t c = 0; c < cols; c += QK) {
             float amax = 0.0f;
             int finite = 1;
@@ -241,69 +268,73 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
                 amax = v > amax ? v : amax;
             }
             const float d = finite ? amax / ACT_MAX : NAN, id = finite && amax > 0.0f ? ACT_MAX / amax : 0.0f;
-            for (int i = 0; i < QK; i++) a[c + i] = finite ? (int8_t)nearbyintf(xr[c + i] * id) : 0;
-            for (int l = 0; l < QK / LANE; l++) {
-                const int8_t *al = a + c + LANE * l;
-                d4[c / LANE + l] = d;
-                s4[c / LANE + l] = al[0] + al[1] + al[2] + al[3];
+            int32_t sum[QK / GROUP] = {0};
+            for (int i = 0; i < QK; i++) {
+                const int32_t a = finite ? (int32_t)nearbyintf(xr[c + i] * id) : 0;
+                au[c + i] = (uint8_t)(a + 128);
+                sum[i / GROUP] += a;
             }
-            for (int g = 0; g < QK / GROUP; g++) {
-                const int32_t *sg = s4 + (c + GROUP * g) / LANE;
-                m16[(c + GROUP * g) / GROUP] = d * (float)(sg[0] + sg[1] + sg[2] + sg[3]);
-            }
+            fill(d4 + c / LANE, QK / LANE, d);
+            for (int g = 0; g < QK / GROUP; g++) m16[c / GROUP + g] = d * (float)sum[g];
         }
     }
 }
 
 /* One token's activations for the chunk [c0, ..) of a row */
 typedef struct {
-    const int8_t *a;
+    const uint8_t *au;
     const float *d4;
-    const int32_t *s4;
     const float *m16;
 } ActChunk;
 
 static inline ActChunk act_chunk(const uint8_t *act_row, int64_t cols, int64_t c0) {
     ActChunk c;
-    c.a = (const int8_t *)act_row + c0;
-    c.d4 = (const float *)(const void *)(act_row + cols) + c0 / LANE;
-    c.s4 = (const int32_t *)(const void *)(act_row + 2 * cols) + c0 / LANE;
-    c.m16 = (const float *)(const void *)(act_row + 3 * cols) + c0 / GROUP;
+    const float *d4 = (const float *)(const void *)(act_row + cols);
+    c.au = act_row + c0;
+    c.d4 = d4 + c0 / LANE;
+    c.m16 = d4 + cols / LANE + c0 / GROUP;
     return c;
 }
 
 /* ---- the dot of a decoded chunk (n elements, a multiple of 32) with NT tokens' activations, added to acc ----
- * OFF: the type's integer offset; MIN: whether it has group offsets (mn16); SIGNED8: the bytes are int8
- * values + 128 (Q8_0), which the AVX2 form multiplies as signed (vpmaddubsw takes unsigned bytes below 64
- * only without saturating: 2 * 63 * 127 < 2^15; Q8_0's |q| <= 128 by sign, 2 * 128 * 127 < 2^15). */
+ * MIN: whether the type has offsets (mn16). */
 
 #if SRT_ISA == 2
-ALWAYS_INLINE void dot_tile(const uint8_t *u, const float *sc4, const float *mn16, int64_t n, const ActChunk *ac,
-                            const int NT, const int OFF, const int MIN, const int SIGNED8, float *acc) {
-    (void)SIGNED8;
-    __m512 v[TOKEN_TILE], w[TOKEN_TILE];
-    for (int t = 0; t < NT; t++) v[t] = w[t] = _mm512_setzero_ps();
-    const int shift = OFF ? __builtin_ctz(OFF) : 0;
-    for (int64_t i = 0; i < n; i += 64) {
-        /* a chunk of 32 mod 64 ends with half a vector: its upper lanes load as zeros and add nothing */
-        const __mmask64 mb = n - i >= 64 ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
-        const __mmask16 ml = n - i >= 64 ? (__mmask16)0xffff : (__mmask16)0xff;
-        const __m512i uv = _mm512_maskz_loadu_epi8(mb, u + i);
-        const __m512 sv = _mm512_maskz_loadu_ps(ml, sc4 + i / LANE);
-        for (int t = 0; t < NT; t++) {
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uv, _mm512_maskz_loadu_epi8(mb, ac[t].a + i));
-            if (OFF) dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_maskz_loadu_epi32(ml, ac[t].s4 + i / LANE), shift));
-            const __m512 scale = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(ml, ac[t].d4 + i / LANE));
-            v[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, v[t]);
+/* One step of 64 elements (MASKED: the half vector a chunk of 32 mod 64 ends with; its upper lanes load as
+ * zeros and add nothing). */
+ALWAYS_INLINE void dot_step(const int8_t *w, const float *sc16, int64_t i, const ActChunk *ac, const int NT,
+                            const int MASKED, __m512 *v) {
+    const __mmask64 mb = MASKED ? (__mmask64)0xffffffffu : ~(__mmask64)0;
+    const __mmask16 ml = MASKED ? (__mmask16)0xff : (__mmask16)0xffff;
+    const __m512i wv = _mm512_maskz_loadu_epi8(mb, w + i);
+    /* -128 * sum(w) per lane: the start that makes the dot of a + 128 the dot of a */
+    const __m512i init = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                          _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), wv));
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(MASKED ? 0x3 : 0xf, sc16 + i / GROUP)));
+    for (int t = 0; t < NT; t++) {
+        const __m512i dot = _mm512_dpbusd_epi32(init, _mm512_maskz_loadu_epi8(mb, ac[t].au + i), wv);
+        const __m512 scale = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(ml, ac[t].d4 + i / LANE));
+        v[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, v[t]);
+    }
+}
+
+ALWAYS_INLINE void dot_tile(const int8_t *w, const float *sc16, const float *mn16, int64_t n, const ActChunk *ac,
+                            const int NT, const int MIN, float *acc) {
+    __m512 v[TOKEN_TILE], o[TOKEN_TILE];
+    for (int t = 0; t < NT; t++) v[t] = o[t] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) dot_step(w, sc16, i, ac, NT, 0, v);
+    if (i < n) dot_step(w, sc16, i, ac, NT, 1, v);
+    if (MIN) {
+        const int64_t groups = n / GROUP;
+        for (int64_t g = 0; g < groups; g += 16) {
+            const __mmask16 ml = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+            const __m512 mv = _mm512_maskz_loadu_ps(ml, mn16 + g);
+            for (int t = 0; t < NT; t++) o[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(ml, ac[t].m16 + g), o[t]);
         }
     }
-    if (MIN)
-        for (int64_t g = 0; g < n / GROUP; g += 16) {
-            const __mmask16 ml = n / GROUP - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n / GROUP - g)) - 1);
-            const __m512 mv = _mm512_maskz_loadu_ps(ml, mn16 + g);
-            for (int t = 0; t < NT; t++) w[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(ml, ac[t].m16 + g), w[t]);
-        }
-    for (int t = 0; t < NT; t++) acc[t] += _mm512_reduce_add_ps(v[t]) + _mm512_reduce_add_ps(w[t]);
+    for (int t = 0; t < NT; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(v[t], o[t]));
 }
 
 #elif SRT_ISA == 1
@@ -322,31 +353,25 @@ static inline __m256 fmadd8(__m256 a, __m256 b, __m256 c) {
 #endif
 }
 
-ALWAYS_INLINE void dot_tile(const uint8_t *u, const float *sc4, const float *mn16, int64_t n, const ActChunk *ac,
-                            const int NT, const int OFF, const int MIN, const int SIGNED8, float *acc) {
+ALWAYS_INLINE void dot_tile(const int8_t *w, const float *sc16, const float *mn16, int64_t n, const ActChunk *ac,
+                            const int NT, const int MIN, float *acc) {
     __m256 v[TOKEN_TILE];
-    float wsum[TOKEN_TILE];
+    float offsets[TOKEN_TILE];
     for (int t = 0; t < NT; t++) {
         v[t] = _mm256_setzero_ps();
-        wsum[t] = 0.0f;
+        offsets[t] = 0.0f;
     }
-    const int shift = OFF ? __builtin_ctz(OFF) : 0;
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i spread = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
     for (int64_t i = 0; i < n; i += 32) {
-        __m256i uv = _mm256_loadu_si256((const __m256i *)(u + i)), q = uv;
-        if (SIGNED8) {
-            q = _mm256_xor_si256(uv, flip); /* the int8 values themselves */
-            uv = _mm256_abs_epi8(q);
-        }
-        const __m256 sv = _mm256_loadu_ps(sc4 + i / LANE);
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i)), aw = _mm256_abs_epi8(wv);
+        double pair;
+        memcpy(&pair, sc16 + i / GROUP, sizeof pair);
+        const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_set_sd(pair))), spread);
         for (int t = 0; t < NT; t++) {
-            __m256i av = _mm256_loadu_si256((const __m256i *)(ac[t].a + i));
-            if (SIGNED8) av = _mm256_sign_epi8(av, q);
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(uv, av), ones);
-            if (OFF && !SIGNED8)
-                dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(ac[t].s4 + i / LANE)), shift));
-            const __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(ac[t].d4 + i / LANE));
-            v[t] = fmadd8(_mm256_cvtepi32_ps(dot), scale, v[t]);
+            const __m256i a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(ac[t].au + i)), flip);
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, wv)), ones);
+            v[t] = fmadd8(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv, _mm256_loadu_ps(ac[t].d4 + i / LANE)), v[t]);
         }
     }
     if (MIN)
@@ -356,41 +381,39 @@ ALWAYS_INLINE void dot_tile(const uint8_t *u, const float *sc4, const float *mn1
             for (; g + 8 <= n / GROUP; g += 8)
                 for (int l = 0; l < 8; l++) lane[l] += mn16[g + l] * ac[t].m16[g + l];
             for (; g < n / GROUP; g++) lane[0] += mn16[g] * ac[t].m16[g];
-            for (int l = 0; l < 8; l++) wsum[t] += lane[l];
+            for (int l = 0; l < 8; l++) offsets[t] += lane[l];
         }
-    for (int t = 0; t < NT; t++) acc[t] += hsum_ps8(v[t]) + wsum[t];
+    for (int t = 0; t < NT; t++) acc[t] += hsum_ps8(v[t]) + offsets[t];
 }
 
 #else
 /* Portable: the same lanes and the same integers, summed in LANES float partial sums. */
-ALWAYS_INLINE void dot_tile(const uint8_t *u, const float *sc4, const float *mn16, int64_t n, const ActChunk *ac,
-                            const int NT, const int OFF, const int MIN, const int SIGNED8, float *acc) {
-    (void)SIGNED8;
+ALWAYS_INLINE void dot_tile(const int8_t *w, const float *sc16, const float *mn16, int64_t n, const ActChunk *ac,
+                            const int NT, const int MIN, float *acc) {
     for (int t = 0; t < NT; t++) {
-        float lane[LANES] = {0}, wl[LANES] = {0};
+        float lane[LANES] = {0}, ol[LANES] = {0};
         for (int64_t l = 0; l < n / LANE; l++) {
             int32_t dot = 0;
-            for (int i = 0; i < LANE; i++) dot += (int32_t)u[LANE * l + i] * (int32_t)ac[t].a[LANE * l + i];
-            dot -= OFF * ac[t].s4[l];
-            lane[l % LANES] += (float)dot * (sc4[l] * ac[t].d4[l]);
+            for (int i = 0; i < LANE; i++) dot += (int32_t)w[LANE * l + i] * ((int32_t)ac[t].au[LANE * l + i] - 128);
+            lane[l % LANES] += (float)dot * (sc16[l / (GROUP / LANE)] * ac[t].d4[l]);
         }
         if (MIN)
-            for (int64_t g = 0; g < n / GROUP; g++) wl[g % LANES] += mn16[g] * ac[t].m16[g];
+            for (int64_t g = 0; g < n / GROUP; g++) ol[g % LANES] += mn16[g] * ac[t].m16[g];
         float s = 0.0f;
-        for (int l = 0; l < LANES; l++) s += lane[l] + wl[l];
+        for (int l = 0; l < LANES; l++) s += lane[l] + ol[l];
         acc[t] += s;
     }
 }
 #endif
 
 /* dot_tile for 1..TOKEN_TILE tokens, each count its own specialized copy */
-ALWAYS_INLINE void dot_tokens(const uint8_t *u, const float *sc4, const float *mn16, int64_t n, const ActChunk *ac,
-                              int nt, const int OFF, const int MIN, const int SIGNED8, float *acc) {
+ALWAYS_INLINE void dot_tokens(const int8_t *w, const float *sc16, const float *mn16, int64_t n, const ActChunk *ac,
+                              int nt, const int MIN, float *acc) {
     switch (nt) {
-    case 1: dot_tile(u, sc4, mn16, n, ac, 1, OFF, MIN, SIGNED8, acc); break;
-    case 2: dot_tile(u, sc4, mn16, n, ac, 2, OFF, MIN, SIGNED8, acc); break;
-    case 3: dot_tile(u, sc4, mn16, n, ac, 3, OFF, MIN, SIGNED8, acc); break;
-    default: dot_tile(u, sc4, mn16, n, ac, 4, OFF, MIN, SIGNED8, acc); break;
+    case 1: dot_tile(w, sc16, mn16, n, ac, 1, MIN, acc); break;
+    case 2: dot_tile(w, sc16, mn16, n, ac, 2, MIN, acc); break;
+    case 3: dot_tile(w, sc16, mn16, n, ac, 3, MIN, acc); break;
+    default: dot_tile(w, sc16, mn16, n, ac, 4, MIN, acc); break;
     }
 }
 
@@ -398,22 +421,20 @@ ALWAYS_INLINE void dot_tokens(const uint8_t *u, const float *sc4, const float *m
 ALWAYS_INLINE void rows_times_tokens(const int QTYPE, const uint8_t *act, int64_t b0, int64_t tb, const uint8_t *w,
                                      int64_t w_stride, int64_t j0, int64_t j1, int64_t cols, float *out,
                                      int64_t out_stride) {
-    const int OFF = QTYPE == GGML_Q4_0 ? OFF_Q4_0 : QTYPE == GGML_Q8_0 ? OFF_Q8_0 : QTYPE == GGML_Q6_K ? OFF_Q6_K : 0;
     const int MIN = QTYPE == GGML_Q4_1 || QTYPE == GGML_Q4_K || QTYPE == GGML_Q5_K;
-    const int SIGNED8 = QTYPE == GGML_Q8_0;
     const int64_t act_bytes = srt_gguf_act_row_bytes(cols);
-    uint8_t u[COL_CHUNK] __attribute__((aligned(64)));
-    float sc4[COL_CHUNK / LANE] __attribute__((aligned(64))), mn16[COL_CHUNK / GROUP] __attribute__((aligned(64)));
+    int8_t q[COL_CHUNK] __attribute__((aligned(64)));
+    float sc16[COL_CHUNK / GROUP] __attribute__((aligned(64))), mn16[COL_CHUNK / GROUP] __attribute__((aligned(64)));
     for (int64_t j = j0; j < j1; j++) {
         float acc[TOKEN_BLOCK] = {0};
         for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK) {
             const int64_t n = cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK;
-            decode(QTYPE, w + j * w_stride, c0, n, u, sc4, mn16);
+            decode(QTYPE, w + j * w_stride, c0, n, q, sc16, mn16);
             for (int64_t t0 = 0; t0 < tb; t0 += TOKEN_TILE) {
                 const int nt = tb - t0 < TOKEN_TILE ? (int)(tb - t0) : TOKEN_TILE;
                 ActChunk ac[TOKEN_TILE];
                 for (int t = 0; t < nt; t++) ac[t] = act_chunk(act + (b0 + t0 + t) * act_bytes, cols, c0);
-                dot_tokens(u, sc4, mn16, n, ac, nt, OFF, MIN, SIGNED8, acc + t0);
+                dot_tokens(q, sc16, mn16, n, ac, nt, MIN, acc + t0);
             }
         }
         for (int64_t t = 0; t < tb; t++) out[(b0 + t) * out_stride + j] = acc[t];
@@ -451,11 +472,13 @@ int srt_gguf_matmul(int qtype, const uint8_t *act, int64_t m, const uint8_t *w, 
 
 /* Elements [c0, c0 + n) of a row as fp32, exactly as ggml (and gguf-py) dequantize them. */
 ALWAYS_INLINE void dequantize_chunk_type(const int QTYPE, const uint8_t *row, int64_t c0, int64_t n, float *dst) {
-    const int OFF = QTYPE == GGML_Q4_0 ? OFF_Q4_0 : QTYPE == GGML_Q8_0 ? OFF_Q8_0 : QTYPE == GGML_Q6_K ? OFF_Q6_K : 0;
-    uint8_t u[COL_CHUNK];
-    float sc4[COL_CHUNK / LANE], mn16[COL_CHUNK / GROUP];
-    decode(QTYPE, row, c0, n, u, sc4, mn16);
-    for (int64_t i = 0; i < n; i++) dst[i] = sc4[i / LANE] * (float)((int32_t)u[i] - OFF) + mn16[i / GROUP];
+    int8_t q[COL_CHUNK];
+    float sc16[COL_CHUNK / GROUP], mn16[COL_CHUNK / GROUP];
+    decode(QTYPE, row, c0, n, q, sc16, mn16);
+    for (int64_t g = 0; g < n / GROUP; g++) {
+        const float s = sc16[g], o = mn16[g];
+        for (int i = 0; i < GROUP; i++) dst[GROUP * g + i] = s * (float)q[GROUP * g + i] + o;
+    }
 }
 
 static void dequantize_chunk(int qtype, const uint8_t *row, int64_t c0, int64_t n, float *dst) {

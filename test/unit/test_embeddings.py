@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from srt.http_server.openai.serving_embedding import EmbeddingRequest, encode_embedding
+from srt.http_server.openai.serving_embedding import (
+    EMBEDDINGS_PATH,
+    GENERATION_PATHS,
+    EmbeddingRequest,
+    RouteKindMiddleware,
+    encode_embedding,
+)
 from srt.http_server.request_types import MAX_PROMPTS
 from srt.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
 from srt.sampling.sampling_params import SamplingParams
@@ -119,7 +125,7 @@ def reference(tiny_model_dir):
     """transformers' final hidden states (the base model's `last_hidden_state`) of a prompt, fp32."""
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
     def embed(ids: list[int], pooling: str) -> np.ndarray:
         with torch.no_grad():
@@ -208,3 +214,26 @@ def test_nothing_decodes_and_the_kv_is_returned(tiny_model_dir):
     free = sched.allocator.available_size()
     run(sched, prompts_of([12, 9]))
     assert not sched.running and sched.allocator.available_size() == free
+
+
+# ---------------------------------------------------------------- the server's kind
+@pytest.mark.parametrize("is_embedding", [False, True], ids=["generating", "embedding"])
+def test_each_kind_of_server_refuses_the_others_routes(is_embedding):
+    """A 400 naming the flag, before the body is read; the server's own routes pass through."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    for path in (EMBEDDINGS_PATH, *GENERATION_PATHS):
+        app.post(path)(lambda: {"ok": True})
+    app.add_middleware(RouteKindMiddleware, is_embedding=is_embedding)
+    client = TestClient(app)
+    own, other = (
+        (GENERATION_PATHS, [EMBEDDINGS_PATH]) if not is_embedding else ([EMBEDDINGS_PATH], GENERATION_PATHS)
+    )
+    for path in other:
+        r = client.post(path, content=b"not even json")
+        assert r.status_code == 400 and "--is-embedding" in r.json()["error"]["message"], path
+        assert r.json()["error"]["code"] == "unsupported_route"
+    for path in own:
+        assert client.post(path).json() == {"ok": True}, path

@@ -52,6 +52,10 @@ class EmbeddingRequest(RequestBody):
     user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
 
 
+# Read by request_parsing.json_body, as every body (large ones are parsed off the event loop).
+EmbeddingBody = Annotated[EmbeddingRequest, Depends(json_body(EmbeddingRequest))]
+
+
 def encode_embedding(raw: bytes, encoding_format: str) -> list[float] | str:
     """A vector as OpenAI answers it: a list of floats, or the base64 of its little-endian float32 bytes."""
     if encoding_format == "base64":
@@ -147,13 +151,15 @@ class RouteKindMiddleware:
 
 
 def install_embedding_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs) -> None:
-    """POST /v1/embeddings, and the refusal of the other kind's routes. Call before srt's middlewares are
-    installed, so the API key and the body limit are checked first."""
+    """POST /v1/embeddings on an embedding server (a generating one neither lists nor serves it), and the
+    refusal of the other kind's routes. Call before srt's middlewares are installed, so the API key and the
+    body limit are checked first."""
+    app.add_middleware(RouteKindMiddleware, is_embedding=server_args.is_embedding)
+    if not server_args.is_embedding:
+        return
     handler = EmbeddingHandler(tm, server_args.model_name)
-    body_type = Annotated[EmbeddingRequest, Depends(json_body(EmbeddingRequest))]
 
-    async def embeddings(body: body_type, request: Request):  # type: ignore[valid-type]
+    async def embeddings(body: EmbeddingBody, request: Request):
         return await handler.handle(body, request)
 
     app.post(EMBEDDINGS_PATH)(embeddings)
-    app.add_middleware(RouteKindMiddleware, is_embedding=server_args.is_embedding)

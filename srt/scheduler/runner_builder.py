@@ -40,7 +40,10 @@ def build_runner(
         dist_init_method=dist_init_method,
         quantization=server_args.quantization_or_default,
         kv_cache_dtype=server_args.kv_cache_dtype,
-        cuda_graph_max_bs=0 if server_args.disable_cuda_graph else server_args.cuda_graph_max_bs,
+        # an embedding server never decodes: no decode graphs to capture
+        cuda_graph_max_bs=0
+        if server_args.disable_cuda_graph or server_args.is_embedding
+        else server_args.cuda_graph_max_bs,
         dp_rank=dp_rank,
         lora=lora_config(server_args),
         nnodes=server_args.nnodes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,6 +120,23 @@ def test_an_embedding_server_defaults_to_unquantized_weights():
     assert ServerArgs().quantization_or_default is None  # the device's default
 
 
+def test_the_flags_parse_and_are_documented():
+    args = ServerArgs.parse(["--is-embedding", "--pooling-type", "mean"])
+    assert args.is_embedding and args.pooling_type == POOLING_MEAN
+    assert ServerArgs.parse([]).pooling_type == POOLING_LAST
+    with pytest.raises(SystemExit):
+        ServerArgs.parse(["--pooling-type", "cls"])
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "embeddings.md").read_text()
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in doc.splitlines()
+        if line.startswith("| `--")
+    }
+    assert rows["`--is-embedding`"] == "off"
+    assert rows["`--pooling-type`"] == f"`{POOLING_LAST}`"
+    assert all(f"`{p}`" in doc for p in POOLING_TYPES)
+
+
 # ---------------------------------------------------------------- the scheduler against transformers
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
@@ -139,7 +157,9 @@ def reference(tiny_model_dir):
 def embedding_scheduler(model_dir: str, **flags) -> Scheduler:
     """An embedding server's scheduler, its runner built from the flags as the server builds it (so with the
     embedding server's default quantization)."""
-    args = ServerArgs(is_embedding=True, max_total_tokens=4096, max_running_requests=16, **flags)
+    args = ServerArgs(
+        is_embedding=True, dtype="float32", max_total_tokens=4096, max_running_requests=16, **flags
+    )
     return Scheduler(args, build_runner(args, model_dir))
 
 

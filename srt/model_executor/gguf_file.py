@@ -19,7 +19,7 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -77,20 +77,18 @@ class GGUFTensor:
         return self.shape[-1] // block_size * type_size if self.shape else type_size
 
 
+@dataclass
 class GGUFFile:
     """A parsed and validated GGUF: `metadata` (key -> int | float | bool | str | list, in file order) and
     `tensors` (name -> GGUFTensor, in file order). Every tensor lies inside the file, aligned, with a shape
     whose innermost dimension is whole blocks of its type, and no two tensors overlap."""
 
-    def __init__(
-        self, path: str, version: int, metadata: dict[str, object], tensors: dict[str, GGUFTensor], size: int
-    ):
-        self.path = path
-        self.version = version
-        self.metadata = metadata
-        self.tensors = tensors
-        self.file_size = size
-        self._storage = None
+    path: str
+    version: int
+    metadata: dict[str, object]
+    tensors: dict[str, GGUFTensor]
+    file_size: int
+    _storage: torch.UntypedStorage | None = field(default=None, init=False, repr=False)  # the map, once made
 
     @classmethod
     def open(cls, path: str) -> GGUFFile:

@@ -18,6 +18,14 @@ does not notice: C = (T - a) / b - D when that is larger. The budget is clamped 
 [`MIN_MIXED_PREFILL_TOKENS`, the step's other limits] (`--chunked-prefill-size` and `--max-prefill-tokens`
 still cap it). Until `b` is measured, `DEFAULT_MIXED_PREFILL_TOKENS`.
 
+A prefill step of its own (`lone_prefill_tokens`) has a larger budget, `LONE_PREFILL_STEP_SECONDS`: a step with
+nothing decoding, and every step that continues a long prompt mid-chunk, decoding requests riding along. The
+long prompt keeps that budget (minus the decode rows) instead of the mixed one, which is sized for the decode
+step's latency: at a long context a token costs several times a short one's (attention; on a 2-core Zen 4,
+0.75 ms a token at short contexts, 3.2 ms on average over a 6,300-token prompt), so a mixed budget there is a
+few dozen tokens, and such a prompt crawled at 32-token steps for as long as anything decoded
+(srt/scheduler/prefill_admission.py shares the step with waiting prompts).
+
 With tensor parallelism every rank must build the same batches, and measured times differ between ranks:
 there the model is not fed (`adaptive=False`) and the budget stays at the default, identical everywhere.
 """
@@ -33,11 +41,16 @@ MIXED_STEP_COST_MULTIPLE = 4.0
 # (the 2-core machine's noise) with ITL p99 0.62-0.68 s; 0.4-s steps 110-129 tok/s, no clear gain within
 # that noise, with ITL p99 up to 0.83 s.
 MIXED_STEP_FLOOR_SECONDS = 0.3
-# A prefill step with nothing decoding may take this long (`--chunked-prefill-size` still caps it): a request
-# arriving meanwhile waits for the step in flight, and on a 2-core CPU a 2,048-token chunk at the end of a
-# 6,300-token prompt took 18 s. Short enough for an interactive arrival, long enough that a step's fixed
-# cost (the weights streamed once, ~10 ms int8) stays ~1 % of it.
+# A prefill step of its own (nothing decoding, or a long prompt's chunk with decode rows riding along) may
+# take this long (`--chunked-prefill-size` still caps it): a request arriving meanwhile waits for the step in
+# flight, and on a 2-core CPU a 2,048-token chunk at the end of a 6,300-token prompt took 18 s. Short enough
+# for an interactive arrival, long enough that a step's fixed cost (the weights streamed once, ~10 ms int8)
+# stays ~1 % of it.
 LONE_PREFILL_STEP_SECONDS = 1.0
+# Its budget before the cost model has measured b (a fresh server): a 2,048-token first chunk made a request
+# arriving meanwhile wait 21.7 s on a 2-core CPU. 256 tokens are 0.2-1 s at the 259-1,300 prompt tokens/s
+# measured on this project's CPUs at short contexts (docs/benchmarks/), and b is measured after that step.
+DEFAULT_LONE_PREFILL_TOKENS = 256
 # Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
 MIN_MIXED_PREFILL_TOKENS = 32
 # The budget before the cost model has measured b (measured on this project's CPU with SmolLM2-135M fp32:
@@ -97,14 +110,16 @@ class MixedChunkBudget:
         )
         return max(MIN_MIXED_PREFILL_TOKENS, int(budget))
 
-    def lone_prefill_tokens(self) -> int | None:
-        """Prefill tokens a step with nothing decoding may carry (LONE_PREFILL_STEP_SECONDS), or None before
-        the per-token cost is measured or where the model is not fed (tensor parallelism)."""
+    def lone_prefill_tokens(self, decode_tokens: int = 0) -> int | None:
+        """Prefill tokens of a step bounded by LONE_PREFILL_STEP_SECONDS: one with nothing decoding, or one
+        that continues a long prompt next to `decode_tokens` decoding requests (their rows cost b each too).
+        DEFAULT_LONE_PREFILL_TOKENS before b is measured; None where the model is not fed (tensor
+        parallelism: the chunk size alone bounds the step, the same on every rank)."""
         b = self.token_seconds
         if b is None:
-            return None
+            return DEFAULT_LONE_PREFILL_TOKENS if self.adaptive else None
         a = self.fixed_seconds or 0.0
-        return max(MIN_MIXED_PREFILL_TOKENS, int((LONE_PREFILL_STEP_SECONDS - a) / b))
+        return max(MIN_MIXED_PREFILL_TOKENS, int((LONE_PREFILL_STEP_SECONDS - a) / b) - decode_tokens)
 
 
 def _ema(old: float | None, sample: float) -> float:

@@ -5,13 +5,17 @@ keeps the queues and applies the answer."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS, MixedChunkBudget
 from srt.scheduler.schedule_batch import Req
 from srt.scheduler.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from srt.server_args import ServerArgs
+
+# While others wait, a prompt mid-chunk keeps at least this share of the step's prefill tokens: the waiting
+# prompts that go ahead of it share the rest. Its throughput then stays above this share of its throughput
+# alone however many prompts queue (in practice far closer: a prompt goes ahead once, and a decode row costs
+# one token), and it never falls to chunks where each step's fixed cost dominates.
+LONG_PROMPT_MIN_SHARE = 0.5
 
 
 @dataclass
@@ -34,7 +38,6 @@ class PrefillAdmission:
         req_to_token_pool,
         max_running_requests: int,
         lora,
-        mixed_budget: MixedChunkBudget | None,
     ):
         self.policy = args.schedule_policy
         self.max_prefill_tokens = args.max_prefill_tokens
@@ -44,7 +47,6 @@ class PrefillAdmission:
         self.req_to_token_pool = req_to_token_pool
         self.max_running_requests = max_running_requests
         self.lora = lora  # SchedulerLoRA or None: an admitted request's adapter must fit the step
-        self.mixed_budget = mixed_budget
 
     def admit(
         self,
@@ -55,8 +57,9 @@ class PrefillAdmission:
         token_budget: int | None = None,
         decode_tokens: int = 0,
     ) -> Admission:
-        """Admit waiting work. `token_budget` caps this step's prefill tokens (a mixed step's budget) on top of
-        the chunk and prefill limits; `decode_tokens` KV slots are kept for the running batch's decode."""
+        """Admit waiting work. `token_budget` caps this step's prefill tokens (the scheduler's time-bounded
+        budget) on top of the chunk and prefill limits; `decode_tokens` KV slots are kept for the running
+        batch's decode."""
         if not waiting and chunked_req is None:
             return Admission([], waiting, chunked_req)
         slots = min(self.max_running_requests - len(running), self.req_to_token_pool.available_size())
@@ -80,7 +83,7 @@ class PrefillAdmission:
             chunked=chunked_req,
         )
         if chunked_req is not None and waiting:
-            self._admit_ahead_of_chunk(adder, waiting, running, chunked_req)
+            self._admit_ahead_of_chunk(adder, waiting, chunked_req)
         else:
             result = AddResult.CONTINUE
             if chunked_req is not None:
@@ -94,19 +97,22 @@ class PrefillAdmission:
         still_waiting = [r for r in waiting if id(r) not in admitted]
         return Admission(adder.can_run, still_waiting, adder.new_chunked_req)
 
-    def _admit_ahead_of_chunk(
-        self, adder: PrefillAdder, waiting: list[Req], running: list[Req], chunked_req: Req
-    ) -> None:
-        """A long prompt is mid-chunk and others wait: the waiting prompts that fit whole go first, and the
-        chunk shares the step with them, bounded like a mixed step (where the cost model runs) but never
-        below MIN_MIXED_PREFILL_TOKENS. Otherwise one long prompt (a request with 128 tools is 6,000
-        tokens) holds every later request until its whole prefill is done: 36 s for a 4-token completion
-        on a 2-core CPU."""
+    def _admit_ahead_of_chunk(self, adder: PrefillAdder, waiting: list[Req], chunked_req: Req) -> None:
+        """A long prompt is mid-chunk and others wait: the waiting prompts that fit whole in the step's budget
+        less the long prompt's floor (LONG_PROMPT_MIN_SHARE of it) go first, and the chunk takes the rest.
+
+        The step's budget is what it would be for the long prompt alone (the scheduler gives a step that
+        continues a long prompt the LONE_PREFILL_STEP_SECONDS budget of srt/scheduler/mixed_chunk.py, decode
+        rows riding along), so a request arriving during a long prefill waits for at most one such step, and
+        the step costs the same bounded time whoever shares it. The chunk is never sized from a second,
+        smaller budget: the earlier rule bounded it like a mixed step, which at a long context is a few dozen
+        tokens: a 6,300-token prompt crawled at 32-token steps (twice its time alone) and plain requests
+        arriving meanwhile still waited 1.8-8.5 s. Without the rule, one long prompt (a request with 128 tools
+        is 6,300 tokens) held every later request for its whole prefill: 36 s for a 4-token completion on a
+        2-core CPU."""
+        floor = max(1, int(min(adder.rem_chunk, adder.rem_input) * LONG_PROMPT_MIN_SHARE))
         for req in waiting:
-            added = adder.add_one_req(req, whole_only=True)
+            added = adder.add_one_req(req, keep=floor)
             if added not in (AddResult.CONTINUE, AddResult.SKIP):
                 break
-        at_most = math.inf
-        if self.mixed_budget is not None and adder.can_run:
-            at_most = self.mixed_budget.prefill_tokens(len(running) + len(adder.can_run))
-        adder.add_chunked_req(chunked_req, at_most=at_most, at_least=MIN_MIXED_PREFILL_TOKENS)
+        adder.add_chunked_req(chunked_req, at_least=floor)

@@ -127,12 +127,12 @@ class PrefillAdder:
         self.rem_now -= locked
         return locked
 
-    def add_chunked_req(self, req: Req, at_most: float = math.inf, at_least: int = 0) -> AddResult:
+    def add_chunked_req(self, req: Req, at_least: int = 0) -> AddResult:
         """Continue a prompt already being prefilled in chunks (its prefix is its own, already locked):
-        within the step's budget and `at_most`, but at least `at_least` tokens if KV room allows (so
-        requests admitted ahead of it cannot starve it)."""
+        within the step's budget, but at least `at_least` tokens if KV room allows (so requests admitted
+        ahead of it cannot starve it)."""
         rest = len(req.fill_ids) - req.kv_len
-        budget = max(min(self.rem_chunk, self.rem_input, at_most), at_least)
+        budget = max(min(self.rem_chunk, self.rem_input), at_least)
         req.extend_len = int(min(rest, budget, max(self.rem_now, 0)))
         if req.extend_len == 0:  # no KV slot free now: the chunk waits for running requests to free some
             self.new_chunked_req = req
@@ -145,9 +145,10 @@ class PrefillAdder:
         self.rem_total -= min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
         return AddResult.CONTINUE
 
-    def add_one_req(self, req: Req, whole_only: bool = False) -> AddResult:
-        """Admit a waiting request: its whole prompt, or a first chunk of it that closes the batch (never
-        with `whole_only`, used while another prompt is mid-chunk: one chunked request at a time)."""
+    def add_one_req(self, req: Req, keep: int | None = None) -> AddResult:
+        """Admit a waiting request: its whole prompt, or a first chunk of it that closes the batch. With
+        `keep` (while another prompt is mid-chunk: one chunked request at a time), only a whole prompt that
+        leaves `keep` tokens of the budget to the prompt mid-chunk."""
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
         if (
@@ -170,7 +171,7 @@ class PrefillAdder:
             req.reset_prefix()
             return AddResult.OTHER
         budget = min(self.rem_chunk, self.rem_input)
-        if extend > budget and whole_only:
+        if keep is not None and extend > budget - keep:
             req.reset_prefix()
             return AddResult.OTHER
         if extend > budget and math.isinf(self.rem_chunk) and self.can_run:

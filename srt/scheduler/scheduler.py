@@ -125,7 +125,7 @@ class Scheduler:
         )
         self.admission = PrefillAdmission(
             server_args, self.tree_cache, self.allocator, self.req_to_token_pool, self.max_running_requests,
-            self.lora, self.mixed_budget,
+            self.lora,
         )  # fmt: skip
         self.builder = StepBuilder(
             self.req_to_token_pool,
@@ -294,7 +294,8 @@ class Scheduler:
         With mixed chunks (the CPU default; `--enable-mixed-chunk`/`--disable-mixed-chunk`), while requests
         decode, a prefill of at most the mixed budget (srt/scheduler/mixed_chunk.py) rides along in the same
         step as their decode, and a prefill step with nothing decoding is bounded in time too (a request
-        arriving meanwhile waits for it)."""
+        arriving meanwhile waits for it). A step that continues a long prompt mid-chunk gets that prefill
+        step's budget, decode rows riding along, not the mixed one (prefill_admission.py says why)."""
         stepped: list[Req] = []
         if self.lora is not None and self.lora.busy:
             self.lora.poll(list(self.live.values()), self._holding_kv())
@@ -304,7 +305,11 @@ class Scheduler:
         if self.mixed_budget is not None and self.running:
             self._ensure_decode_memory()  # first, so admission sees what this step's decode leaves
         if self.mixed_budget is not None and self.running:
-            budget = self.mixed_budget.prefill_tokens(len(self.running))
+            budget = (
+                self.mixed_budget.lone_prefill_tokens(len(self.running))
+                if self.chunked_req is not None
+                else self.mixed_budget.prefill_tokens(len(self.running))
+            )
             prefill = self._schedule_prefill(token_budget=budget, decode_tokens=len(self.running))
             decode = self.running if prefill else []
         else:

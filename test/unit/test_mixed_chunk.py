@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from srt.scheduler.mixed_chunk import (
+    DEFAULT_LONE_PREFILL_TOKENS,
     DEFAULT_MIXED_PREFILL_TOKENS,
     LONE_PREFILL_STEP_SECONDS,
     MIN_MIXED_PREFILL_TOKENS,
@@ -140,9 +141,13 @@ def test_budget_without_timing_stays_at_the_default():
 
 def test_a_prefill_step_with_nothing_decoding_is_bounded_in_time_once_the_cost_is_known():
     budget = MixedChunkBudget()
-    assert budget.lone_prefill_tokens() is None  # unmeasured (or not adaptive): the chunk size alone
+    # unmeasured: a first step a CPU takes in about a second; not fed (tensor parallelism): the chunk size alone
+    assert budget.lone_prefill_tokens() == DEFAULT_LONE_PREFILL_TOKENS
+    assert MixedChunkBudget(adaptive=False).lone_prefill_tokens() is None
     budget.fixed_seconds, budget.token_seconds = 0.010, 0.005
     assert budget.lone_prefill_tokens() == int((LONE_PREFILL_STEP_SECONDS - 0.010) / 0.005)
+    # a step continuing a long prompt next to decoding requests: their rows come out of the same second
+    assert budget.lone_prefill_tokens(8) == budget.lone_prefill_tokens() - 8
     budget.token_seconds = 10.0  # a step of one token already costs more: still progress
     assert budget.lone_prefill_tokens() == MIN_MIXED_PREFILL_TOKENS
 

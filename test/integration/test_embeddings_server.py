@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import inspect
 import re
+import time
 
 import httpx
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 from openai.resources.embeddings import Embeddings as EmbeddingsResource
 
+from srt.bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from srt.http_server.openai.serving_embedding import GENERATION_PATHS, EmbeddingRequest
 from srt.metrics.text_format import parse_metrics_text, total
 from test.integration.conftest import REPO_ROOT, running_server
@@ -170,6 +172,26 @@ def test_gateways_read_is_embedding(server):
     assert info["is_embedding"] is True and info["pooling_type"] == "last" and info["quantization"] == "none"
     assert httpx.get(f"{server.base_url}/model_info", timeout=TIMEOUT).json()["is_generation"] is False
     assert httpx.get(f"{server.base_url}/health_generate", timeout=TIMEOUT).status_code == 200
+
+
+@pytest.mark.skipif(smg_problem() is not None, reason=str(smg_problem()))
+def test_behind_the_shepherd_model_gateway(server, client, model_name):
+    """SMG reads the worker as an SGLang embedding worker (`is_embedding` from /server_info) and proxies
+    /v1/embeddings: the `openai` client gets through it the vectors srt answers directly."""
+    direct = client.embeddings.create(model=model_name, input=TEXTS)
+    with running_gateway([server.base_url], ROUND_ROBIN) as gw:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:  # the gateway reads its workers' labels once it has started
+            listed = httpx.get(f"{gw.base_url}/workers", timeout=TIMEOUT).json()["workers"]
+            if listed and "labels" in listed[0]:
+                break
+            time.sleep(0.2)
+        (worker,) = listed
+        assert worker["runtime_type"] == "sglang" and worker["labels"]["is_embedding"] == "true"
+        via = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+        result = via.embeddings.create(model=model_name, input=TEXTS)
+    assert [d.embedding for d in result.data] == [d.embedding for d in direct.data]
+    assert result.usage == direct.usage
 
 
 # ---------------------------------------------------------------- counted truthfully

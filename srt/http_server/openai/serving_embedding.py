@@ -18,11 +18,12 @@ from http import HTTPStatus
 from typing import Annotated, ClassVar, Literal
 
 from fastapi import Depends, FastAPI, Request
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator
 
 from srt.http_server.input_processor import GenerateInput, InvalidRequestError
 from srt.http_server.middleware import reply_error
 from srt.http_server.openai.errors import OpenAIError
+from srt.http_server.openai.protocol import Identifier
 from srt.http_server.openai.serving_common import ChoiceAcc, collect_response, resolve_model, to_openai_error
 from srt.http_server.request_parsing import json_body
 from srt.http_server.request_types import RequestBody, prompt_list
@@ -33,8 +34,6 @@ from srt.server_args import ServerArgs
 EMBEDDINGS_PATH = "/v1/embeddings"
 # The routes that generate text, refused on an embedding server (/v1/responses where it is served).
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses")
-# Identifiers OpenAI only logs (`user`), as the chat and completions routes bound them.
-MAX_USER_CHARS = 512
 
 
 class EmbeddingRequest(RequestBody):
@@ -49,7 +48,7 @@ class EmbeddingRequest(RequestBody):
     model: str | None = None
     # OpenAI's client asks for base64 unless told otherwise, and decodes it as little-endian float32.
     encoding_format: Literal["float", "base64"] | None = None
-    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
+    user: Identifier | None = None  # OpenAI only logs it, bounded as on the chat and completions routes
 
 
 # Read by request_parsing.json_body, as every body (large ones are parsed off the event loop).

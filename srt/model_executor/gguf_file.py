@@ -45,7 +45,7 @@ MAX_TENSORS = 1 << 20  # tensor infos (a 1,000-expert model stores its experts a
 
 # GGUF value types (gguf.GGUFValueType): the fixed-size scalars by their struct code
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_STRING, _ARRAY = 8, 9
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _STRING_LEN_BYTES = _U64.size
@@ -88,7 +88,9 @@ class GGUFFile:
     metadata: dict[str, object]
     tensors: dict[str, GGUFTensor]
     file_size: int
-    _storage: torch.UntypedStorage | None = field(default=None, init=False, repr=False)  # the map, once made
+    _storage: torch.UntypedStorage | None = field(
+        default=None, init=False, repr=False, compare=False
+    )  # the map, once made
 
     @classmethod
     def open(cls, path: str) -> GGUFFile:
@@ -134,9 +136,8 @@ class _Parser:
         if version not in SUPPORTED_VERSIONS:
             if version & 0xFFFF == 0:
                 raise GGUFError("big-endian GGUF files are not supported")
-            raise GGUFError(
-                f"GGUF version {version} is not supported (srt reads versions {' and '.join(map(str, SUPPORTED_VERSIONS))})"
-            )
+            readable = " and ".join(map(str, SUPPORTED_VERSIONS))
+            raise GGUFError(f"GGUF version {version} is not supported (srt reads versions {readable})")
         n_tensors = self.count(self.u64("the tensor count"), _MIN_TENSOR_INFO_BYTES, MAX_TENSORS, "tensor")
         n_keys = self.count(self.u64("the key/value count"), _MIN_KV_BYTES, MAX_KEYS, "key/value")
         metadata: dict[str, object] = {}

@@ -125,11 +125,27 @@ def test_every_mix_of_the_tiny_preset_has_its_block_type():
     assert {T.Q4_K, T.Q6_K} <= set(types_of("tiny", "q4_k_m").values())
 
 
+SEED = 3  # every mix from the same weights (each tensor's generator is seeded by SEED and its index)
+
+
 @pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("random") / "tiny-q4_k_m.gguf"
-    specs = script("make_random_gguf").write_random_gguf(str(path), "tiny", "q4_k_m", seed=3)
-    return path, specs
+def tiny_files(tmp_path_factory):
+    """mix -> (path, specs) of the tiny preset, each written on first use."""
+    folder = tmp_path_factory.mktemp("random")
+    files = {}
+
+    def get(mix: str):
+        if mix not in files:
+            path = folder / f"tiny-{mix}.gguf"
+            files[mix] = path, script("make_random_gguf").write_random_gguf(str(path), "tiny", mix, seed=SEED)
+        return files[mix]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tiny_files):
+    return tiny_files("q4_k_m")
 
 
 def test_a_random_file_has_llama_keys_and_smollm2s_tokenizer(tiny_file):
@@ -167,3 +183,28 @@ def test_a_random_file_decodes_to_weights_of_the_asked_spread(tiny_file):
             assert (values == 1).all(), t.name
         else:
             assert abs(values.std() - 0.02) < 0.002, (t.name, values.std())
+
+
+def test_llama_cpp_runs_the_k_quant_files_as_close_to_q8_0_as_gguf_pys_own_encodings(tiny_files):
+    """An independent decoder: llama.cpp's logits for a prompt on each mix of the same weights, against the
+    Q8_0 file's. Q4_K_M is at least as close as gguf-py's Q4_0, and more bits are closer (Q6_K > Q5_K_M >
+    Q4_K_M): a mis-packed scale or nibble would put a K-quant file far off."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the peers extra) is not installed")
+
+    def logits(mix: str) -> np.ndarray:
+        llm = llama_cpp.Llama(str(tiny_files(mix)[0]), n_ctx=128, verbose=False, logits_all=True)
+        tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog")
+        llm.eval(tokens)
+        return np.array(llm.scores[: len(tokens)])
+
+    reference = logits("q8_0")
+
+    def closeness(mix: str) -> float:
+        x = logits(mix)
+        return float(
+            ((x * reference).sum(-1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(reference, axis=-1)).min()
+        )
+
+    q4_0, q4_k_m, q5_k_m, q6_k = (closeness(m) for m in ("q4_0", "q4_k_m", "q5_k_m", "q6_k"))
+    assert q4_0 > 0.9  # the reference itself is sound: same weights, another 4-bit encoding
+    assert q4_k_m >= q4_0 - 0.002 and q4_k_m < q5_k_m < q6_k, (q4_0, q4_k_m, q5_k_m, q6_k)

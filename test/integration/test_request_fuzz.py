@@ -1,5 +1,7 @@
-"""Property-based: whatever JSON a client sends to a generation route (or to the tokenizer routes),
-the answer is a 2xx or a 4xx with OpenAI's error object, never a 5xx, and the server's processes survive.
+"""Property-based: whatever JSON a client sends to a generation route (or to the tokenizer routes, the LoRA
+admin routes, the scale-out routes), and whatever query string, the answer is a 2xx or a 4xx with OpenAI's
+error object, never a 5xx, and the server's processes survive. Predictions (OpenAI's Predicted Outputs)
+are drawn well-formed, malformed and arbitrary.
 
 Arbitrary JSON values (huge integers, NaN, lone surrogates, nested containers) replace random fields of an
 otherwise valid body. Valid bodies are kept cheap: a token budget that is a valid integer is cut to
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -63,11 +66,11 @@ SAMPLING_FIELDS = [
 ]  # fmt: skip
 CHAT_FIELDS = [
     *SAMPLING_FIELDS, "messages", "model", "max_tokens", "max_completion_tokens", "logprobs",
-    "top_logprobs", "stream", "stream_options", "user", "min_tokens", "rid",
+    "top_logprobs", "stream", "stream_options", "user", "min_tokens", "rid", "prediction",
 ]  # fmt: skip
 COMPLETION_FIELDS = [
     *SAMPLING_FIELDS, "prompt", "model", "max_tokens", "logprobs", "echo", "stream", "stream_options",
-    "user", "min_tokens", "rid",
+    "user", "min_tokens", "rid", "prediction",
 ]  # fmt: skip
 GENERATE_FIELDS = [
     "text",
@@ -179,15 +182,19 @@ def child_pids(server: ServerHandle) -> dict[str, int]:
     return pids
 
 
-def check_answer(client: httpx.Client, path: str, body) -> None:
+def check_answer(client: httpx.Client, path: str, body, method: str = "POST", params=None) -> None:
     # ensure_ascii: lone surrogates go as \ud800 escapes; NaN/Infinity go as their (non-JSON) literals.
-    content = json.dumps(body, ensure_ascii=True).encode()
+    content = None if body is None else json.dumps(body, ensure_ascii=True).encode()
     try:
-        r = client.post(path, content=content, headers={"content-type": "application/json"})
+        r = client.request(
+            method, path, content=content, params=params, headers={"content-type": "application/json"}
+        )
     except httpx.HTTPError as e:
-        pytest.fail(f"no answer ({e!r}) to {content[:500]!r}")
+        pytest.fail(f"no answer ({e!r}) to {method} {path} {params!r} {(content or b'')[:500]!r}")
     event(f"HTTP {r.status_code}")  # the mix of answers, in --hypothesis-show-statistics
-    assert r.status_code < 500, f"HTTP {r.status_code} for {content[:500]!r}: {r.text[:500]}"
+    assert r.status_code < 500, (
+        f"HTTP {r.status_code} for {method} {path} {params!r} {(content or b'')[:500]!r}: {r.text[:500]}"
+    )
     assert 200 <= r.status_code < 300 or 400 <= r.status_code < 500, r.status_code
     if r.status_code >= 400:
         payload = r.json()
@@ -213,6 +220,104 @@ ROUTE_BODIES = {
 @given(data=st.data())
 def test_route_never_5xx(client, path, data):
     check_answer(client, path, data.draw(anything_or(ROUTE_BODIES[path]), label="body"))
+
+
+# ---- the newer surfaces: predictions, LoRA admin, /v1/loads queries, the scale-out routes ----
+PREDICTION_PARTS = st.one_of(
+    st.just({"type": "text", "text": " upon a time"}),
+    st.dictionaries(st.sampled_from(["type", "text", "extra"]), json_values, max_size=3),
+)
+predictions = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "type": st.just("content"),
+            "content": st.one_of(st.text(max_size=40), st.lists(PREDICTION_PARTS, max_size=4)),
+        }
+    ),
+    st.dictionaries(st.sampled_from(["type", "content", "extra"]), json_values, max_size=3),
+    json_values,
+)
+
+
+@st.composite
+def prediction_bodies(draw) -> tuple[str, dict]:
+    route = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    head = (
+        {"prompt": "Once"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "Go"}]}
+    )
+    return route, {
+        **head,
+        "max_tokens": MAX_FUZZ_TOKENS,
+        "stream": draw(st.booleans()),
+        "prediction": draw(predictions),
+    }
+
+
+@pytest.mark.usefixtures("child_pids")
+@settings(FUZZ, max_examples=25)  # each generates: the slowest of the new surfaces
+@given(case=prediction_bodies())
+def test_a_prediction_of_any_shape_never_5xx(client, case):
+    check_answer(client, *case)
+
+
+# This server serves no LoRA: a well-formed body is refused after validation, which garbage must not pass.
+LORA_BODIES = {
+    "/load_lora_adapter": {"lora_name": "a", "lora_path": "/nowhere", "pinned": False},
+    "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/nowhere"},
+    "/unload_lora_adapter": {"lora_name": "a"},
+    "/v1/unload_lora_adapter": {"lora_name": "a"},
+}
+
+
+@pytest.mark.usefixtures("child_pids")
+@settings(FUZZ, max_examples=30)
+@given(route=st.sampled_from(sorted(LORA_BODIES)), data=st.data())
+def test_lora_admin_garbage_never_5xx(client, route, data):
+    fields = overrides(["lora_name", "lora_path", "pinned"]).map(lambda o: {**LORA_BODIES[route], **o})
+    check_answer(client, route, data.draw(anything_or(fields), label="body"))
+
+
+LOAD_SECTIONS = ["core", "memory", "spec", "lora", "disagg", "queues", "all", "gpu", ""]
+query_values = st.one_of(
+    st.sampled_from(LOAD_SECTIONS),
+    st.lists(st.sampled_from(LOAD_SECTIONS), max_size=4).map(",".join),
+    st.text(max_size=10),
+)
+query_strings = st.lists(
+    st.tuples(st.one_of(st.just("include"), st.just("include"), st.text(max_size=6)), query_values),
+    max_size=3,
+)
+
+
+@pytest.mark.usefixtures("child_pids")
+@settings(FUZZ, max_examples=30)
+@given(path=st.sampled_from(["/v1/loads", "/get_loads"]), params=query_strings)
+def test_loads_query_strings_never_5xx(client, path, params):
+    check_answer(client, path, None, method="GET", params=params)
+
+
+# (method, route) of the routes a gateway calls besides generation (scale_out.md), with a body for a POST
+SCALE_OUT = [
+    ("GET", "/v1/models"), ("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/server_info"),
+    ("GET", "/get_server_info"), ("GET", "/tokenizer_info"), ("GET", "/flush_cache"), ("POST", "/flush_cache"),
+    ("POST", "/abort_request"), ("GET", "/set_trace_level"), ("POST", "/set_trace_level"), ("GET", "/v1/models/"),
+]  # fmt: skip
+
+
+@pytest.mark.usefixtures("child_pids")
+@settings(FUZZ, max_examples=40)
+@given(route=st.sampled_from(SCALE_OUT), params=query_strings, data=st.data())
+def test_scale_out_routes_never_5xx(client, route, params, data):
+    method, path = route
+    if path.endswith("/"):  # a model's card: any name
+        path += quote(data.draw(st.text(min_size=1, max_size=12), label="model"), safe="")
+    fields = overrides(["rid", "abort_all", "level"]) if path == "/abort_request" else json_values
+    body = data.draw(st.one_of(st.none(), fields), label="body") if method == "POST" else None
+    check_answer(
+        client, path, body, method=method, params=data.draw(st.sampled_from([None, params]), label="query")
+    )
 
 
 # ---- valid values at their extremes: these must be served (200), not merely not 5xx ----

@@ -156,6 +156,11 @@ CASES = [
         "not a power of two",
     ),
     (
+        "alignment-not-an-integer",
+        lambda c: c.put(c.key_type("general.alignment"), "I", 6),  # its uint32 read as a float32
+        "general.alignment must be a positive integer",
+    ),
+    (
         "unknown-ggml-type",
         lambda c: c.put(c.tensor_type("tensor.b"), "I", 4),
         "'tensor.b' has unknown ggml type 4",
@@ -257,6 +262,21 @@ def test_a_header_past_the_metadata_limit_is_refused_as_such(base_file, monkeypa
     monkeypatch.setattr(gguf_file, "MAX_METADATA_BYTES", 64)
     with pytest.raises(GGUFError, match="64-byte limit"):
         GGUFFile.open(str(base_file[0]))
+
+
+def test_a_tensor_name_longer_than_ggml_allows_is_refused(tmp_path):
+    """llama.cpp keeps names in 64-byte buffers (with the NUL): a longer one is no file it would load."""
+    path = tmp_path / "long-name.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("x" * 64, np.zeros(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(
+        GGUFError, match="a tensor name at byte .* is 64 bytes long, more than the 63 allowed"
+    ):
+        GGUFFile.open(str(path))
 
 
 def test_a_zero_tensor_file_is_valid(tmp_path):

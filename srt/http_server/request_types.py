@@ -1,6 +1,7 @@
 """The one definition of a valid request value, shared by the OpenAI and the native request models.
 
-Every route parses its body into a `StrictModel`: an int field takes no bool, str or float; a float takes an
+Every route parses its body into a `StrictModel`: a key no field has, in any object of the body, is refused
+by name (`StrictModel`'s one rule); an int field takes no bool, str or float; a float takes an
 int but no bool, str, NaN or infinity; a bool takes only true/false; every string anywhere in the body must be
 encodable as UTF-8 (a JSON `"\\ud800"` escape decodes to a lone surrogate that the tokenizer, the detokenizer
 and `json.dumps` of a response would all choke on). Numbers have 64-bit (or narrower) ranges and lists have

@@ -132,6 +132,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench_long_prompt] %(message)s")
     args = parse_args()
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_long_prompt-")
+    os.makedirs(log_dir, exist_ok=True)
     port = find_free_port()
     peer = srt_peer(port, resolve_model_dir(args.model_path), *args.server_args.split())
     with RunningServer(peer, os.path.join(log_dir, "server.log")) as server:

@@ -51,6 +51,13 @@ LONE_PREFILL_STEP_SECONDS = 1.0
 # arriving meanwhile wait 21.7 s on a 2-core CPU. 256 tokens are 0.2-1 s at the 259-1,300 prompt tokens/s
 # measured on this project's CPUs at short contexts (docs/benchmarks/), and b is measured after that step.
 DEFAULT_LONE_PREFILL_TOKENS = 256
+# Never fewer prefill tokens in a prefill step of its own than this, however slow its tokens look: a step's
+# size-independent cost (the weights streamed once, the layers' Python, sampling: ~20 ms on the Zen 4 of
+# docs/benchmarks/, far more on a contended CPU) is then a small share of it. b charges that cost to a
+# step's tokens, so small steps make a token look dear and keep the budget small: on a busy 2-core CPU, after
+# a few 24-token prompts, a 3,000-token prompt went in 32-token steps of about 1 s each. 128 tokens at the end
+# of a 6,300-token prompt on that Zen 4 (~5 ms a token there) take ~0.7 s, within the budget.
+MIN_LONE_PREFILL_TOKENS = 128
 # Never fewer prefill tokens per mixed step than this: a waiting prompt always makes progress.
 MIN_MIXED_PREFILL_TOKENS = 32
 # The budget before the cost model has measured b (measured on this project's CPU with SmolLM2-135M fp32:
@@ -112,14 +119,15 @@ class MixedChunkBudget:
 
     def lone_prefill_tokens(self, decode_tokens: int = 0) -> int | None:
         """Prefill tokens of a step bounded by LONE_PREFILL_STEP_SECONDS: one with nothing decoding, or one
-        that continues a long prompt next to `decode_tokens` decoding requests (their rows cost b each too).
+        that continues a long prompt next to `decode_tokens` decoding requests (their rows cost b each too);
+        never fewer than MIN_LONE_PREFILL_TOKENS.
         DEFAULT_LONE_PREFILL_TOKENS before b is measured; None where the model is not fed (tensor
         parallelism: the chunk size alone bounds the step, the same on every rank)."""
         b = self.token_seconds
         if b is None:
             return DEFAULT_LONE_PREFILL_TOKENS if self.adaptive else None
         a = self.fixed_seconds or 0.0
-        return max(MIN_MIXED_PREFILL_TOKENS, int((LONE_PREFILL_STEP_SECONDS - a) / b) - decode_tokens)
+        return max(MIN_LONE_PREFILL_TOKENS, int((LONE_PREFILL_STEP_SECONDS - a) / b) - decode_tokens)
 
 
 def _ema(old: float | None, sample: float) -> float:

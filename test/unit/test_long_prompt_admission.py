@@ -16,12 +16,12 @@ from srt.scheduler.scheduler import Scheduler
 from test.unit.scheduler_driver import drive, greedy, request
 from test.unit.test_scheduler import assert_pool_whole, make_scheduler, mixing, prompts
 
-LONG_LEN = 1500
+LONG_LEN = 1800
 # The step budget the cost model gives a prefill step of its own (LONE_PREFILL_STEP_SECONDS / b): small
 # against the prompt, so that it takes many steps.
-STEP_TOKENS = 60
+STEP_TOKENS = 150
 # A light load, as in a chat server: a few short prompts arriving during the long prefill, two at once once.
-ARRIVAL_STEPS = (1, 4, 5, 5, 9, 14, 20)
+ARRIVAL_STEPS = (1, 3, 4, 4, 6, 8, 9)
 SHORT_NEW_TOKENS = 3
 # The long prompt's steps with these arrivals, against its steps alone: their prompts and decode rows take
 # their share of the steps' budget (the issue's target for the time, in tokens).
@@ -101,10 +101,10 @@ def test_a_long_prompt_keeps_its_chunk_and_arrivals_go_in_the_next_step(tiny_mod
 def test_a_queue_of_arrivals_never_takes_more_than_its_share_of_the_step(tiny_model_dir):
     """Many prompts arriving at once go ahead of the long prompt a share of a step at a time: the long
     prompt still takes at least LONG_PROMPT_MIN_SHARE of every step, and the queue drains in order."""
-    # no prefix cache: a cached first token would make a prompt shorter than the 8 tokens counted below
+    # no prefix cache: a cached first token would make a prompt shorter than the 25 tokens counted below
     sched = make_scheduler(tiny_model_dir, chunked_prefill_size=4096, disable_radix_cache=True)
     sched = with_step_budget(sched, STEP_TOKENS)
-    burst = [request(f"b{i}", p, greedy(1)) for i, p in enumerate(prompts(12, low=8, high=8, seed=23))]
+    burst = [request(f"b{i}", p, greedy(1)) for i, p in enumerate(prompts(12, low=25, high=25, seed=23))]
     long_prompt = prompts(1, low=600, high=600, seed=24)[0]
     steps = []
 
@@ -112,7 +112,7 @@ def test_a_queue_of_arrivals_never_takes_more_than_its_share_of_the_step(tiny_mo
         steps.append((s.chunked_req.kv_len if s.chunked_req is not None else None, len(s.waiting)))
 
     drive(sched, {0: [request("long", long_prompt, greedy(1))], 1: burst}, on_step=record)
-    # 12 prompts of 8 tokens: 3 go ahead in each step (24 of 60 tokens, within the other half), in 4 steps
+    # 12 prompts of 25 tokens: 3 go ahead in each step (75 of 150 tokens, the other half), in 4 steps
     assert [waiting for _, waiting in steps[1:5]] == [9, 6, 3, 0]
     for (before, _), (after, _) in zip(steps[:4], steps[1:5], strict=True):
         assert after - before >= int(STEP_TOKENS * LONG_PROMPT_MIN_SHARE)

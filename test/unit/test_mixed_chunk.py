@@ -10,6 +10,7 @@ from srt.scheduler.mixed_chunk import (
     DEFAULT_LONE_PREFILL_TOKENS,
     DEFAULT_MIXED_PREFILL_TOKENS,
     LONE_PREFILL_STEP_SECONDS,
+    MIN_LONE_PREFILL_TOKENS,
     MIN_MIXED_PREFILL_TOKENS,
     MIXED_STEP_FLOOR_SECONDS,
     MixedChunkBudget,
@@ -148,21 +149,23 @@ def test_a_prefill_step_with_nothing_decoding_is_bounded_in_time_once_the_cost_i
     assert budget.lone_prefill_tokens() == int((LONE_PREFILL_STEP_SECONDS - 0.010) / 0.005)
     # a step continuing a long prompt next to decoding requests: their rows come out of the same second
     assert budget.lone_prefill_tokens(8) == budget.lone_prefill_tokens() - 8
-    budget.token_seconds = 10.0  # a step of one token already costs more: still progress
-    assert budget.lone_prefill_tokens() == MIN_MIXED_PREFILL_TOKENS
+    # a step of one token already costs more (a busy CPU, each step's fixed cost charged to its tokens): a
+    # chunk that still makes progress at a small share of fixed cost, not one that shrinks with the estimate
+    budget.token_seconds = 10.0
+    assert budget.lone_prefill_tokens() == MIN_LONE_PREFILL_TOKENS
 
 
 def test_a_lone_long_prompt_is_prefilled_in_time_bounded_steps(tiny_model_dir):
     sched = make_scheduler(tiny_model_dir, chunked_prefill_size=4096, enable_mixed_chunk=True)
-    sched.mixed_budget.fixed_seconds, sched.mixed_budget.token_seconds = 0.0, LONE_PREFILL_STEP_SECONDS / 100
+    sched.mixed_budget.fixed_seconds, sched.mixed_budget.token_seconds = 0.0, LONE_PREFILL_STEP_SECONDS / 200
     sched.mixed_budget.adaptive = False  # keep the cost model where the test put it
     steps = []
     res = drive(
         sched,
-        {0: [request("long", prompts(1, low=450, high=450)[0], greedy(2))]},
+        {0: [request("long", prompts(1, low=900, high=900)[0], greedy(2))]},
         on_step=lambda step, s: steps.append(s.chunked_req is not None),
     )
-    assert sum(steps) == 4  # 450 tokens in steps of 100: four left a chunk pending
+    assert sum(steps) == 4  # 900 tokens in steps of 200: four left a chunk pending
     assert len(res["long"].output_ids) == 2
 
 

@@ -93,6 +93,12 @@ class BlockMatrix:
         elements, nbytes = block_shape(self.qtype)
         return self.cols // elements * nbytes
 
+    @functools.cached_property
+    def address(self) -> tuple[int, int]:
+        """(the first row's address, the bytes from one row to the next): what the kernels read, taken once
+        (a layer's call then costs one C call a part, not a tensor slice and checks a part)."""
+        return self.data.data_ptr(), self.data.stride(0) if self.rows > 1 else self.row_bytes
+
     @property
     def type_name(self) -> str:
         return type_name(self.qtype)
@@ -115,6 +121,7 @@ class GGUFKernels:
         self._matmul_exact = lib.function("srt_gguf_matmul_exact")
         self._dequantize = lib.function("srt_gguf_dequantize_rows")
         self._act_row_bytes = lib.function("srt_gguf_act_row_bytes")
+        self._act_bytes: dict[int, int] = {}
         # the C source and gguf's tables must agree on every block's size
         type_bytes, type_elements = (
             lib.function("srt_gguf_type_bytes"),
@@ -127,52 +134,25 @@ class GGUFKernels:
                     f"the GGUF kernels disagree with gguf on the size of {type_name(t)} blocks"
                 )
 
+    def act_row_bytes(self, cols: int) -> int:
+        """Bytes of one token's quantized activations (the C source's layout)."""
+        if cols not in self._act_bytes:
+            self._act_bytes[cols] = self._act_row_bytes(cols)
+        return self._act_bytes[cols]
+
     def quantize_activations(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, cols] (unit column stride, cols a multiple of 32) -> the kernels' int8 activation rows."""
         t, cols = x.shape
-        act = torch.empty((t, self._act_row_bytes(cols)), dtype=torch.uint8)
+        act = torch.empty((t, self.act_row_bytes(cols)), dtype=torch.uint8)
         if t:
             self._quantize(x.data_ptr(), t, cols, x.stride(0), act.data_ptr())
         return act
 
-    def matmul_into(
-        self, out: torch.Tensor, x: torch.Tensor, act: torch.Tensor | None, m: BlockMatrix
-    ) -> None:
-        """out [T, m.rows] (a unit-stride column slice of a larger output may do) = x @ dequantized(m).T: from
-        `act` (quantize_activations(x)) for a quantized type, from x itself for a float one or where act is
-        None (exact fp32 activations)."""
-        t = x.shape[0]
-        if out.shape != (t, m.rows) or out.dtype != torch.float32 or (m.rows > 1 and out.stride(1) != 1):
-            raise ValueError(f"output {tuple(out.shape)} for a [{t}, {m.rows}] product")
-        if t == 0 or m.rows == 0:
-            return
-        w_stride = m.data.stride(0) if m.rows > 1 else m.row_bytes
-        if m.qtype in QUANTIZED_TYPES and act is not None:
-            if act.shape != (t, self._act_row_bytes(m.cols)):
-                raise ValueError("quantized activations of the wrong shape")
-            rc = self._matmul(
-                m.qtype,
-                act.data_ptr(),
-                t,
-                m.data.data_ptr(),
-                w_stride,
-                m.rows,
-                m.cols,
-                out.data_ptr(),
-                out.stride(0),
-            )
-        else:
-            rc = self._matmul_exact(
-                m.qtype, x.data_ptr(), t, x.stride(0), m.data.data_ptr(), w_stride, m.rows, m.cols,
-                out.data_ptr(), out.stride(0),
-            )  # fmt: skip
-        if rc != 0:
-            raise UnsupportedBlockType(f"the GGUF kernels do not take ggml type {m.type_name}")
-
     def matmul(self, x: torch.Tensor, parts: list[BlockMatrix], exact: bool = False) -> torch.Tensor:
         """x fp32 [..., cols] times the parts' matrices stacked along the output: [..., sum of rows]. The
         activations are quantized once for all quantized parts, or kept in fp32 (`exact`: the product of
-        the dequantized weights, slower; see the module's docstring)."""
+        the dequantized weights, slower; see the module's docstring). Each part writes its columns of the
+        output in place."""
         if not parts:
             raise ValueError("no block matrices to multiply")
         cols = parts[0].cols
@@ -182,14 +162,23 @@ class GGUFKernels:
             if p.cols != cols:
                 raise ValueError(f"fused block matrices disagree on their input size ({p.cols} != {cols})")
         x2 = _activation_rows(x, cols)
-        total = sum(p.rows for p in parts)
-        out = torch.empty((x2.shape[0], total), dtype=torch.float32)
-        quantized = not exact and any(p.qtype in QUANTIZED_TYPES for p in parts)
-        act = self.quantize_activations(x2) if quantized else None
-        offset = 0
-        for p in parts:
-            self.matmul_into(out[:, offset : offset + p.rows], x2, act, p)
-            offset += p.rows
+        t, total = x2.shape[0], sum(p.rows for p in parts)
+        out = torch.empty((t, total), dtype=torch.float32)
+        if t and total:
+            quantized = not exact and any(p.qtype in QUANTIZED_TYPES for p in parts)
+            act = self.quantize_activations(x2) if quantized else None
+            column = out.data_ptr()
+            for p in parts:
+                w, w_stride = p.address
+                if act is not None and p.qtype in QUANTIZED_TYPES:
+                    rc = self._matmul(p.qtype, act.data_ptr(), t, w, w_stride, p.rows, cols, column, total)
+                else:
+                    rc = self._matmul_exact(
+                        p.qtype, x2.data_ptr(), t, x2.stride(0), w, w_stride, p.rows, cols, column, total
+                    )
+                if rc != 0:
+                    raise UnsupportedBlockType(f"the GGUF kernels do not take ggml type {p.type_name}")
+                column += p.rows * out.element_size()
         return out.view(*x.shape[:-1], total)
 
     def dequantize_rows(self, m: BlockMatrix, ids: torch.Tensor) -> torch.Tensor:
@@ -198,21 +187,20 @@ class GGUFKernels:
         flat = ids.reshape(-1).contiguous()
         out = torch.empty((flat.numel(), m.cols), dtype=torch.float32)
         if flat.numel():
-            w_stride = m.data.stride(0) if m.rows > 1 else m.row_bytes
-            rc = self._dequantize(
-                m.qtype, m.data.data_ptr(), w_stride, m.cols, flat.data_ptr(), flat.numel(), out.data_ptr()
-            )
+            w, w_stride = m.address
+            rc = self._dequantize(m.qtype, w, w_stride, m.cols, flat.data_ptr(), flat.numel(), out.data_ptr())
             if rc != 0:
                 raise UnsupportedBlockType(f"the GGUF kernels do not take ggml type {m.type_name}")
         return out.view(*ids.shape, m.cols)
 
 
 def _activation_rows(x: torch.Tensor, cols: int) -> torch.Tensor:
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    """x as fp32 rows [T, cols] with unit column stride (a view where it is one already)."""
+    if x.dtype is not torch.float32 or not x.is_cpu:
         raise TypeError(f"GGUF matmul takes fp32 CPU activations, got {x.dtype} on {x.device}")
     if x.dim() == 0 or x.shape[-1] != cols:
         raise ValueError(f"activations of shape {tuple(x.shape)} for a matrix of {cols} input features")
-    x2 = x.reshape(-1, cols)
+    x2 = x if x.dim() == 2 else x.reshape(-1, cols)
     return x2 if x2.stride(1) == 1 and x2.stride(0) >= cols else x2.contiguous()
 
 

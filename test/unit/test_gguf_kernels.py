@@ -139,6 +139,23 @@ def test_strided_rows_and_activations_give_the_contiguous_result():
     assert torch.equal(block_matmul(x.reshape(1, 3, -1), packed)[0], block_matmul(x, packed))
 
 
+def test_tensor_parallel_shards_are_views_of_their_rows_and_block_columns():
+    m, w = matrix(T.Q4_K, cols=1024)
+    right = m.narrow(1, 512, 512)  # a row-parallel rank's input half: a strided view of the same bytes
+    assert right.data.data_ptr() == m.data.data_ptr() + m.row_bytes // 2
+    assert np.array_equal(dequantize_rows(right, torch.arange(ROWS)).numpy(), w[:, 512:])
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6))
+    assert_product(block_matmul(x, right).numpy(), w[:, 512:], x.numpy(), quantized=True)
+    rows = m.narrow(0, 4, 8)  # a column-parallel rank's outputs
+    assert np.array_equal(dequantize_rows(rows, torch.arange(8)).numpy(), w[4:12])
+    with pytest.raises(ValueError, match="256-element blocks"):
+        m.narrow(1, 128, 512)
+    with pytest.raises(ValueError, match="within it"):
+        m.narrow(1, 768, 512)
+    permuted = m.select_rows(torch.tensor([3, 0, 2]))
+    assert np.array_equal(dequantize_rows(permuted, torch.arange(3)).numpy(), w[[3, 0, 2]])
+
+
 def test_zero_and_non_finite_activation_blocks():
     m, w = matrix(T.Q8_0, cols=64)
     x = torch.zeros(3, 64)

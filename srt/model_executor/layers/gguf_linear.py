@@ -5,15 +5,24 @@ A `BlockMatrix` is one 2-D tensor of a GGUF file as it lies there (usually a vie
 memory map): `rows` output features, each `row_bytes` of ggml blocks along the `cols` input features. Nothing
 is converted, copied or calibrated: a decode step reads each weight block once from the page cache.
 
-Activations: quantized per block of 32 to int8 (ggml's Q8_0, as llama.cpp does for these formats), then
-integer dot products (vpdpbusd with AVX-512 VNNI, vpmaddubsw with AVX2, a portable loop elsewhere: one per
-machine, as for srt's int8 kernels). An output then differs from the exact fp32 product of the dequantized
-weight by at most sum_i |w_i| * d_i / 2 (d_i: the activation scale of input i's block, amax / 127): about
-1/254 of the block's largest activation per unit of weight, below the weight's own 4-6 bit rounding by two
-orders of magnitude. What it buys (scripts/bench_gguf_gemm.py, one 2048 x 2048 Q4_K weight, this 2-core Xeon
-with AVX-512 VNNI): see docs/benchmarks; exact fp32 activations would need the weights dequantized to floats
-in registers and 16 fp32 products an instruction instead of 64 int8 ones. F32/F16/BF16 rows (norm-sized
-tensors, the odd F16 embedding) keep exact fp32 activations.
+Activations are quantized per block of 32 to int8 (ggml's Q8_0, as llama.cpp does for these formats), once
+per layer call, and multiplied in integers (vpdpbusd with AVX-512 VNNI, vpmaddubsw with AVX2, a portable loop
+elsewhere: one per machine, as for srt's int8 kernels; cpu_gguf_kernels.c has the layouts). An output then
+differs from the exact fp32 product of the dequantized weight by at most sum_i |w_i| * d_i / 2 (d_i: the
+scale of input i's block, amax / 127): a step of 1/254 of the block's range, against the 1/15 (Q4) to 1/63
+(Q6) of the weights' own rounding. `exact=True` keeps fp32 activations (each weight chunk dequantized in L1,
+then fp32 products): the reference for end-to-end comparisons, and what F32/F16/BF16 rows always take.
+
+The trade, measured (scripts/bench_gguf_gemm.py, one core of a 2-core Xeon with AVX-512 VNNI, each call
+reading its weight from memory; docs/benchmarks/2026-11-29-intel-xeon-avx512-vnni-2core-gguf-gemm.md), ms
+for a 2048 x 2048 weight at 1 and 16 token rows:
+
+    Q4_K   int8 activations 0.34 / 1.9    exact fp32 1.4 / 8.3    srt's W8A8 int8 kernel 0.34 / 0.85
+    Q6_K                    0.39 / 1.9               1.5 / 5.8
+
+so the quantized activations are 4x faster at both sizes, and a batch-1 step runs the file's 4.5 bits about
+as fast as srt's int8 copy of the same weight runs its 8 (reading 56 % of the bytes); 16 rows cost 2.2x the
+int8 kernel's time (a scale multiply per 32 products, where the int8 kernel has one per row).
 
 Every operand is checked here before a C call (type, shape, dtype, strides, ids in range): a bad call is a
 Python exception, never a read past a tensor.
@@ -102,6 +111,22 @@ class BlockMatrix:
     @property
     def type_name(self) -> str:
         return type_name(self.qtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> BlockMatrix:
+        """A view of the output rows (dim 0) or input columns (dim 1, on block boundaries) [start, start +
+        length): a tensor-parallel shard (column-parallel splits rows, row-parallel columns) without a copy."""
+        if dim == 0:
+            return BlockMatrix(self.qtype, length, self.cols, self.data.narrow(0, start, length))
+        if dim != 1:
+            raise ValueError(f"a block matrix has dims 0 and 1, not {dim}")
+        elements, nbytes = block_shape(self.qtype)
+        if start % elements or length % elements or not 0 <= start <= start + length <= self.cols:
+            raise ValueError(
+                f"columns [{start}, {start + length}) of a {self.type_name} matrix of {self.cols}: a shard "
+                f"must lie within it, on its {elements}-element blocks"
+            )
+        view = self.data.narrow(1, start // elements * nbytes, length // elements * nbytes)
+        return BlockMatrix(self.qtype, self.rows, length, view)
 
     def select_rows(self, index: torch.Tensor) -> BlockMatrix:
         """The rows `index` (int64), in that order, as a new matrix (a copy of their bytes): rows are

@@ -32,10 +32,19 @@ from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.gguf_linear import BlockMatrix, block_matmul, dequantize_rows
 from srt.model_executor.layers.int8_math import quantize_per_channel
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # (out, in): TinyLlama-1.1B's attention projections and its gate/up (one of the two)
 SHAPES = ((2048, 2048), (5632, 2048))
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 def random_matrix(name: str, rows: int, cols: int, seed: int) -> BlockMatrix:

@@ -30,7 +30,7 @@ from srt.model_executor.parallel_state import TensorParallelGroup
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
-QUANTIZED = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 FLOATS = [T.F32, T.F16, T.BF16]
 # fp32 sums in another order than numpy's: relative to the sum of the terms' magnitudes (a row of a few
 # thousand terms in a few dozen partial sums rounds at ~1e-6 of it)
@@ -38,7 +38,16 @@ RTOL_SAME_INPUTS = 2e-5
 # token counts: one, a partial tile, a full tile, and past one token block (TOKEN_BLOCK = 32 in the C source)
 TOKENS = (1, 3, 4, 37)
 # input sizes: one C chunk (COL_CHUNK = 2048) and a half vector; past a chunk with a half-vector tail
-COLS = {T.Q4_0: 2080, T.Q4_1: 96, T.Q8_0: 2080, T.Q4_K: 2304, T.Q5_K: 512, T.Q6_K: 2304}
+COLS = {
+    T.Q4_0: 2080,
+    T.Q4_1: 96,
+    T.Q5_0: 2080,
+    T.Q5_1: 2080,
+    T.Q8_0: 2080,
+    T.Q4_K: 2304,
+    T.Q5_K: 512,
+    T.Q6_K: 2304,
+}
 ROWS = 19
 
 
@@ -46,7 +55,7 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, row_bytes]: gguf-py's own quantization where it has one, else random bytes with finite
     fp16 scales (any bytes are a valid K-quant block)."""
     rng = np.random.default_rng(seed)
-    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0) or qtype in FLOATS:
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0) or qtype in FLOATS:
         values = rng.standard_normal((rows, cols)).astype(np.float32)
         return gguf.quants.quantize(values, qtype).view(np.uint8).reshape(rows, -1)
     elements, nbytes = gguf.GGML_QUANT_SIZES[qtype]

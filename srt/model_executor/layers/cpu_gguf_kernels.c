@@ -1,4 +1,4 @@
-/* Matrix products over GGUF's block formats (ggml's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and F32/F16/BF16
+/* Matrix products over GGUF's block formats (ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32/F16/BF16
  * rows), read where they lie (a memory map of the file): gguf_linear.py checks every operand and calls these.
  *
  * One decoded form serves every block type. A weight row is decoded a chunk at a time (COL_CHUNK elements,
@@ -35,6 +35,8 @@
 #define GGML_F16 1
 #define GGML_Q4_0 2
 #define GGML_Q4_1 3
+#define GGML_Q5_0 6
+#define GGML_Q5_1 7
 #define GGML_Q8_0 8
 #define GGML_Q4_K 12
 #define GGML_Q5_K 13
@@ -71,6 +73,8 @@ static int64_t type_bytes(int qtype) {
     case GGML_BF16: return 2;
     case GGML_Q4_0: return 2 + QK / 2;
     case GGML_Q4_1: return 4 + QK / 2;
+    case GGML_Q5_0: return 2 + 4 + QK / 2;
+    case GGML_Q5_1: return 4 + 4 + QK / 2;
     case GGML_Q8_0: return 2 + QK;
     case GGML_Q4_K: return 4 + 12 + QK_K / 2;
     case GGML_Q5_K: return 4 + 12 + QK_K / 8 + QK_K / 2;
@@ -82,7 +86,7 @@ static int64_t type_bytes(int qtype) {
 static int64_t type_elements(int qtype) {
     switch (qtype) {
     case GGML_F32: case GGML_F16: case GGML_BF16: return 1;
-    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q8_0: return QK;
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: return QK;
     case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return QK_K;
     default: return 0;
     }
@@ -166,6 +170,26 @@ static void decode_q4_1(const uint8_t *restrict b, int64_t nb, int8_t *restrict 
         store16(w + QK / 2, q >> 4);
         sc16[0] = sc16[1] = fp16(b);
         mn16[0] = mn16[1] = fp16(b + 2);
+    }
+}
+
+/* Q5_0 and Q5_1 (ONE): d [, m] fp16, 32 bits qh, 16 bytes of nibbles; element j < 16 takes the low nibble of
+ * qs[j], j >= 16 the high one of qs[j - 16], and bit j of qh above it; value d * (q - 16), or d * q + m. */
+ALWAYS_INLINE void decode_q5(const uint8_t *restrict b, int64_t nb, int8_t *restrict w, float *restrict sc16,
+                             float *restrict mn16, const int ONE) {
+    const int64_t head = ONE ? 4 : 2, bytes = head + 4 + QK / 2;
+    const u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    for (int64_t k = 0; k < nb; k++, b += bytes, w += QK, sc16 += QK / GROUP, mn16 += QK / GROUP) {
+        const uint8_t *h = b + head;
+        const u8x16 q = load16(b + head + 4);
+        const u8x16 h0 = {h[0], h[0], h[0], h[0], h[0], h[0], h[0], h[0], h[1], h[1], h[1], h[1], h[1], h[1], h[1], h[1]};
+        const u8x16 h1 = {h[2], h[2], h[2], h[2], h[2], h[2], h[2], h[2], h[3], h[3], h[3], h[3], h[3], h[3], h[3], h[3]};
+        const u8x16 hi0 = (u8x16)((h0 & bit) != 0) & 16, hi1 = (u8x16)((h1 & bit) != 0) & 16;
+        const uint8_t offset = ONE ? 0 : 16;
+        store16(w, ((q & 0x0f) | hi0) - offset);
+        store16(w + QK / 2, ((q >> 4) | hi1) - offset);
+        sc16[0] = sc16[1] = fp16(b);
+        mn16[0] = mn16[1] = ONE ? fp16(b + 2) : 0.0f;
     }
 }
 
@@ -259,6 +283,8 @@ ALWAYS_INLINE void decode(const int QTYPE, const uint8_t *row, int64_t c0, int64
     switch (QTYPE) {
     case GGML_Q4_0: decode_q4_0(b, nb, w, sc16, mn16); break;
     case GGML_Q4_1: decode_q4_1(b, nb, w, sc16, mn16); break;
+    case GGML_Q5_0: decode_q5(b, nb, w, sc16, mn16, 0); break;
+    case GGML_Q5_1: decode_q5(b, nb, w, sc16, mn16, 1); break;
     case GGML_Q8_0: decode_q8_0(b, nb, w, sc16, mn16); break;
     case GGML_Q4_K: decode_k45(b, nb, w, sc16, mn16, 0); break;
     case GGML_Q5_K: decode_k45(b, nb, w, sc16, mn16, 1); break;
@@ -462,7 +488,7 @@ ALWAYS_INLINE void dot_tokens(const int8_t *w, const float *sc16, const float *m
  * it back cost more than the arithmetic (Q4_K 2048 x 2048 on one core of a Xeon: 21 cycles per 64 elements
  * with the decoded form, 11 here). The weights, scales and offsets are the decoded form's, made in registers,
  * and the steps, lanes and sums are dot_tile's, in its order: a token gets the same bits alone as in a batch.
- * Q4_1 (rare in files) keeps the decoded form. */
+ * Q4_1 and Q5_1 keep the decoded form (their offsets would need its 16-group vectors to keep its bits). */
 
 static inline __m512 two_scales(float lo, float hi) { /* lanes 0-7 lo, 8-15 hi */
     return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(lo), _mm512_set1_ps(hi));
@@ -481,18 +507,25 @@ static inline __m512i nibble_blocks(const uint8_t *a, const uint8_t *b) {
     return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-/* Q4_0, Q8_0: the nb blocks of 32 at b, two a step (the last alone in a masked half step when nb is odd) */
+/* Q4_0, Q5_0, Q8_0: the nb blocks of 32 at b, two a step (the last alone in a masked half step when nb is odd) */
 ALWAYS_INLINE void fused_blocks32(const int QTYPE, const uint8_t *b, int64_t nb, const ActChunk *ac, __m512 *v) {
     const int64_t bytes = type_bytes(QTYPE);
     for (int64_t k = 0; k < nb; k += 2) {
         const int pair = k + 1 < nb;
         const uint8_t *x = b + k * bytes, *y = pair ? x + bytes : x;
         __m512i wv;
-        if (QTYPE == GGML_Q8_0)
+        if (QTYPE == GGML_Q8_0) {
             wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
                                     _mm256_loadu_si256((const __m256i *)(y + 2)), 1);
-        else
+        } else if (QTYPE == GGML_Q5_0) { /* bit j of a block's qh is its element j's fifth bit */
+            uint32_t hx, hy;
+            memcpy(&hx, x + 2, sizeof hx);
+            memcpy(&hy, y + 2, sizeof hy);
+            const __m512i high = _mm512_maskz_mov_epi8((__mmask64)hx | ((__mmask64)hy << 32), _mm512_set1_epi8(16));
+            wv = _mm512_sub_epi8(_mm512_or_si512(nibble_blocks(x + 6, y + 6), high), _mm512_set1_epi8(16));
+        } else {
             wv = _mm512_sub_epi8(nibble_blocks(x + 2, y + 2), _mm512_set1_epi8(8));
+        }
         if (pair) {
             fused_step(wv, two_scales(fp16(x), fp16(y)), ac, k * QK, 1, 0, v);
         } else {
@@ -576,7 +609,7 @@ ALWAYS_INLINE void fused_chunk(const int QTYPE, const uint8_t *row, int64_t c0, 
 ALWAYS_INLINE void rows_times_tokens(const int QTYPE, const uint8_t *act, int64_t b0, int64_t tb, const uint8_t *w,
                                      int64_t w_stride, int64_t j0, int64_t j1, int64_t rows, int64_t cols, float *out,
                                      int64_t out_stride) {
-    const int MIN = QTYPE == GGML_Q4_1 || QTYPE == GGML_Q4_K || QTYPE == GGML_Q5_K;
+    const int MIN = QTYPE == GGML_Q4_1 || QTYPE == GGML_Q5_1 || QTYPE == GGML_Q4_K || QTYPE == GGML_Q5_K;
     const int64_t act_bytes = srt_gguf_act_row_bytes(cols);
     int8_t q[COL_CHUNK] __attribute__((aligned(64)));
     float sc16[COL_CHUNK / GROUP] __attribute__((aligned(64))), mn16[COL_CHUNK / GROUP] __attribute__((aligned(64)));
@@ -588,7 +621,7 @@ ALWAYS_INLINE void rows_times_tokens(const int QTYPE, const uint8_t *act, int64_
         for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK) {
             const int64_t n = cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK;
 #if SRT_ISA == 2
-            if (tb == 1 && QTYPE != GGML_Q4_1) {
+            if (tb == 1 && !(QTYPE == GGML_Q4_1 || QTYPE == GGML_Q5_1)) {
                 const ActChunk ac = act_chunk(act + b0 * act_bytes, cols, c0);
                 fused_chunk(QTYPE, w + j * w_stride, c0, n, &ac, acc);
                 continue;
@@ -625,6 +658,8 @@ int srt_gguf_matmul(int qtype, const uint8_t *act, int64_t m, const uint8_t *w, 
     switch (qtype) {
     case GGML_Q4_0: matmul_type(GGML_Q4_0, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
     case GGML_Q4_1: matmul_type(GGML_Q4_1, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
+    case GGML_Q5_0: matmul_type(GGML_Q5_0, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
+    case GGML_Q5_1: matmul_type(GGML_Q5_1, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
     case GGML_Q8_0: matmul_type(GGML_Q8_0, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
     case GGML_Q4_K: matmul_type(GGML_Q4_K, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
     case GGML_Q5_K: matmul_type(GGML_Q5_K, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
@@ -650,6 +685,8 @@ static void dequantize_chunk(int qtype, const uint8_t *row, int64_t c0, int64_t 
     switch (qtype) {
     case GGML_Q4_0: dequantize_chunk_type(GGML_Q4_0, row, c0, n, dst); break;
     case GGML_Q4_1: dequantize_chunk_type(GGML_Q4_1, row, c0, n, dst); break;
+    case GGML_Q5_0: dequantize_chunk_type(GGML_Q5_0, row, c0, n, dst); break;
+    case GGML_Q5_1: dequantize_chunk_type(GGML_Q5_1, row, c0, n, dst); break;
     case GGML_Q8_0: dequantize_chunk_type(GGML_Q8_0, row, c0, n, dst); break;
     case GGML_Q4_K: dequantize_chunk_type(GGML_Q4_K, row, c0, n, dst); break;
     case GGML_Q5_K: dequantize_chunk_type(GGML_Q5_K, row, c0, n, dst); break;

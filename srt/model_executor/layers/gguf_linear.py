@@ -41,7 +41,9 @@ from srt.model_executor.layers.cpu_kernel_build import build
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 
 _T = GGMLQuantizationType
-QUANTIZED_TYPES = frozenset(int(t) for t in (_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K))
+QUANTIZED_TYPES = frozenset(
+    int(t) for t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+)
 FLOAT_TYPES = frozenset(int(t) for t in (_T.F32, _T.F16, _T.BF16))
 SUPPORTED_TYPES = QUANTIZED_TYPES | FLOAT_TYPES
 # the activations' quantization block (QK in the C source): every quantized type's block is a multiple of it

@@ -14,7 +14,9 @@ import dataclasses
 import json
 import os
 
+from srt.gguf_metadata import gguf_model_card
 from srt.io_struct import SchedulerReady
+from srt.model_source import is_gguf_file
 from srt.server_args import ServerArgs
 
 # The `owned_by` of srt's model card: the value gateways (SMG, sglang-router) read as an SGLang worker, whose
@@ -41,7 +43,9 @@ def adapter_card(adapter, base_name: str, created: int, context_len: int) -> dic
 
 
 def model_config(model_dir: str) -> dict:
-    """The model directory's config.json, or {} if it has none."""
+    """The model directory's config.json (a GGUF's metadata: its model card), or {} if it has none."""
+    if is_gguf_file(model_dir):
+        return gguf_model_card(model_dir)
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             return json.load(f)

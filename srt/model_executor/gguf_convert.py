@@ -17,8 +17,8 @@ import shutil
 import tempfile
 import time
 
+from srt.gguf_metadata import CHAT_TEMPLATES, END_OF_TURN_TOKENS
 from srt.model_source import CONVERTED_MARKER
-from srt.tokenizer_loading import CHAT_TEMPLATES, END_OF_TURN_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from srt.gguf_metadata import GGUF_ARCHITECTURES, gguf_chat_conventions
 from srt.model_executor.gguf_file import GGUFError, GGUFFile
 from srt.model_executor.layers.block_embedding import BlockEmbedding
 from srt.model_executor.layers.gguf_linear import SUPPORTED_TYPES, BlockMatrix
@@ -37,7 +38,6 @@ from srt.model_executor.layers.linear_method import WEIGHT, LayerMethods
 from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
-from srt.tokenizer_loading import gguf_chat_conventions
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,11 @@ PERMUTED_QK_ARCHS = ("llama",)
 
 @dataclass(frozen=True)
 class Family:
-    """What a GGUF architecture is in srt: the config class and `architectures` name transformers gives
-    it, whether its norms are stored as 1 + w, and its norm tensors' modules in a decoder layer."""
+    """What a GGUF architecture is in srt: the transformers config class it reads as (its `architectures`
+    name: gguf_metadata.GGUF_ARCHITECTURES), its norm tensors' modules in a decoder layer, and whether its
+    norms are stored as 1 + w."""
 
     config_class: str
-    architecture: str
     norms: dict[str, str]
     norm_plus_one: bool = False
 
@@ -65,12 +65,11 @@ _LLAMA_NORMS = {
     "attn_k_norm": "self_attn.k_norm",
 }
 FAMILIES = {
-    "llama": Family("LlamaConfig", "LlamaForCausalLM", _LLAMA_NORMS),
-    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", _LLAMA_NORMS),
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", _LLAMA_NORMS),
+    "llama": Family("LlamaConfig", _LLAMA_NORMS),
+    "qwen2": Family("Qwen2Config", _LLAMA_NORMS),
+    "qwen3": Family("Qwen3Config", _LLAMA_NORMS),
     "gemma3": Family(
         "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
         {
             "attn_norm": "input_layernorm",
             "post_attention_norm": "post_attention_layernorm",
@@ -146,7 +145,7 @@ def gguf_config(gguf: GGUFFile):
     )
     fields["vocab_size"] = _vocab_size(gguf)
     fields["tie_word_embeddings"] = HEAD not in gguf.tensors
-    fields["architectures"] = [family.architecture]
+    fields["architectures"] = [GGUF_ARCHITECTURES[arch][1]]
     rope = _rope_parameters(key)
     if arch == "gemma3":
         fields["query_pre_attn_scalar"] = fields.get("head_dim", 256)

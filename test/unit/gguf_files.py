@@ -20,9 +20,19 @@ from srt.model_executor.gguf_file import GGUFFile
 
 # Small but GQA (4 query heads per 2 KV heads) and wide enough for the K-quants' 256-value super-blocks.
 SHAPE = dict(hidden=256, heads=4, kv_heads=2, inter=512, context=2048)
-WEIGHT_STD = 0.1  # peaky logits: greedy choices are rarely near-ties (as conftest's tiny Llama)
+# Small enough that the kernels' int8 activation rounding is not amplified through the layers (at 0.1 one
+# position in 64 moved by the logits' whole range against exact activations; at 0.03, 0.06 of a 2.3 range).
+WEIGHT_STD = 0.03
 # byte offsets of the fp16 scale(s) in a K-quant block that scale every value of it
 K_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+# Q4_K's and Q5_K's packed 6-bit sub-block scales and mins (bytes 4-15), set so that every value is
+# d * (2q - 15) (Q4_K, q 0..15) or d * (2q - 31) (Q5_K, q 0..31): zero-mean weights. Random bytes there
+# give every block an offset, and a layer whose rows share an offset cancels its inputs' mean so sharply
+# that int8 activation rounding is amplified ~15x (a wrong-looking token on a sound kernel).
+K_SUBBLOCK_SCALES = {
+    T.Q4_K: bytes([2] * 4 + [15] * 4 + [2 | 15 << 4] * 4),  # scale 2, min 15
+    T.Q5_K: bytes([2] * 4 + [31 | 1 << 6] * 4 + [2 | 15 << 4] * 4),  # scale 2, min 31
+}
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -49,6 +59,8 @@ def encode(rng: np.random.Generator, rows: int, cols: int, qtype: T) -> np.ndarr
         return quantize((rng.standard_normal((rows, cols)) * WEIGHT_STD).astype(np.float32), qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    if qtype in K_SUBBLOCK_SCALES:
+        blocks[:, 4:16] = np.frombuffer(K_SUBBLOCK_SCALES[qtype], np.uint8)
     for offset in K_SCALE_OFFSETS[qtype]:
         blocks[:, offset : offset + 2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     std = float(dequantize(blocks, qtype).std())

@@ -168,8 +168,8 @@ def test_a_gemma3_gguf_gets_the_turn_template_and_end_of_turn_as_an_end_token():
     families are left as they are."""
     from types import SimpleNamespace
 
+    from srt.gguf_metadata import GEMMA3_CHAT_TEMPLATE
     from srt.model_executor import gguf_convert
-    from srt.tokenizer_loading import GEMMA3_CHAT_TEMPLATE
 
     class Tokenizer:
         unk_token_id = 3
@@ -195,7 +195,7 @@ def test_a_gemma3_gguf_gets_the_turn_template_and_end_of_turn_as_an_end_token():
 def test_the_gemma3_template_renders_gemmas_turns():
     from jinja2 import Environment
 
-    from srt.tokenizer_loading import GEMMA3_CHAT_TEMPLATE
+    from srt.gguf_metadata import GEMMA3_CHAT_TEMPLATE
 
     messages = [
         {"role": "system", "content": "Be brief."},

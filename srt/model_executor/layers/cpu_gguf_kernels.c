@@ -487,8 +487,7 @@ ALWAYS_INLINE void dot_tokens(const int8_t *w, const float *sc16, const float *m
  * A decode step (one sequence) has nothing to share a decoded chunk with, and writing it to L1 and reading
  * it back cost more than the arithmetic (Q4_K 2048 x 2048 on one core of a Xeon: 21 cycles per 64 elements
  * with the decoded form, 11 here). The weights, scales and offsets are the decoded form's, made in registers,
- * and the steps, lanes and sums are dot_tile's, in its order: a token gets the same bits alone as in a batch.
- * Q4_1 and Q5_1 keep the decoded form (their offsets would need its 16-group vectors to keep its bits). */
+ * and the steps, lanes and sums are dot_tile's, in its order: a token gets the same bits alone as in a batch. */
 
 static inline __m512 two_scales(float lo, float hi) { /* lanes 0-7 lo, 8-15 hi */
     return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(lo), _mm512_set1_ps(hi));
@@ -507,30 +506,52 @@ static inline __m512i nibble_blocks(const uint8_t *a, const uint8_t *b) {
     return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-/* Q4_0, Q5_0, Q8_0: the nb blocks of 32 at b, two a step (the last alone in a masked half step when nb is odd) */
-ALWAYS_INLINE void fused_blocks32(const int QTYPE, const uint8_t *b, int64_t nb, const ActChunk *ac, __m512 *v) {
+/* The 64 weights of blocks x and y of a 32-element type, as decode_* makes them */
+ALWAYS_INLINE __m512i weights_of_two_blocks(const int QTYPE, const uint8_t *x, const uint8_t *y) {
+    if (QTYPE == GGML_Q8_0)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(y + 2)), 1);
+    if (QTYPE == GGML_Q4_0) return _mm512_sub_epi8(nibble_blocks(x + 2, y + 2), _mm512_set1_epi8(8));
+    if (QTYPE == GGML_Q4_1) return nibble_blocks(x + 4, y + 4);
+    /* Q5_0, Q5_1: bit j of a block's qh is its element j's fifth bit */
+    const int64_t head = QTYPE == GGML_Q5_1 ? 4 : 2;
+    uint32_t hx, hy;
+    memcpy(&hx, x + head, sizeof hx);
+    memcpy(&hy, y + head, sizeof hy);
+    const __m512i high = _mm512_maskz_mov_epi8((__mmask64)hx | ((__mmask64)hy << 32), _mm512_set1_epi8(16));
+    const __m512i q = _mm512_or_si512(nibble_blocks(x + head + 4, y + head + 4), high);
+    return QTYPE == GGML_Q5_1 ? q : _mm512_sub_epi8(q, _mm512_set1_epi8(16));
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the nb blocks of 32 at b, two a step (the last alone in a masked half step
+ * when nb is odd). Q4_1's and Q5_1's offsets m go into o as dot_tile adds them: 16 groups (8 blocks) a
+ * vector, a partial last vector masked. */
+ALWAYS_INLINE void fused_blocks32(const int QTYPE, const uint8_t *b, int64_t nb, const ActChunk *ac, __m512 *v,
+                                  __m512 *o) {
+    const int MIN = QTYPE == GGML_Q4_1 || QTYPE == GGML_Q5_1;
     const int64_t bytes = type_bytes(QTYPE);
+    float offsets[2 * 8] __attribute__((aligned(64)));
     for (int64_t k = 0; k < nb; k += 2) {
         const int pair = k + 1 < nb;
         const uint8_t *x = b + k * bytes, *y = pair ? x + bytes : x;
-        __m512i wv;
-        if (QTYPE == GGML_Q8_0) {
-            wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
-                                    _mm256_loadu_si256((const __m256i *)(y + 2)), 1);
-        } else if (QTYPE == GGML_Q5_0) { /* bit j of a block's qh is its element j's fifth bit */
-            uint32_t hx, hy;
-            memcpy(&hx, x + 2, sizeof hx);
-            memcpy(&hy, y + 2, sizeof hy);
-            const __m512i high = _mm512_maskz_mov_epi8((__mmask64)hx | ((__mmask64)hy << 32), _mm512_set1_epi8(16));
-            wv = _mm512_sub_epi8(_mm512_or_si512(nibble_blocks(x + 6, y + 6), high), _mm512_set1_epi8(16));
-        } else {
-            wv = _mm512_sub_epi8(nibble_blocks(x + 2, y + 2), _mm512_set1_epi8(8));
-        }
+        __m512i wv = weights_of_two_blocks(QTYPE, x, y);
         if (pair) {
             fused_step(wv, two_scales(fp16(x), fp16(y)), ac, k * QK, 1, 0, v);
         } else {
             wv = _mm512_maskz_mov_epi8((__mmask64)0xffffffffu, wv);
             fused_step(wv, two_scales(fp16(x), 0.0f), ac, k * QK, 1, 1, v);
+        }
+        if (MIN) {
+            const int at = 2 * (int)(k % 8);
+            offsets[at] = offsets[at + 1] = fp16(x + 2);
+            if (pair) offsets[at + 2] = offsets[at + 3] = fp16(y + 2);
+            const int64_t last = pair ? k + 1 : k;
+            if (last % 8 == 7 || last == nb - 1) {
+                const int lanes = 2 * (int)(last % 8 + 1);
+                const __mmask16 ml = lanes == 16 ? (__mmask16)0xffff : (__mmask16)((1u << lanes) - 1);
+                *o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(ml, offsets),
+                                     _mm512_maskz_loadu_ps(ml, ac->m16 + 2 * (last - last % 8)), *o);
+            }
         }
     }
 }
@@ -598,7 +619,7 @@ ALWAYS_INLINE void fused_chunk(const int QTYPE, const uint8_t *row, int64_t c0, 
     const int64_t per = type_elements(QTYPE);
     const uint8_t *b = row + c0 / per * type_bytes(QTYPE);
     if (per == QK)
-        fused_blocks32(QTYPE, b, n / QK, ac, &v);
+        fused_blocks32(QTYPE, b, n / QK, ac, &v, &o);
     else
         fused_k(QTYPE, b, n / QK_K, ac, &v, &o);
     *acc += _mm512_reduce_add_ps(_mm512_add_ps(v, o));
@@ -621,7 +642,7 @@ ALWAYS_INLINE void rows_times_tokens(const int QTYPE, const uint8_t *act, int64_
         for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK) {
             const int64_t n = cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK;
 #if SRT_ISA == 2
-            if (tb == 1 && !(QTYPE == GGML_Q4_1 || QTYPE == GGML_Q5_1)) {
+            if (tb == 1) {
                 const ActChunk ac = act_chunk(act + b0 * act_bytes, cols, c0);
                 fused_chunk(QTYPE, w + j * w_stride, c0, n, &ac, acc);
                 continue;

@@ -24,7 +24,7 @@ STEP_TOKENS = 150
 ARRIVAL_STEPS = (1, 3, 4, 4, 6, 8, 9)
 SHORT_NEW_TOKENS = 3
 # The long prompt's steps with these arrivals, against its steps alone: their prompts and decode rows take
-# their share of the steps' budget (the issue's target for the time, in tokens).
+# their share of the steps' budget (docs/cpu_execution.md's target for its time, counted in steps).
 MAX_STEP_RATIO = 1.2
 
 

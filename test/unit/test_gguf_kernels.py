@@ -209,6 +209,31 @@ def test_every_isa_variant_agrees_with_the_native_one(variants, qtype):
         assert torch.equal(k.dequantize_rows(m, torch.arange(ROWS)), rows), name
 
 
+def test_a_fused_product_of_quantized_and_float_parts_is_each_parts_product():
+    parts = [
+        matrix(T.Q4_K, cols=512, seed=1)[0],
+        matrix(T.F16, cols=512, seed=2)[0],
+        matrix(T.Q8_0, cols=512)[0],
+    ]
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(7))
+    for exact in (False, True):
+        fused = gguf_linear.block_matmul_parts(x, parts, exact)
+        assert torch.equal(fused, torch.cat([block_matmul(x, p, exact) for p in parts], dim=-1))
+
+
+def test_the_layer_call_refuses_a_type_it_does_not_take_before_writing():
+    k = gguf_linear.kernels()
+    m, _ = matrix(T.Q4_K, rows=2, cols=256)
+    x, out = torch.randn(1, 256), torch.full((1, 2), 7.0)
+    act = k.quantize_activations(x)
+    for qtype in (int(T.Q2_K), 99):
+        desc = torch.tensor([[qtype, *m.address, 2]], dtype=torch.int64)
+        assert (
+            k._linear(x.data_ptr(), 1, 256, 256, 1, desc.data_ptr(), act.data_ptr(), out.data_ptr(), 2) == -1
+        )
+        assert torch.equal(out, torch.full((1, 2), 7.0))
+
+
 def test_a_type_without_kernels_is_refused_by_name():
     with pytest.raises(UnsupportedBlockType, match="Q2_K"):
         BlockMatrix(int(T.Q2_K), 2, 256, torch.zeros(2, 84, dtype=torch.uint8))

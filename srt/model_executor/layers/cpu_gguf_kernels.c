@@ -792,3 +792,35 @@ int srt_gguf_dequantize_rows(int qtype, const uint8_t *w, int64_t w_stride, int6
                              out + r * cols + c0);
     return 0;
 }
+
+/* ---- a whole layer in one call: x times block matrices stacked along the output ---- */
+
+#define PART_WORDS 4 /* a part: ggml type, address of its first row, bytes from one row to the next, rows */
+
+/* out [m, sum of rows] (row stride out_stride) = x [m, cols] (row stride x_stride) times the nparts block
+ * matrices described by parts [nparts, PART_WORDS], each writing its columns of out in turn: a fused layer
+ * (qkv, gate_up) whose parts may differ in type, with the activations quantized once into act (m *
+ * srt_gguf_act_row_bytes(cols) bytes), or kept in fp32 for every part where act is NULL (exact). One call a
+ * layer for gguf_linear.py, and one a projection for a decode loop in C. Returns 0, or -1 before writing
+ * anything if a part's type is not one this library takes or cols is not a multiple of its block. */
+int srt_gguf_linear(const float *x, int64_t m, int64_t cols, int64_t x_stride, int64_t nparts, const int64_t *parts,
+                    uint8_t *act, float *out, int64_t out_stride) {
+    int quantized = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const int qtype = (int)parts[PART_WORDS * p];
+        if (!type_bytes(qtype) || cols % type_elements(qtype)) return -1;
+        quantized |= type_elements(qtype) > 1;
+    }
+    if (quantized && act) srt_gguf_quantize_rows(x, m, cols, x_stride, act);
+    for (int64_t p = 0; p < nparts; p++) {
+        const int64_t *part = parts + PART_WORDS * p;
+        const int qtype = (int)part[0];
+        const uint8_t *w = (const uint8_t *)(uintptr_t)part[1];
+        if (act && type_elements(qtype) > 1)
+            srt_gguf_matmul(qtype, act, m, w, part[2], part[3], cols, out, out_stride);
+        else
+            srt_gguf_matmul_exact(qtype, x, m, x_stride, w, part[2], part[3], cols, out, out_stride);
+        out += part[3];
+    }
+    return 0;
+}

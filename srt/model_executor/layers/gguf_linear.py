@@ -114,6 +114,11 @@ class BlockMatrix:
     def type_name(self) -> str:
         return type_name(self.qtype)
 
+    @functools.cached_property
+    def alone(self) -> BlockParts:
+        """This matrix as the one part of a product (described for the C call once)."""
+        return BlockParts((self,))
+
     def narrow(self, dim: int, start: int, length: int) -> BlockMatrix:
         """A view of the output rows (dim 0) or input columns (dim 1, on block boundaries) [start, start +
         length): a tensor-parallel shard (column-parallel splits rows, row-parallel columns) without a copy."""
@@ -137,6 +142,28 @@ class BlockMatrix:
         return BlockMatrix(self.qtype, index.numel(), self.cols, self.data.index_select(0, index.reshape(-1)))
 
 
+class BlockParts:
+    """Block matrices stacked along the output (a fused qkv or gate_up: each part may have its own type),
+    checked once and described for `srt_gguf_linear` once (the type, address, row stride and rows of each,
+    PART_WORDS int64 words a part), so that a layer call is one C call."""
+
+    def __init__(self, parts: list[BlockMatrix] | tuple[BlockMatrix, ...]):
+        if not parts:
+            raise ValueError("no block matrices to multiply")
+        for p in parts:
+            if not isinstance(p, BlockMatrix):
+                raise TypeError(f"expected a BlockMatrix, got {type(p).__name__}")
+            if p.cols != parts[0].cols:
+                raise ValueError(
+                    f"fused block matrices disagree on their input size ({p.cols} != {parts[0].cols})"
+                )
+        self.parts = tuple(parts)
+        self.cols = parts[0].cols
+        self.rows = sum(p.rows for p in parts)
+        self.quantized = any(p.qtype in QUANTIZED_TYPES for p in parts)
+        self.desc = torch.tensor([[p.qtype, *p.address, p.rows] for p in parts], dtype=torch.int64)
+
+
 class GGUFKernels:
     """The C functions of one built kernel library, with checked entry points. `kernels()` is this
     process's; a test builds others (portable, AVX2) to compare them with it."""
@@ -146,6 +173,7 @@ class GGUFKernels:
         self._quantize = lib.function("srt_gguf_quantize_rows")
         self._matmul = lib.function("srt_gguf_matmul")
         self._matmul_exact = lib.function("srt_gguf_matmul_exact")
+        self._linear = lib.function("srt_gguf_linear")
         self._dequantize = lib.function("srt_gguf_dequantize_rows")
         self._act_row_bytes = lib.function("srt_gguf_act_row_bytes")
         self._act_bytes: dict[int, int] = {}
@@ -175,38 +203,28 @@ class GGUFKernels:
             self._quantize(x.data_ptr(), t, cols, x.stride(0), act.data_ptr())
         return act
 
-    def matmul(self, x: torch.Tensor, parts: list[BlockMatrix], exact: bool = False) -> torch.Tensor:
-        """x fp32 [..., cols] times the parts' matrices stacked along the output: [..., sum of rows]. The
-        activations are quantized once for all quantized parts, or kept in fp32 (`exact`: the product of
-        the dequantized weights, slower; see the module's docstring). Each part writes its columns of the
-        output in place."""
-        if not parts:
-            raise ValueError("no block matrices to multiply")
-        cols = parts[0].cols
-        for p in parts:
-            if not isinstance(p, BlockMatrix):
-                raise TypeError(f"expected a BlockMatrix, got {type(p).__name__}")
-            if p.cols != cols:
-                raise ValueError(f"fused block matrices disagree on their input size ({p.cols} != {cols})")
-        x2 = _activation_rows(x, cols)
-        t, total = x2.shape[0], sum(p.rows for p in parts)
-        out = torch.empty((t, total), dtype=torch.float32)
-        if t and total:
-            quantized = not exact and any(p.qtype in QUANTIZED_TYPES for p in parts)
-            act = self.quantize_activations(x2) if quantized else None
-            column = out.data_ptr()
-            for p in parts:
-                w, w_stride = p.address
-                if act is not None and p.qtype in QUANTIZED_TYPES:
-                    rc = self._matmul(p.qtype, act.data_ptr(), t, w, w_stride, p.rows, cols, column, total)
-                else:
-                    rc = self._matmul_exact(
-                        p.qtype, x2.data_ptr(), t, x2.stride(0), w, w_stride, p.rows, cols, column, total
-                    )
-                if rc != 0:
-                    raise UnsupportedBlockType(f"the GGUF kernels do not take ggml type {p.type_name}")
-                column += p.rows * out.element_size()
-        return out.view(*x.shape[:-1], total)
+    def matmul(
+        self, x: torch.Tensor, parts: BlockParts | list[BlockMatrix], exact: bool = False
+    ) -> torch.Tensor:
+        """x fp32 [..., cols] times the parts' matrices stacked along the output: [..., sum of rows], in one
+        C call. The activations are quantized once for all quantized parts, or kept in fp32 (`exact`: the
+        product of the dequantized weights, slower; see the module's docstring)."""
+        plan = parts if isinstance(parts, BlockParts) else BlockParts(parts)
+        x2 = _activation_rows(x, plan.cols)
+        t = x2.shape[0]
+        out = torch.empty((t, plan.rows), dtype=torch.float32)
+        if t and plan.rows:
+            act = None
+            if plan.quantized and not exact:
+                act = torch.empty((t, self.act_row_bytes(plan.cols)), dtype=torch.uint8)
+            rc = self._linear(
+                x2.data_ptr(), t, plan.cols, x2.stride(0), len(plan.parts), plan.desc.data_ptr(),
+                None if act is None else act.data_ptr(), out.data_ptr(), plan.rows,
+            )  # fmt: skip
+            if rc != 0:
+                names = ", ".join(p.type_name for p in plan.parts)
+                raise UnsupportedBlockType(f"the GGUF kernels do not take these block types: {names}")
+        return out.view(*x.shape[:-1], plan.rows)
 
     def dequantize_rows(self, m: BlockMatrix, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [*ids.shape, cols]: the rows `ids` (int64) dequantized exactly as gguf-py's dequantize."""
@@ -254,10 +272,12 @@ def kernels() -> GGUFKernels:
 def block_matmul(x: torch.Tensor, m: BlockMatrix, exact: bool = False) -> torch.Tensor:
     """x fp32 [..., cols] -> fp32 [..., rows]: x times the block matrix's dequantized weight, transposed
     (activations quantized per block of 32 unless `exact`)."""
-    return kernels().matmul(x, [m], exact)
+    return kernels().matmul(x, m.alone, exact)
 
 
-def block_matmul_parts(x: torch.Tensor, parts: list[BlockMatrix], exact: bool = False) -> torch.Tensor:
+def block_matmul_parts(
+    x: torch.Tensor, parts: BlockParts | list[BlockMatrix], exact: bool = False
+) -> torch.Tensor:
     """x times each part, concatenated along the output (a fused layer: the activations quantized once)."""
     return kernels().matmul(x, parts, exact)
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.cpu_kernels import CpuKernels
-from srt.model_executor.layers.gguf_linear import BlockMatrix, block_matmul_parts
+from srt.model_executor.layers.gguf_linear import BlockMatrix, BlockParts, block_matmul_parts
 from srt.model_executor.layers.int8_linear import w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 
@@ -101,7 +101,7 @@ class GGUFLinearMethod(LinearMethod):
     name = "gguf"
 
     def __init__(self):
-        self.weights: dict[str, list[BlockMatrix]] | None = None
+        self.weights: dict[str, BlockParts] | None = None
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None, key: str = WEIGHT):
         if self.weights is None:
@@ -113,10 +113,13 @@ class GGUFLinearMethod(LinearMethod):
         missing = set(layer.weight_keys()) - set(weights)
         if missing:
             raise KeyError(f"gguf weights missing for {sorted(missing)}")
+        plans = {}
         for key, parts in weights.items():
-            if not parts or len({p.cols for p in parts}) != 1:
-                raise ValueError(f"gguf weight {key!r}: its parts must be non-empty and share one input size")
-        self.weights = {key: list(parts) for key, parts in weights.items()}
+            try:
+                plans[key] = BlockParts(parts)  # checked and described for the C call once
+            except ValueError as e:
+                raise ValueError(f"gguf weight {key!r}: {e}") from e
+        self.weights = plans
         layer.drop_dense_weights()
 
 

@@ -244,10 +244,14 @@ ALWAYS_INLINE void decode_k45(const uint8_t *restrict b, int64_t nb, int8_t *res
         memcpy(&mnv, mn, sizeof mnv);
         const v8f s = v8f_splat(d) * __builtin_convertvector(scv, v8f);
         const v8f o = -(v8f_splat(dmin) * __builtin_convertvector(mnv, v8f));
-        const v16f s2 = __builtin_shufflevector(s, s, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        const v16f o2 = __builtin_shufflevector(o, o, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        memcpy(sc16, &s2, sizeof s2);
-        memcpy(mn16, &o2, sizeof o2);
+        /* each sub-block's value for its two groups of 16, in 8-lane halves (a 16-lane shuffle went through
+         * the stack on AVX2) */
+        const v8f s_lo = __builtin_shufflevector(s, s, 0, 0, 1, 1, 2, 2, 3, 3), s_hi = __builtin_shufflevector(s, s, 4, 4, 5, 5, 6, 6, 7, 7);
+        const v8f o_lo = __builtin_shufflevector(o, o, 0, 0, 1, 1, 2, 2, 3, 3), o_hi = __builtin_shufflevector(o, o, 4, 4, 5, 5, 6, 6, 7, 7);
+        memcpy(sc16, &s_lo, sizeof s_lo);
+        memcpy(sc16 + 8, &s_hi, sizeof s_hi);
+        memcpy(mn16, &o_lo, sizeof o_lo);
+        memcpy(mn16 + 8, &o_hi, sizeof o_hi);
     }
 }
 

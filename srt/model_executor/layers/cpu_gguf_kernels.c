@@ -478,11 +478,10 @@ ALWAYS_INLINE void dot_tile(const int8_t *w, const float *sc16, const float *mn1
 /* dot_tile for 1..TOKEN_TILE tokens, each count its own specialized copy */
 ALWAYS_INLINE void dot_tokens(const int8_t *w, const float *sc16, const float *mn16, int64_t n, const ActChunk *ac,
                               int nt, const int MIN, float *acc) {
-    switch (nt) {
-    case 1: dot_tile(w, sc16, mn16, n, ac, 1, MIN, acc); break;
-    case 2: dot_tile(w, sc16, mn16, n, ac, 2, MIN, acc); break;
-    case 3: dot_tile(w, sc16, mn16, n, ac, 3, MIN, acc); break;
-    default: dot_tile(w, sc16, mn16, n, ac, 4, MIN, acc); break;
+    if (nt == TOKEN_TILE) {
+        dot_tile(w, sc16, mn16, n, ac, TOKEN_TILE, MIN, acc);
+    } else { /* a partial tile one token at a time: two specialized copies a type, not four (build time) */
+        for (int t = 0; t < nt; t++) dot_tile(w, sc16, mn16, n, ac + t, 1, MIN, acc + t);
     }
 }
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from srt.gguf_metadata import GGUF_ARCHITECTURES, gguf_chat_conventions
@@ -325,27 +325,22 @@ def unpermute_index(rows: int, heads: int) -> torch.Tensor:
 
 
 def _rows(m: BlockMatrix, layer: ColumnParallelLinear, shard: str) -> BlockMatrix:
-    """This rank's output rows of a column-parallel part (a view: rows are contiguous)."""
+    """This rank's output rows of a column-parallel part (a view)."""
     size = layer.shard_offsets[shard][1]
     if m.rows != size * layer.tp.size:
         raise GGUFError(f"the {shard} part has {m.rows} rows, not the {size * layer.tp.size} the model has")
-    start = layer.tp.rank * size
-    return BlockMatrix(m.qtype, size, m.cols, m.data[start : start + size])
+    return m.narrow(0, layer.tp.rank * size, size)
 
 
 def _columns(m: BlockMatrix, rank: int, width: int) -> BlockMatrix:
-    """This rank's input columns of a row-parallel weight: whole blocks of each row (a view: a row's bytes
-    stay contiguous, rows lie a full row apart)."""
+    """This rank's input columns of a row-parallel weight: whole blocks of each row (a view; a split off
+    the blocks' boundaries is a ValueError naming --tp-size's effect)."""
     if m.cols == width:
         return m
-    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(m.qtype)]
-    if width % block:
-        raise ValueError(
-            f"--tp-size splits {m.cols} inputs into {width} per rank, not whole {block}-value blocks of "
-            f"{GGMLQuantizationType(m.qtype).name}"
-        )
-    start, length = rank * width // block * type_size, width // block * type_size
-    return BlockMatrix(m.qtype, m.rows, width, m.data[:, start : start + length])
+    try:
+        return m.narrow(1, rank * width, width)
+    except ValueError as e:
+        raise ValueError(f"--tp-size splits {m.cols} inputs into {width} per rank: {e}") from e
 
 
 def _copy_vectors(model: nn.Module, gguf: GGUFFile, family: Family, permuted: bool, config) -> None:

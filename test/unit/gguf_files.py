@@ -1,7 +1,7 @@
 """Tiny random-weight GGUF files for tests: a Llama of small shape whose layers are stored in the block types
 a test asks for, with the embedded SmolLM2's tokenizer (so its prompts and chat template are real).
 
-gguf-py quantizes Q4_0, Q4_1, Q5_0, Q8_0 itself; it only decodes the K-quants, so a K-quant tensor is random
+gguf-py quantizes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 itself; it only decodes the K-quants, so a K-quant tensor is random
 bytes with its fp16 super-block scales rescaled to the weight scale asked for: any bytes are a valid
 encoding once the scales are finite, and the reference decodes the same bytes with gguf-py's `dequantize`.
 """
@@ -23,6 +23,7 @@ SHAPE = dict(hidden=256, heads=4, kv_heads=2, inter=512, context=2048)
 # Small enough that the kernels' int8 activation rounding is not amplified through the layers (at 0.1 one
 # position in 64 moved by the logits' whole range against exact activations; at 0.03, 0.06 of a 2.3 range).
 WEIGHT_STD = 0.03
+GGUF_PY_QUANTIZES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 # byte offsets of the fp16 scale(s) in a K-quant block that scale every value of it
 K_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 # Q4_K's and Q5_K's packed 6-bit sub-block scales and mins (bytes 4-15), set so that every value is
@@ -55,9 +56,11 @@ def encode(rng: np.random.Generator, rows: int, cols: int, qtype: T) -> np.ndarr
         return (rng.standard_normal((rows, cols)) * WEIGHT_STD).astype(
             np.float32 if qtype == T.F32 else np.float16
         )
-    if qtype not in K_SCALE_OFFSETS:
-        return quantize((rng.standard_normal((rows, cols)) * WEIGHT_STD).astype(np.float32), qtype)
     block, size = GGML_QUANT_SIZES[qtype]
+    if qtype in GGUF_PY_QUANTIZES:
+        return quantize((rng.standard_normal((rows, cols)) * WEIGHT_STD).astype(np.float32), qtype)
+    if qtype not in K_SCALE_OFFSETS:  # a type srt refuses: bytes of the right size, never decoded
+        return rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     if qtype in K_SUBBLOCK_SCALES:
         blocks[:, 4:16] = np.frombuffer(K_SUBBLOCK_SCALES[qtype], np.uint8)

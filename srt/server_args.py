@@ -177,10 +177,11 @@ class ServerArgs:
     # CPU execution (docs/cpu_execution.md)
     quantization: str | None = _f(
         None,
-        "w8a8_int8 runs every linear layer in int8 (per-channel GPTQ weights, two-level per-token "
-        "activations; the CPU default: it passed the quality gate of scripts/eval_quality.py, see "
-        "docs/cpu_execution.md); none keeps fp32 (the GPU default, and the reference srt is tested against "
-        "transformers with)",
+        "gguf runs a .gguf file's own quantized blocks, nothing converted or calibrated (the CPU default for "
+        "a GGUF, the embedded models included); w8a8_int8 runs every linear layer in int8 (per-channel GPTQ "
+        "weights, two-level per-token activations; the CPU default for a Hugging Face directory: it passed "
+        "the quality gate of scripts/eval_quality.py, see docs/cpu_execution.md); none keeps fp32 (the GPU "
+        "default, a GGUF converted once, and the reference srt is tested against transformers with)",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = _f(

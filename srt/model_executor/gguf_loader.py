@@ -35,6 +35,7 @@ from srt.model_executor.layers.block_embedding import BlockEmbedding
 from srt.model_executor.layers.gguf_linear import SUPPORTED_TYPES, BlockMatrix
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.layers.linear_method import WEIGHT, LayerMethods
+from srt.model_executor.model_loader import default_dtype
 from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
@@ -258,13 +259,8 @@ def build_model(
 ) -> nn.Module:
     arch_name, model_class = get_model_class(hf_config.architectures)
     arch, family = gguf_family(gguf.metadata)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = model_class(hf_config, arch_name, max_positions, dtype, device, tp, methods)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device("meta"), default_dtype(dtype):
+        model = model_class(hf_config, arch_name, max_positions, dtype, device, tp, methods)
     embedding = _matrix(gguf, EMBEDDING)
     model.model.embed_tokens = BlockEmbedding(embedding)
     _install_linear_layers(model, gguf, arch, hf_config, tp, embedding)

@@ -40,7 +40,7 @@ SAFETENSORS_GLOB = "*.safetensors"
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -191,7 +191,7 @@ def load_model(
     structure (on the meta device, before any memory is allocated): those stay uninitialised, and their
     pages are never touched, for the caller to replace."""
     arch, model_class = get_model_class(hf_config.architectures)
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), default_dtype(dtype):
         model = model_class(hf_config, arch, max_positions, dtype, device, tp, methods)
     skipped = skip(model) if skip is not None else ()
     model = model.to_empty(device=device)

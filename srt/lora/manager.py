@@ -94,7 +94,7 @@ class LoRAManager:
 
     def _layer_weights(self, name, module, parts, tp, dtype, device) -> LayerLoRAWeights:
         parent = name.rsplit(".", 1)[0]
-        out_local, in_full = module.dense_weight(WEIGHT).shape
+        out_local, in_full = module.weight_shape(WEIGHT)
         in_local, in_offset = in_full, None
         if isinstance(module, RowParallelLinear):
             in_local, in_offset, in_full = (

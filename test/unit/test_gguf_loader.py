@@ -243,3 +243,29 @@ def test_a_gguf_runs_its_blocks_by_default_on_the_cpu_only():
         resolve_quantization("gguf", "cuda:0", gguf=True)
     with pytest.raises(ValueError, match="directory"):
         resolve_quantization("gguf", "cpu")
+
+
+def test_adapters_on_the_blocks_match_peft_on_the_dequantized_weights(tmp_path):
+    """LoRA wraps the GGUF method like the others (it reads each layer's shape, not a dense weight the blocks
+    never had): an adapted sequence stays as close to transformers + PEFT on the converter's fp32 weights as
+    the base does, while the adapter moves the logits far more than that."""
+    from srt.lora.config import LoRAConfig
+    from srt.model_executor.gguf_convert import convert
+    from srt.model_executor.model_runner import ModelRunner
+    from test.unit.lora_adapters import peft_logits, save_peft_adapter
+
+    path = write_random_llama(tmp_path / "lora.gguf", embedded(SMOLLM2), [T.Q8_0, T.Q4_K, T.Q6_K], seed=11)
+    convert(path, str(tmp_path / "converted"))
+    adapter = save_peft_adapter(str(tmp_path / "converted"), tmp_path / "r8", rank=8, seed=1)
+    lora = LoRAConfig(max_loras_per_batch=2, max_lora_rank=16)
+    runner = ModelRunner(path, quantization="gguf", max_total_tokens=1024, max_running_requests=8, lora=lora)
+    runner.lora.load("r8", adapter)
+    ids = [10 + 37 * i % 4000 for i in range(9)]
+    driver = PagedDriver.on_empty_pools(runner)
+    errors, references = {}, {}
+    for name in (None, "r8"):
+        ours = driver.extend([driver.new_seq(name)], [ids], every_row=True)
+        references[name] = peft_logits(str(tmp_path / "converted"), adapter if name else None, ids)
+        errors[name] = float((ours.reshape(references[name].shape) - references[name]).abs().max())
+    effect = float((references["r8"] - references[None]).abs().max())
+    assert errors["r8"] <= 2 * errors[None] and effect > 10 * errors["r8"], (errors, effect)

@@ -37,6 +37,7 @@ class LinearBase(nn.Module):
 
     weight: torch.Tensor | None
     bias: torch.Tensor | None
+    shape: tuple[int, int]  # this rank's [out, in]
 
     def __init__(self, method: LinearMethod | None):
         super().__init__()
@@ -47,6 +48,11 @@ class LinearBase(nn.Module):
 
     def dense_weight(self, key: str) -> torch.Tensor:
         return self.weight
+
+    def weight_shape(self, key: str) -> tuple[int, int]:
+        """This rank's [out, in] of weight `key`, held or not: a quantized method (GGUF blocks) may never
+        have had a dense copy."""
+        return self.shape
 
     def drop_dense_weights(self) -> None:
         self.register_parameter("weight", None)  # the fp32 copy is never read again
@@ -75,6 +81,7 @@ class ColumnParallelLinear(LinearBase):
             local = split_size(size, tp, f"output size of {shard}")
             self.shard_offsets[shard] = (offset, local)
             offset += local
+        self.shape = (offset, in_features)
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
 
@@ -104,6 +111,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(method)
         self.tp = tp
         self.in_local = split_size(in_features, tp, "input size of a row-parallel layer")
+        self.shape = (out_features, self.in_local)
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
@@ -134,6 +142,7 @@ class ReplicatedLinear(LinearBase):
     ):
         super().__init__(method)
         self.bias = None
+        self.shape = (out_features, in_features)
         self._tied = (tied_to,)  # a tuple: not registered, so the embedding stays the embedding's own module
         weight = nn.Parameter(torch.empty(out_features, in_features)) if tied_to is None else None
         self.register_parameter("weight", weight)  # None when tied: `dense_weight` reads the embedding's

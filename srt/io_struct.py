@@ -148,8 +148,10 @@ class BatchOutMeta:
     # (None for the prompt's first token, which nothing predicts), and its top alternatives (None likewise).
     input_token_logprobs: list[list[float | None] | None] | None = None
     input_top_logprobs: list[list[list[tuple[int, float]] | None] | None] | None = None
-    # Speculative decoding, present only when some request in the batch finished after a verify step: per
-    # request its figures (srt/speculative/stats.py) with its final message, else None.
+    # Speculative decoding, present only when some entry carries figures: per request its figures
+    # (srt/speculative/stats.py) with its final message, else None. From the scheduler also with each message
+    # of a request with stop strings, which the detokenizer cuts where a stop string ends the output and
+    # passes on with the final entry only.
     spec_stats: list[SpecRequestStats | None] | None = None
     # An embedding server's (--is-embedding), present only when some request in the batch finished with its
     # vector: per request the L2-normalized vector as little-endian float32 bytes (srt/scheduler/pooling.py),

@@ -5,6 +5,7 @@
   fp32 weights (the converter's checkpoint), teacher-forced on the server's own tokens, or a near-tie.
 - The embedded SmolLM2's start never makes an fp32 copy of the model: the scheduler's peak resident memory
   stays below the fp32 weights' size (the converted checkpoint's), and the cache gains nothing but kernels.
+- Two tensor-parallel ranks answer as one.
 - A file with a type the kernels cannot run (Q3_K) under `--quantization gguf` exits with code 2 and one
   start-up line naming the tensor and the type.
 """
@@ -90,6 +91,19 @@ def test_every_block_type_answers_as_the_dequantized_reference(tiny, tiny_server
             if lead > 0:
                 flips.append((prompt, step, round(lead, 4)))
     assert len(flips) <= MAX_FLIPS, flips
+
+
+def test_two_tensor_parallel_ranks_answer_as_one(tmp_path):
+    """Each rank takes its rows (q/k/v, gate/up) or whole blocks of its columns (o, down) as views of the
+    file: two ranks answer with one rank's tokens (the row-parallel sums only change the fp32 summation
+    order)."""
+    path = write_random_llama(tmp_path / "tp.gguf", default_gguf_path(), [T.Q8_0, T.Q4_0, T.Q5_1], seed=3)
+    ids = [1, 504, 1463, 282, 260]
+    answers = {}
+    for tp in (1, 2):
+        with running_server("--model-path", path, "--tp-size", str(tp), "--max-total-tokens", "2048") as s:
+            answers[tp] = generate(s, ids)
+    assert answers[1] == answers[2]
 
 
 def test_a_type_the_kernels_cannot_run_exits_2_naming_it(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from srt.io_struct import AbortReq
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
+from srt.scheduler.mixed_chunk import MixedChunkBudget
 from srt.scheduler.schedule_batch import Req
 from srt.scheduler.schedule_policy import MIN_NEW_TOKEN_RATIO
 from srt.scheduler.scheduler import Scheduler
@@ -313,6 +314,7 @@ def test_max_tokens_is_never_exceeded(tiny_model_dir, quant, reference):
     """Short budgets with up to 4 drafts a step: a request drafts at most max_tokens - 1 - (its output) tokens,
     so it ends with exactly max_tokens tokens, those of the run without speculation."""
     sched, totals = make(tiny_model_dir, quant)
+    whole_prefill_in_one_step(sched)
     budgets = {rid: 2 + i % 7 for i, rid in enumerate(RIDS)}
     reqs = [request(rid, p, greedy(budgets[rid])) for rid, p in zip(RIDS, WORKLOAD, strict=True)]
     res = drive(sched, {0: reqs})
@@ -325,6 +327,7 @@ def test_max_tokens_is_never_exceeded(tiny_model_dir, quant, reference):
     # gives the accepted drafts plus one more), so a request whose prefill left 5m + 1 tokens ends on a plain
     # decode step, every other one on a verify step that fills its budget exactly
     sched, _ = make(tiny_model_dir, quant)
+    whole_prefill_in_one_step(sched)
     sched.spec.proposer = Oracle(reference)
     seen = capture_runs(sched)
     res = drive(sched, {0: reqs})
@@ -335,6 +338,14 @@ def test_max_tokens_is_never_exceeded(tiny_model_dir, quant, reference):
     ended_on_budget = {rid for rid, start, run in seen if start + len(run) == budgets[rid]}
     assert ended_on_budget == {rid for rid in RIDS if (budgets[rid] - 1) % (DRAFTS_PER_STEP + 1) != 1}
     assert_pool_whole(sched)
+
+
+def whole_prefill_in_one_step(sched: Scheduler) -> None:
+    """Every prompt of the workload prefilled in the first step, whatever the step-time budget measures (a
+    fresh server's lone prefill step takes DEFAULT_LONE_PREFILL_TOKENS, fewer than the workload's prompts):
+    the step-count reasoning of a test then starts with every request decoding from the same step. The budget
+    of a model that is not fed is the chunk size, as under tensor parallelism."""
+    sched.mixed_budget = MixedChunkBudget(adaptive=False)
 
 
 class Oracle(Proposer):

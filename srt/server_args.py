@@ -26,6 +26,7 @@ from srt.lora.config import (
     LORA_TARGET_MODULES,
 )
 from srt.model_source import EMBEDDED_MODELS, embedded_model_name
+from srt.reasoning.parser import REASONING_FIELD_BOTH, REASONING_FIELDS, REASONING_FORMATS
 from srt.server_args_check import problems
 from srt.speculative.defaults import (
     NGRAM_MAX_MATCH_WINDOW_SIZE,
@@ -173,6 +174,21 @@ class ServerArgs:
         "format of the model's tool calls in /v1/chat/completions: smollm2 (the embedded model's; also reads "
         "hermes blocks), hermes / qwen25 / qwen (Hermes, Qwen 2.5 and Qwen 3)",
         choices=tuple(TOOL_CALL_PARSERS),
+    )
+    # Reasoning models (docs/reasoning.md)
+    reasoning_parser: str | None = _f(
+        None,
+        "separate a reasoning model's thinking from its answer, by the model's format: qwen3 (the model opens "
+        "<think> itself), qwen3-thinking and deepseek-r1 (the chat template opens it in the prompt); default: "
+        "the output is all answer",
+        choices=tuple(REASONING_FORMATS),
+    )
+    reasoning_field: str = _f(
+        REASONING_FIELD_BOTH,
+        "the field(s) chat answers carry the thinking in: both (reasoning_content, as SGLang and DeepSeek name "
+        "it, and reasoning, as vLLM and OpenAI's guidance name it), or one of them for clients that refuse "
+        "unknown fields",
+        choices=REASONING_FIELDS,
     )
     # CPU execution (docs/cpu_execution.md)
     quantization: str | None = _f(

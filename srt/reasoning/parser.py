@@ -24,6 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 THINK_START, THINK_END = "<think>", "</think>"
+# The names clients read the thinking under: SGLang's and DeepSeek's, and vLLM's (OpenAI's guidance for
+# gpt-oss; vLLM dropped the other in 2026). `--reasoning-field` answers with both or one.
+REASONING_CONTENT, REASONING = "reasoning_content", "reasoning"
+REASONING_FIELD_BOTH = "both"
+REASONING_FIELDS = (REASONING_FIELD_BOTH, REASONING_CONTENT, REASONING)
 
 
 @dataclass(frozen=True)

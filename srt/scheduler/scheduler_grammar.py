@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from srt.constrained.grammar_manager import GrammarManager, GrammarMismatch
 from srt.constrained.judge import short
 from srt.io_struct import FinishReason
 from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, fail_request
+from srt.tokenizer_loading import load_tokenizer
 
 if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
@@ -36,14 +38,11 @@ class SchedulerGrammar:
         if args.grammar_backend != NO_GRAMMAR_BACKEND:
             tokenizer_path = args.tokenizer_path or runner.model_dir
 
-            def load_tokenizer():
-                from transformers import AutoTokenizer
-
-                return AutoTokenizer.from_pretrained(tokenizer_path)
-
             self.manager = GrammarManager(
                 args.grammar_backend,
-                load_tokenizer,
+                functools.partial(
+                    load_tokenizer, tokenizer_path
+                ),  # a directory's, or built from a GGUF's metadata
                 runner.vocab_size,
                 runner.eos_token_ids,
                 metrics=metrics,

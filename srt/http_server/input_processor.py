@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from srt.constrained import GrammarError, constraint_key
 from srt.constrained.judge import GrammarJudge, JudgeUnavailable
+from srt.reasoning.parser import REASONING_CONTENT
 from srt.sampling.sampling_params import SamplingParams
 
 # A text longer than context_len * MAX_CHARS_PER_TOKEN cannot fit the context with any tokenizer in practice
@@ -151,12 +152,19 @@ class InputProcessor:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,  # the template writes the special tokens it wants
+        template_kwargs: dict | None = None,  # a request's `chat_template_kwargs` (Qwen3's enable_thinking)
     ) -> list[int]:
-        chars = sum(len(m["content"] or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        chars = sum(len(m["content"] or "") + len(m.get(REASONING_CONTENT) or "") for m in messages)
+        chars += len(json.dumps(tools)) if tools else 0
+        chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
         self.check_input_chars(chars, "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # a template may reject role orders (e.g. two system messages)
             raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from srt.function_call import ToolCallParser, ToolCallStream
 from srt.function_call.tool_schema import forced_call_stream
 from srt.http_server.openai.protocol import ChatCompletionRequest
+from srt.reasoning.parser import REASONING, REASONING_CONTENT
 
 if TYPE_CHECKING:
     from srt.http_server.tokenize_protocol import TokenizeRequest
@@ -21,8 +22,14 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 
 def template_message(m) -> dict:
-    """A request message as chat templates take it (Hugging Face's tool-use message shapes)."""
+    """A request message as chat templates take it (Hugging Face's tool-use message shapes). An assistant
+    turn's thinking goes under both names templates read it by (Qwen3's reads `reasoning_content`; others
+    `reasoning`), whichever the client sent it under; a template that reads neither drops it, as it does on
+    SGLang and vLLM, which pass the message through the same way (docs/reasoning.md)."""
     out: dict = {"role": m.role, "content": m.text()}
+    thinking = m.thinking()
+    if thinking is not None:
+        out[REASONING_CONTENT] = out[REASONING] = thinking
     if m.tool_calls:
         out["tool_calls"] = [c.to_template() for c in m.tool_calls]
     if m.tool_call_id is not None:

@@ -200,17 +200,34 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: MessageToolCalls | None = None  # assistant turns that called tools
     tool_call_id: ToolCallId | None = None  # a tool's result answers this call
+    # A previous turn's thinking sent back (interleaved thinking), under either name clients use for it
+    # (docs/reasoning.md): SGLang's and DeepSeek's, or vLLM's.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise FieldError("only assistant messages may have `tool_calls`", "messages")
+        if self.thinking() is not None and self.role != "assistant":
+            raise FieldError(
+                "only assistant messages may have `reasoning_content` or `reasoning`", "messages"
+            )
+        if None not in (self.reasoning_content, self.reasoning) and self.reasoning_content != self.reasoning:
+            raise FieldError(
+                "`reasoning_content` and `reasoning` name the same thinking: give one, or both equal",
+                "messages",
+            )
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise FieldError("a tool message, and only a tool message, must have `tool_call_id`", "messages")
         return self
 
     def text(self) -> str:
         return joined_text(self.content or "")
+
+    def thinking(self) -> str | None:
+        """The turn's thinking, whichever name carried it."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
 
 def _tool_results_answer_calls(messages: list[ChatMessage]) -> list[ChatMessage]:
@@ -254,12 +271,21 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
     max_completion_tokens: PositiveCount | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    # SGLang's: false returns the raw output (thinking and tags in `content`) on a --reasoning-parser server.
+    separate_reasoning: bool = True
+    # SGLang's and vLLM's: extra variables for the chat template (Qwen3's `enable_thinking`).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         return self
+
+    @property
+    def thinking_enabled(self) -> bool:
+        """False when the request turned thinking off the way Qwen3's template reads it."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

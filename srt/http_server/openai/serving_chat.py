@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, StreamDelta, create_tool_call_parser
 from srt.http_server.input_processor import GenerateInput
+from srt.http_server.openai.chat_reasoning import ChoiceReader, ReasoningReading
 from srt.http_server.openai.chat_tools import ChatTools, finish_override
 from srt.http_server.openai.protocol import ChatCompletionRequest
 from srt.http_server.openai.serving_common import (
@@ -31,9 +32,9 @@ from srt.http_server.output_dispatch import ReqOutput
 from srt.http_server.tokenizer_manager import TokenizerManager
 
 
-def stream_delta(read: StreamDelta) -> dict:
-    """A chunk's delta from what the tool-call reader made certain: content, then call pieces."""
-    delta: dict = {}
+def stream_delta(read: StreamDelta, reasoning: dict | None = None) -> dict:
+    """A chunk's delta from what the readers made certain: thinking, content, then call pieces."""
+    delta: dict = dict(reasoning or {})
     if read.content:
         delta["content"] = read.content
     if read.calls:
@@ -71,13 +72,32 @@ class ChatHandler:
         self.tm = tm
         self.model_name = model_name
         self.tool_parser = create_tool_call_parser(tool_call_parser)
+        args = tm.server_args
+        self.reasoning = ReasoningReading.for_server(
+            args.reasoning_parser, args.reasoning_field, tm.tokenizer
+        )
+
+    def _reading(self, req: ChatCompletionRequest) -> ReasoningReading | None:
+        """How this request's output is read: the server's reasoning format unless the request asked raw."""
+        return self.reasoning if req.separate_reasoning else None
+
+    def _reasoning_tokens(self, req: ChatCompletionRequest, choices: list[ChoiceAcc]) -> list[int] | None:
+        """Each choice's thinking tokens (counted with or without `separate_reasoning`); None without a parser."""
+        if self.reasoning is None:
+            return None
+        return [
+            self.reasoning.reasoning_tokens(c.text, c.output_ids, req.thinking_enabled, self.tm.tokenizer)
+            for c in choices
+        ]
 
     async def _build(
         self, req: ChatCompletionRequest, request
     ) -> tuple[GenerateInput, AsyncIterator[ReqOutput]]:
         lora = resolve_model(self.tm, req.model, self.model_name)
         messages, tools = ChatTools(req, self.tool_parser).prompt(self.tm.inputs.template_takes_tools)
-        ids = await self.tm.inputs.apply_chat_template(messages, tools)
+        ids = await self.tm.inputs.apply_chat_template(
+            messages, tools, template_kwargs=req.chat_template_kwargs
+        )
         max_new = req.max_new_tokens()
         params = req.to_sampling_params(max_new or 1, req.num_top_logprobs())
         obj = GenerateInput(
@@ -121,7 +141,11 @@ class ChatHandler:
                 if req.logprobs
                 else None
             )
-            message, finish = tools.message(c.text, c.finish_reason.to_openai() if c.finish_reason else None)
+            reading = self._reading(req)
+            reasoning, answer = reading.split(c.text, req.thinking_enabled) if reading else ("", c.text)
+            message, finish = tools.message(answer, c.finish_reason.to_openai() if c.finish_reason else None)
+            if reading is not None:
+                message.update(reading.fields(reasoning))
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             if with_timing:
                 out[-1]["timing"] = timing(c.stats)
@@ -131,7 +155,9 @@ class ChatHandler:
             "created": created,
             "model": self.model_name,
             "choices": out,
-            "usage": usage(choices, req.num_samples, req.prediction is not None),
+            "usage": usage(
+                choices, req.num_samples, req.prediction is not None, self._reasoning_tokens(req, choices)
+            ),
         }
         metrics = spec_metrics_block(self.tm.server_args, choices, req.prediction is not None)
         if metrics is not None:
@@ -143,7 +169,13 @@ class ChatHandler:
         accs = [ChoiceAcc() for _ in range(n)]
         started = [False] * n
         tools = ChatTools(req, self.tool_parser)
-        streams = [tools.new_stream() for _ in range(n)]
+        reading = self._reading(req)
+        streams = [
+            ChoiceReader(
+                reading.fmt.new_stream(req.thinking_enabled) if reading else None, tools.new_stream()
+            )
+            for _ in range(n)
+        ]
         with_timing = wants_timing(self.tm, req.return_timing)
 
         def chunk(
@@ -169,18 +201,13 @@ class ChatHandler:
             if req.logprobs and out.token_logprobs:
                 logprobs = chat_logprobs(self.tm, out.output_ids, out.token_logprobs, out.top_logprobs)
             stream = streams[out.index]
-            if stream is None:
-                delta = {"content": out.text} if out.text else {}
-            else:
-                read = stream.feed(out.text)
-                if out.finish_reason is not None:
-                    read.add(stream.finish())
-                delta = stream_delta(read)
+            reasoning, read = stream.feed(out.text, final=out.finish_reason is not None)
+            delta = stream_delta(read, reading.fields(reasoning) if reasoning else None)
             if delta or logprobs:
                 chunks.append(chunk(out.index, delta or {"content": ""}, logprobs=logprobs))
             if out.finish_reason is not None:
                 finish = out.finish_reason.to_openai()
-                if stream is not None and stream.num_committed:
+                if stream.num_committed:
                     finish = finish_override(finish)
                 more = {"timing": timing(out.stats)} if with_timing else {}
                 chunks.append(chunk(out.index, {}, finish=finish, **more))
@@ -195,7 +222,7 @@ class ChatHandler:
                     "chat.completion.chunk",
                     created,
                     self.model_name,
-                    usage(accs, n, req.prediction is not None),
+                    usage(accs, n, req.prediction is not None, self._reasoning_tokens(req, accs)),
                     spec_metrics_block(self.tm.server_args, accs, req.prediction is not None),
                 )
             ]

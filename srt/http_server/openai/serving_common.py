@@ -142,13 +142,17 @@ def timing(stats: FinishedRequestStats | None) -> dict | None:
     return None if stats is None else stats.timings()
 
 
-def usage(choices: list[ChoiceAcc], n: int, predicted: bool = False) -> dict:
+def usage(
+    choices: list[ChoiceAcc], n: int, predicted: bool = False, reasoning_tokens: list[int] | None = None
+) -> dict:
     """OpenAI usage. Each prompt counts once, however many samples (`n`) it has, in `prompt_tokens` and in
     `cached_tokens` alike: a prompt's cached tokens are those of its first sample (choice index `p * n`), so
     cached never exceeds prompt. Completion tokens are summed over every sample. `/metrics`' token counters
     follow the same rule (RequestMetricsRecorder). With a `prediction` (`predicted`), OpenAI's
     `completion_tokens_details`: the prediction's tokens accepted and rejected, summed over every sample
-    (each drafted from it), as `sglang:{accepted,rejected}_prediction_tokens_total` count them."""
+    (each drafted from it), as `sglang:{accepted,rejected}_prediction_tokens_total` count them. On a
+    `--reasoning-parser` server (`reasoning_tokens`: each choice's), OpenAI's `reasoning_tokens` there too,
+    summed over every sample (a part of `completion_tokens`)."""
     firsts = choices[::n]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices)
@@ -159,9 +163,13 @@ def usage(choices: list[ChoiceAcc], n: int, predicted: bool = False) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    details: dict = {}
     if predicted:
-        merged = merged_spec_stats(choices)
-        out["completion_tokens_details"] = merged.prediction_usage()
+        details.update(merged_spec_stats(choices).prediction_usage())
+    if reasoning_tokens is not None:
+        details["reasoning_tokens"] = sum(reasoning_tokens)
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 

@@ -1,0 +1,101 @@
+"""A chat choice's output read as thinking and answer, and the answer as content and tool calls.
+
+On a `--reasoning-parser` server each choice's text goes through the reasoning reader first
+(`srt/reasoning/parser.py`); only its content, the answer, reaches the tool-call reader, so a call written while
+thinking is never parsed as one. A request with `separate_reasoning: false` reads its output raw, as a server
+without a parser does. `reasoning_tokens` counts the thinking by token for OpenAI's
+`usage.completion_tokens_details.reasoning_tokens` (docs/reasoning.md, "Counting").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from srt.function_call import StreamDelta, ToolCallStream
+from srt.reasoning.parser import (
+    REASONING,
+    REASONING_CONTENT,
+    REASONING_FIELD_BOTH,
+    REASONING_FORMATS,
+    ReasoningFormat,
+    ReasoningStream,
+)
+
+
+@dataclass(frozen=True)
+class ReasoningReading:
+    """How one server reads its chat outputs' thinking: its format, the field(s) it answers in, and the end
+    tag's token id when the tag is one token of the vocabulary (None: counted by re-tokenizing)."""
+
+    fmt: ReasoningFormat
+    field: str
+    end_token_id: int | None
+
+    @classmethod
+    def for_server(cls, parser: str | None, field: str, tokenizer) -> ReasoningReading | None:
+        if parser is None:
+            return None
+        fmt = REASONING_FORMATS[parser]
+        ids = tokenizer.encode(fmt.end_tag, add_special_tokens=False)
+        return cls(fmt, field, ids[0] if len(ids) == 1 else None)
+
+    def fields(self, reasoning: str) -> dict:
+        """The thinking under the name(s) `--reasoning-field` chose."""
+        names = (REASONING_CONTENT, REASONING) if self.field == REASONING_FIELD_BOTH else (self.field,)
+        return dict.fromkeys(names, reasoning)
+
+    def reasoning_tokens(self, text: str, output_ids: list[int], thinking: bool, tokenizer) -> int:
+        """Output tokens up to and including the end tag; all of them when the output ended inside the
+        thinking (`max_tokens` cut it); none when it never thought. By the end tag's id when it is one token,
+        else by re-tokenizing the text up to the tag's end (the detokenized text is what the reader saw)."""
+        stream = self.fmt.new_stream(thinking)
+        stream.feed(text)
+        stream.finish()
+        if (
+            not stream.reasoning_ended
+        ):  # cut inside the thinking, or an empty output of a format that opens none
+            return len(output_ids) if text.strip() or (self.fmt.starts_in_reasoning and thinking) else 0
+        if self.end_token_id is not None:
+            if self.end_token_id in output_ids:
+                return output_ids.index(self.end_token_id) + 1
+            return 0
+        end = text.find(self.fmt.end_tag)
+        if end < 0:
+            return 0
+        prefix = text[: end + len(self.fmt.end_tag)]
+        return min(len(output_ids), len(tokenizer.encode(prefix, add_special_tokens=False)))
+
+    def split(self, text: str, thinking: bool) -> tuple[str, str]:
+        """(reasoning, answer) of a whole output."""
+        return self.fmt.parse(text, thinking)
+
+
+class ChoiceReader:
+    """One choice's output in any split: (reasoning, content and tool-call deltas) per feed. Either reader may
+    be absent: no parser (or `separate_reasoning: false`), or no tools offered."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None):
+        self.reasoning = reasoning
+        self.tools = tools
+
+    @property
+    def num_committed(self) -> int:
+        return self.tools.num_committed if self.tools is not None else 0
+
+    def _answer(self, content: str, final: bool) -> StreamDelta:
+        if self.tools is None:
+            return StreamDelta(content)
+        out = self.tools.feed(content)
+        if final:
+            out.add(self.tools.finish())
+        return out
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, StreamDelta]:
+        """What `text` makes certain; `final` with the output's last piece flushes both readers."""
+        if self.reasoning is None:
+            return "", self._answer(text, final)
+        reasoning, content = self.reasoning.feed(text)
+        if final:
+            r, c = self.reasoning.finish()
+            reasoning, content = reasoning + r, content + c
+        return reasoning, self._answer(content, final)

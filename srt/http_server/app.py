@@ -37,10 +37,12 @@ from srt.http_server.openai.errors import (
     validation_error,
 )
 from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.http_server.openai.responses_protocol import ResponsesRequest
 from srt.http_server.openai.serving_chat import ChatHandler
 from srt.http_server.openai.serving_common import model_not_found
 from srt.http_server.openai.serving_completions import CompletionHandler
 from srt.http_server.openai.serving_embedding import install_embedding_routes
+from srt.http_server.openai.serving_responses import ResponsesHandler
 from srt.http_server.request_parsing import json_body, strict_query
 from srt.http_server.server_info import adapter_card, model_card, model_info, server_info, tokenizer_info
 from srt.http_server.serving_native import GenerateHandler
@@ -57,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 # Every body is read by request_parsing.json_body: large ones are parsed off the event loop.
 ChatBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
+ResponsesBody = Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))]
 CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
 GenerateBody = Annotated[GenerateRequest, Depends(json_body(GenerateRequest))]
 TokenizeBody = Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
@@ -76,6 +79,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     model_name = server_args.model_name
     chat = ChatHandler(tm, model_name, server_args.tool_call_parser)
     completions = CompletionHandler(tm, model_name)
+    responses = ResponsesHandler(chat)
     native = GenerateHandler(tm)
     tokens = TokenizeHandler(tm, model_name, chat.tool_parser)
     created = int(time.time())
@@ -119,6 +123,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         return await chat.handle(body, request)
+
+    @app.post("/v1/responses")
+    async def v1_responses(body: ResponsesBody, request: Request):
+        return await responses.handle(body, request)
 
     @app.post("/v1/completions")
     async def v1_completions(body: CompletionBody, request: Request):

@@ -48,6 +48,10 @@ RESPONSES_REFUSED = {
     "top_logprobs": "the Responses route returns no logprobs: use /v1/chat/completions",
     "max_tool_calls": "srt does not cap tool calls",
     "context_management": STATELESS,
+    "background_options": STATELESS,
+    "image": TEXT_ONLY,
+    "moderation": "srt runs no moderation model",
+    "access_programs": "srt serves no OpenAI platform programs",
 }
 # Content parts of kinds srt cannot read, refused by the key OpenAI carries them under.
 FILE_PART_KEYS = ("image_url", "file_id", "file_data", "file_url", "filename", "detail")
@@ -235,6 +239,7 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: Identifier | None = None
     prompt_cache_retention: Identifier | None = None
     service_tier: Identifier | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _results_answer_calls(self) -> ResponsesRequest:

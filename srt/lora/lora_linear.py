@@ -175,5 +175,8 @@ class LoRALinearMethod(LinearMethod):
     def int8_weight(self, key: str = WEIGHT):
         return self.base.int8_weight(key)
 
+    def block_parts(self, key: str = WEIGHT):
+        return self.base.block_parts(key)
+
     def install(self, layer: LinearWeights, weights) -> None:
         self.base.install(layer, weights)

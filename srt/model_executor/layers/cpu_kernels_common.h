@@ -160,6 +160,8 @@ int srt_decode_attention(const float *q, int64_t bs, int64_t q_stride, int64_t h
                          const int64_t *slots, int64_t slots_stride, const int64_t *seq_lens, float scale,
                          float *out);
 void srt_silu_mul(const float *gu, int64_t m, int64_t inter, int64_t gu_stride, float *out);
+int srt_gguf_linear(const float *x, int64_t m, int64_t cols, int64_t x_stride, int64_t nparts, const int64_t *parts,
+                    uint8_t *act, float *out, int64_t out_stride);
 void srt_lora_add_segments(const float *x, int64_t k, int64_t x_stride, const int64_t *rows, int64_t nseg,
                            const int64_t *seg, const void *a, int64_t a_slot_stride, int64_t nsub,
                            const void *bt, int64_t bt_slot_stride, int64_t bt_stride, const int64_t *out_offset,

@@ -67,6 +67,11 @@ class LinearMethod:
         """The int8 form of weight `key` (None: this method multiplies unquantized weights)."""
         return None
 
+    def block_parts(self, key: str = WEIGHT) -> BlockParts | None:
+        """Weight `key` as a GGUF file's blocks, described for `srt_gguf_linear` (None: not a GGUF method):
+        the fused CPU decode step calls that kernel on them as `apply` does."""
+        return None
+
 
 class W8A8Int8LinearMethod(LinearMethod):
     """`--quantization w8a8_int8` (int8 weights per output channel, int8 activations per token; the numerics
@@ -121,6 +126,9 @@ class GGUFLinearMethod(LinearMethod):
                 raise ValueError(f"gguf weight {key!r}: {e}") from e
         self.weights = plans
         layer.drop_dense_weights()
+
+    def block_parts(self, key: str = WEIGHT) -> BlockParts | None:
+        return None if self.weights is None else self.weights[key]
 
 
 LINEAR_METHODS = {m.name: m for m in (LinearMethod, W8A8Int8LinearMethod, GGUFLinearMethod)}

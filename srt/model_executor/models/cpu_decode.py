@@ -1,4 +1,4 @@
-"""The int8 CPU Llama's decode step as C kernel calls, with no Python work per layer.
+"""The CPU Llama's decode step on int8 or GGUF weights as C kernel calls, with no Python work per layer.
 
 Why: at batch 1 a decode step's kernels take about 7 ms on a 2-core AMD EPYC, and the module path around
 them (module calls, shape checks and allocations per op, the K/V write through indexing) took about as
@@ -11,8 +11,10 @@ batch-1 SmolLM2 step (decode bs 1 / 4 / 8: 6.2-6.8 / 9.1-10.1 / 16.9-17.2 ms bef
 
 It takes a step only where every kernel would have been used by the module path too: one tensor-parallel
 rank, no per-head q/k norm (Qwen3), every linear layer's plain int8 weight read by the fused kernel at this
-batch size, and the attention backend reading the pool through the CPU kernels. Anything else goes through
-the modules. A step with LoRA adapter rows runs here too: after each linear kernel the C loop adds the
+batch size or its GGUF blocks (`LinearMethod.block_parts`, run by srt_gguf_linear as `GGUFLinearMethod.apply`
+runs them, at any batch size), and the attention backend reading the pool through the CPU kernels. Anything
+else goes through the modules. Under GGUF the step matters most for small models: SmolLM2-135M's layers are
+short enough that the module path's Python is a large part of a step. A step with LoRA adapter rows runs here too: after each linear kernel the C loop adds the
 step's adapter products (srt_lora_add_segments on the layer's pool), as the module path's linear method
 does; a model with an adapted layer whose pool the kernels do not read decodes through the modules.
 """
@@ -26,6 +28,7 @@ import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.layers.cpu_kernels import CpuKernels
+from srt.model_executor.layers.gguf_linear import kernels as gguf_kernels
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear_method import LinearMethod
 
@@ -37,12 +40,17 @@ logger = logging.getLogger(__name__)
 # Zen 4). Every row reads its sequence's keys again, so a longer context moves the crossover down: 16 keeps
 # well inside it.
 EXTEND_MAX_TOKENS = 16
+# How a linear layer's weight is held (cpu_decode_kernels.c's enum of the same names)
+LINEAR_W8A8, LINEAR_GGUF = 0, 1
 
 
 @dataclass(frozen=True)
 class _Linear:
-    """What srt_w8a8_linear takes of one layer, as addresses (the tensors outlive the model)."""
+    """What the C loop's linear kernel takes of one layer, as addresses (the tensors outlive the model):
+    `weight` and `scale` are the int8 weight and its scales (LINEAR_W8A8), or the GGUF parts table and the
+    number of parts (LINEAR_GGUF)."""
 
+    kind: int
     weight: int
     scale: int
     bias: int | None
@@ -62,15 +70,14 @@ class _Layer:
     v_pool: int
 
 
-def _linear(qw: Int8Weight, bias: torch.Tensor | None) -> _Linear:
-    n, k = qw.weight.shape
-    return _Linear(
-        qw.weight.data_ptr(),
-        qw.scale.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        n,
-        k,
-    )
+def _linear(proj) -> _Linear:
+    """A projection's operands in the form its method holds them (refusal() checked it holds one)."""
+    bias = None if proj.bias is None else proj.bias.data_ptr()
+    qw, parts = proj.method.int8_weight(), proj.method.block_parts()
+    if qw is not None:
+        n, k = qw.weight.shape
+        return _Linear(LINEAR_W8A8, qw.weight.data_ptr(), qw.scale.data_ptr(), bias, n, k)
+    return _Linear(LINEAR_GGUF, parts.desc.data_ptr(), len(parts.parts), bias, parts.rows, parts.cols)
 
 
 class CpuDecodeStep:
@@ -99,14 +106,17 @@ class CpuDecodeStep:
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    *(_linear(p.method.int8_weight(), p.bias) for p in _projections(layer)),
+                    *(_linear(p) for p in _projections(layer)),
                     k_buf.data_ptr(),
                     v_buf.data_ptr(),
                 )
             )
-        self.max_k = max(
-            lin.k for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        # the int8 kernel's widest input (its quantized rows' scratch) and the GGUF kernel's activation bytes
+        # a token (0: no layer of that kind)
+        self.max_k = max((lin.k for lin in linears if lin.kind == LINEAR_W8A8), default=0)
+        gguf_k = [lin.k for lin in linears if lin.kind == LINEAR_GGUF]
+        self.act_bytes = max(map(gguf_kernels().act_row_bytes, gguf_k)) if gguf_k else 0
         # the whole layer loop is one C call (srt_decode_layers, bound once and called on the model's own
         # weights and pool, which build() checked the kernels can read) on this table: each layer's fields
         # flattened in their dataclass order, the layout of its C struct
@@ -125,11 +135,13 @@ class CpuDecodeStep:
             for method in layer
         ]
         self._adapter_table = torch.tensor(pools, dtype=torch.int64).reshape(-1, adapter_words)
-        # every linear layer of the step goes through the fused kernel, so the step takes the batch sizes that
-        # kernel takes (CpuKernels.max_fused_tokens): up to where a library kernel is faster (packed weights,
-        # or VNNI with `_int_mm`), every batch size with AVX2 alone
-        packed = any(w.packed is not None for w in _weights(model))
-        self.max_batch = kernels.max_fused_tokens(packed)
+        # every int8 linear layer of the step goes through the fused kernel, so the step takes the batch sizes
+        # that kernel takes (CpuKernels.max_fused_tokens): up to where a library kernel is faster (packed
+        # weights, or VNNI with `_int_mm`), every batch size with AVX2 alone; the GGUF method runs
+        # srt_gguf_linear at every batch size
+        int8 = [w for w in _weights(model) if w is not None]
+        packed = any(w.packed is not None for w in int8)
+        self.max_batch = kernels.max_fused_tokens(packed) if int8 else None
         self._scratch: _Scratch | None = None
 
     @staticmethod
@@ -164,9 +176,13 @@ class CpuDecodeStep:
             return "layers with different score scales"
         if any(layer.sliding_window or layer.logit_cap for layer in layers):
             return "sliding-window or soft-capped attention"
-        weights = _weights(model)
-        if any(w is None for w in weights):
-            return "a linear layer without int8 weights"
+        if any(
+            p.method.int8_weight() is None and p.method.block_parts() is None
+            for layer in model.model.layers
+            for p in _projections(layer)
+        ):
+            return "a linear layer with neither int8 weights nor GGUF blocks"
+        weights = [w for w in _weights(model) if w is not None]
         if any(w.weight is None or w.weight.shape[1] % kernels.k_multiple for w in weights):
             return "a linear layer the fused kernel does not take"
         if any(w.weight.shape[1] > kernels.max_k for w in weights if w.packed is not None):
@@ -191,14 +207,15 @@ class CpuDecodeStep:
     def _scratch_for(self, m: int) -> tuple[int | None, ...]:
         """The scratch addresses for a step of m tokens, from the buffers of the largest step so far (grown
         to twice their rows when a step outgrows them). The linear kernel's quantized rows live on its stack
-        for a few tokens (as in `CpuKernels.linear`): then their two addresses are None."""
+        for a few tokens (as in `CpuKernels.linear`): then their two addresses are None. The GGUF kernel's
+        quantized activations come last (None: no GGUF layer)."""
         if self._scratch is None or m > self._scratch.rows:
             self._scratch = self._grown_scratch(max(m, 2 * self._scratch.rows) if self._scratch else m)
         pointers = self._scratch.pointers
-        return pointers if self._quantizes_here(m) else pointers[:6] + (None, None)
+        return pointers if self._quantizes_here(m) else pointers[:6] + (None, None) + pointers[8:]
 
     def _quantizes_here(self, m: int) -> bool:
-        return m > self.kernels.max_small_rows or self.max_k > self.kernels.max_k
+        return self.max_k > 0 and (m > self.kernels.max_small_rows or self.max_k > self.kernels.max_k)
 
     def _grown_scratch(self, rows: int) -> _Scratch:
         widths = (
@@ -210,10 +227,16 @@ class CpuDecodeStep:
             self.inter,
         )
         tensors = tuple(torch.empty((rows, w)) for w in widths)
+        pointers: tuple[int | None, ...] = tuple(t.data_ptr() for t in tensors)
         if self._quantizes_here(rows):
-            tensors += (torch.empty((2 * rows, self.max_k), dtype=torch.int8), torch.empty(2 * rows))
-        pointers = tuple(t.data_ptr() for t in tensors)
-        return _Scratch(rows, tensors, pointers if len(pointers) == 8 else pointers + (None, None))
+            q = (torch.empty((2 * rows, self.max_k), dtype=torch.int8), torch.empty(2 * rows))
+            tensors, pointers = tensors + q, pointers + tuple(t.data_ptr() for t in q)
+        else:
+            pointers += (None, None)
+        act = torch.empty((rows, self.act_bytes), dtype=torch.uint8) if self.act_bytes else None
+        if act is not None:
+            tensors += (act,)
+        return _Scratch(rows, tensors, pointers + (None if act is None else act.data_ptr(),))
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
@@ -222,7 +245,7 @@ class CpuDecodeStep:
         m = input_ids.shape[0]
         hidden = self.model.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.tables(positions)  # [m, 1, head_dim / 2], contiguous
-        nd, qk, at, de, gu, ac, q_ptr, qs_ptr = self._scratch_for(m)
+        nd, qk, at, de, gu, ac, q_ptr, qs_ptr, act_ptr = self._scratch_for(m)
         h = hidden.data_ptr()
         slots, seq_lens = self.model.attn_backend.token_slots(batch)
         loc = batch.out_cache_loc
@@ -235,7 +258,7 @@ class CpuDecodeStep:
             pools, (rows, nseg, seg) = self._adapter_table.data_ptr(), info.kernel_segments()
         if self._decode_layers(
             self._table.data_ptr(), pools, rows, nseg, seg, len(self.layers), m, h, nd, qk, at, de, gu, ac,
-            q_ptr, qs_ptr, cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), slots.data_ptr(), slots.shape[1],
+            q_ptr, qs_ptr, act_ptr, cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), slots.data_ptr(), slots.shape[1],
             seq_lens.data_ptr(), self.hidden, self.q_size, self.kv_size, self.inter, self.heads,
             self.kv_heads, self.head_dim, self.eps, self.scale, self.half,
         ):  # fmt: skip
@@ -249,8 +272,10 @@ class _Scratch:
     their first m rows): allocated once and grown, never per step."""
 
     rows: int
-    tensors: tuple[torch.Tensor, ...]  # normed, qkv, attn, delta, gate_up, act; then q, qscale when needed
-    pointers: tuple[int | None, ...]  # their addresses, in the C loop's order (q, qscale None: the stack)
+    # normed, qkv, attn, delta, gate_up, act; then q, qscale (int8) and the GGUF activations when needed
+    tensors: tuple[torch.Tensor, ...]
+    # their addresses, in the C loop's order (q, qscale None: the stack; the GGUF activations None: no GGUF)
+    pointers: tuple[int | None, ...]
 
 
 def _flat(layer: _Layer) -> list[int]:
@@ -279,5 +304,5 @@ def _projections(layer) -> tuple:
     return a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
 
 
-def _weights(model) -> list[Int8Weight]:
+def _weights(model) -> list[Int8Weight | None]:
     return [p.method.int8_weight() for layer in model.model.layers for p in _projections(layer)]

@@ -7,11 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 
 import pytest
 
 from srt.model_executor.layers import cpu_kernel_build, cpu_kernels
+from srt.model_source import CACHE_DIR_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS_IN_WHEEL = "srt/model_executor/layers/"
@@ -89,3 +91,27 @@ def test_every_kernel_source_beside_the_build_is_compiled():
     here = os.path.dirname(cpu_kernel_build.__file__)
     on_disk = {n for n in os.listdir(here) if n.startswith("cpu_") and n.endswith("_kernels.c")}
     assert on_disk == {os.path.basename(p) for p in cpu_kernel_build.sources()}
+
+
+def test_concurrent_builders_compile_once_and_share_the_library(tmp_path, monkeypatch):
+    """Tensor-parallel ranks and data-parallel replicas start together: the first compiles, the others wait
+    on the lock and load its library."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    compiled = []
+    real = cpu_kernel_build._compile
+
+    def counting(cc, flags, path):
+        compiled.append(path)
+        real(cc, flags, path)
+
+    monkeypatch.setattr(cpu_kernel_build, "_compile", counting)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(cpu_kernel_build.build())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(compiled) == 1 and len(set(paths)) == 1 and os.path.isfile(paths[0])
+    assert sorted(os.listdir(os.path.dirname(paths[0]))) == sorted(
+        [os.path.basename(paths[0]), os.path.basename(paths[0]) + cpu_kernel_build.LOCK_SUFFIX]
+    )  # no object files or temporary libraries left behind

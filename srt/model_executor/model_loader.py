@@ -224,9 +224,9 @@ def open_checkpoint(path: str, requested: str | None, device: str):
     with): a GGUF's own blocks under `gguf` (a GGUF's CPU default), else the dense weights (a GGUF converted
     once, `model_source.resolve_model_dir`). The one place that tells the two apart.
 
-    A GGUF holding a block type the kernels cannot run is refused in one line when `gguf` was asked for;
-    by default it is served as before this method existed, converted and int8-calibrated, with a warning
-    naming the tensor and its type (Gemma 3 270M's Q4_K_M file keeps q/k/gate/up in Q5_0)."""
+    A GGUF holding a block type the kernels cannot run is refused in one line naming the tensor and the type
+    (a start-up configuration error, exit 2), never served some other way behind the user's back: the user
+    may ask for the converted weights with `--quantization w8a8_int8` or `none`."""
     if not is_gguf_file(path):
         return HFCheckpoint(path), resolve_quantization(requested, device)
     quantization = resolve_quantization(requested, device, gguf=True)
@@ -237,12 +237,7 @@ def open_checkpoint(path: str, requested: str | None, device: str):
         checkpoint = GGUFCheckpoint(path)
         if checkpoint.refusal is None:
             return checkpoint, quantization
-        if requested == GGUF_QUANTIZATION:
-            raise GGUFError(checkpoint.refusal)
-        quantization = resolve_quantization(None, device)
-        logger.warning(
-            "%s: serving its converted weights with --quantization %s", checkpoint.refusal, quantization
-        )
+        raise GGUFError(f"{checkpoint.refusal} (--quantization w8a8_int8 or none serves its converted weights)")
     return HFCheckpoint(resolve_model_dir(path)), quantization
 
 

@@ -6,7 +6,7 @@
 - The embedded SmolLM2's start never makes an fp32 copy of the model: the scheduler's peak resident memory
   stays below the fp32 weights' size (the converted checkpoint's), and the cache gains nothing but kernels.
 - Two tensor-parallel ranks answer as one.
-- A file with a type the kernels cannot run (Q3_K) under `--quantization gguf` exits with code 2 and one
+- A file with a type the kernels cannot run (Q3_K), by default, exits with code 2 and one
   start-up line naming the tensor and the type.
 """
 
@@ -108,7 +108,7 @@ def test_two_tensor_parallel_ranks_answer_as_one(tmp_path):
 
 def test_a_type_the_kernels_cannot_run_exits_2_naming_it(tmp_path):
     path = write_random_llama(tmp_path / "q3_k.gguf", default_gguf_path(), [T.Q8_0, T.Q3_K], head_type=None)
-    handle = launch_server("--model-path", path, "--quantization", "gguf", wait=False)
+    handle = launch_server("--model-path", path, wait=False)  # the CPU's default for a GGUF: its blocks
     try:
         code = handle.proc.wait(300)
         logs = handle.logs()

@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from srt.function_call.stream import ParseResult, ToolCallStream
+from srt.reasoning.parser import REASONING, REASONING_CONTENT
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
@@ -54,14 +55,17 @@ class ToolCallParser(ABC):
     def render_messages(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
         """`messages` (OpenAI roles, assistant `tool_calls`, `tool` results) as plain-text messages any chat
         template renders: the preamble joins the first system message (or becomes one), calls become the
-        assistant's text, and tool results become user turns wrapped in `<tool_response>` tags."""
+        assistant's text, and tool results become user turns wrapped in `<tool_response>` tags. An assistant
+        turn keeps its thinking (`reasoning_content`, `reasoning`) for the template to read."""
         out = []
         for m in messages:
             content = m.get("content") or ""
-            if m["role"] == "assistant" and m.get("tool_calls"):
-                calls = [c["function"] for c in m["tool_calls"]]
-                content = "\n".join(filter(None, [content, self.render_calls(calls)]))
-                out.append({"role": "assistant", "content": content})
+            if m["role"] == "assistant":
+                if m.get("tool_calls"):
+                    calls = [c["function"] for c in m["tool_calls"]]
+                    content = "\n".join(filter(None, [content, self.render_calls(calls)]))
+                thinking = {k: m[k] for k in (REASONING_CONTENT, REASONING) if k in m}
+                out.append({"role": "assistant", "content": content, **thinking})
             elif m["role"] == "tool":
                 out.append(
                     {"role": "user", "content": f"{TOOL_RESPONSE_START}\n{content}\n{TOOL_RESPONSE_END}"}

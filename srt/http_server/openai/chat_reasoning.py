@@ -40,30 +40,40 @@ class ReasoningReading:
         return cls(fmt, field, ids[0] if len(ids) == 1 else None)
 
     def fields(self, reasoning: str) -> dict:
-        """The thinking under the name(s) `--reasoning-field` chose."""
+        """The thinking under the name(s) `--reasoning-field` chose; null when there was none (SGLang's)."""
         names = (REASONING_CONTENT, REASONING) if self.field == REASONING_FIELD_BOTH else (self.field,)
-        return dict.fromkeys(names, reasoning)
+        return dict.fromkeys(names, reasoning or None)
 
     def reasoning_tokens(self, text: str, output_ids: list[int], thinking: bool, tokenizer) -> int:
         """Output tokens up to and including the end tag; all of them when the output ended inside the
-        thinking (`max_tokens` cut it); none when it never thought. By the end tag's id when it is one token,
-        else by re-tokenizing the text up to the tag's end (the detokenized text is what the reader saw)."""
+        thinking (`max_tokens` cut it); none when it never thought. By the end tag's id when it is one token
+        the model wrote, else by the decoded text of the output's prefixes."""
+        if not thinking and not self.fmt.starts_in_reasoning:
+            return 0  # read as all answer
         stream = self.fmt.new_stream(thinking)
         stream.feed(text)
         stream.finish()
-        if (
-            not stream.reasoning_ended
-        ):  # cut inside the thinking, or an empty output of a format that opens none
+        # cut inside the thinking (or an empty output of a format that opens none: no thinking)
+        if not stream.reasoning_ended:
             return len(output_ids) if text.strip() or (self.fmt.starts_in_reasoning and thinking) else 0
-        if self.end_token_id is not None:
-            if self.end_token_id in output_ids:
-                return output_ids.index(self.end_token_id) + 1
+        if self.end_token_id is not None and self.end_token_id in output_ids:
+            return output_ids.index(self.end_token_id) + 1
+        if self.fmt.end_tag not in text:
             return 0
-        end = text.find(self.fmt.end_tag)
-        if end < 0:
-            return 0
-        prefix = text[: end + len(self.fmt.end_tag)]
-        return min(len(output_ids), len(tokenizer.encode(prefix, add_special_tokens=False)))
+        return self._tokens_through_tag(output_ids, tokenizer)
+
+    def _tokens_through_tag(self, output_ids: list[int], tokenizer) -> int:
+        """The fewest output tokens whose text holds the end tag (a tag of several tokens, or one the model
+        spelled in pieces): a binary search over prefixes, since a longer prefix's text extends a shorter
+        one's."""
+        lo, hi = 1, len(output_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.fmt.end_tag in tokenizer.decode(output_ids[:mid], skip_special_tokens=False):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def split(self, text: str, thinking: bool) -> tuple[str, str]:
         """(reasoning, answer) of a whole output."""

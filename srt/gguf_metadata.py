@@ -76,6 +76,15 @@ GGUF_SPECIAL_TOKENS = {
 }
 
 
+def check_gguf(path: str) -> None:
+    """Parse and validate a GGUF's header and tensor table (GGUFError naming the problem): a launcher's check
+    before it starts any child, so a broken or crafted file fails in about a second, not after the children
+    have started (0.1-0.25 s for the embedded files' vocabularies)."""
+    from srt.model_executor.gguf_file import GGUFFile
+
+    GGUFFile.open(path)
+
+
 def gguf_tokenizer(path: str):
     """The fast tokenizer a GGUF's metadata describes, as transformers builds it for `gguf_file=` (its
     builders, `convert_gguf_tokenizer`), read with srt's validating parser instead of transformers' reader

@@ -167,11 +167,15 @@ class Launcher:
             self.shutdown()
 
     def _model_dir(self) -> str:
-        from srt.model_source import resolve_model_path
+        from srt.gguf_metadata import check_gguf
+        from srt.model_source import is_gguf_file, resolve_model_path
 
         try:
-            return resolve_model_path(self.args.model_path)
-        except (OSError, RuntimeError) as e:
+            path = resolve_model_path(self.args.model_path)
+            if is_gguf_file(path):
+                check_gguf(path)  # a broken file fails here, before any child starts
+            return path
+        except (OSError, RuntimeError, ValueError) as e:  # ValueError: the file's own (GGUFError)
             raise StartupError(
                 f"cannot load model {self.args.model_path or '(embedded)'}: {one_line(str(e))}",
                 config_error=self.args.model_path is not None,  # the embedded model failing is a bug

@@ -24,10 +24,13 @@ from srt.http_server.openai.tool_types import (
 from srt.http_server.request_types import (
     MAX_MESSAGES,
     FieldError,
+    MinP,
     PositiveCount,
+    RepetitionPenalty,
     RequestBody,
     StrictModel,
     Temperature,
+    TopK,
     TopP,
 )
 from srt.http_server.structured_output import JsonSchemaFormat
@@ -212,6 +215,12 @@ def _false_only(name: str):
     return AfterValidator(check)
 
 
+def _zero_only(value: int | None) -> int | None:
+    if value:
+        raise ValueError("srt schedules without priorities: only 0, every request's priority, is accepted")
+    return value
+
+
 class ResponsesRequest(RequestBody):
     route: ClassVar[str] = "/v1/responses"
     refused: ClassVar[dict[str, str]] = RESPONSES_REFUSED
@@ -240,6 +249,12 @@ class ResponsesRequest(RequestBody):
     prompt_cache_retention: Identifier | None = None
     service_tier: Identifier | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    # SGLang's sampling extras, which the Shepherd Model Gateway sends on every request it proxies.
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    # SGLang's scheduling priority (the gateway sends 0): srt schedules without priorities, so only 0 is taken.
+    priority: Annotated[int | None, AfterValidator(_zero_only)] = None
 
     @model_validator(mode="after")
     def _results_answer_calls(self) -> ResponsesRequest:
@@ -316,6 +331,9 @@ class ResponsesRequest(RequestBody):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
         if self.tools:

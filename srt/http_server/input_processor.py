@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import inspect
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -140,6 +142,13 @@ class InputProcessor:
         self.check_input_chars(len(text), param)
         return await self._tokenize(text, add_special_tokens=add_special_tokens)
 
+    @functools.cached_property
+    def _template_arguments(self) -> frozenset[str]:
+        """The tokenizer's own `apply_chat_template` arguments (messages, tools, tokenize …): a request's
+        `chat_template_kwargs` may add template variables, never set these."""
+        params = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        return frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD) | {"messages"}
+
     @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template renders `tools` itself (else the tool-call format writes them into the
@@ -158,6 +167,12 @@ class InputProcessor:
         chars += len(json.dumps(tools)) if tools else 0
         chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
         self.check_input_chars(chars, "messages")
+        taken = set(template_kwargs or ()) & self._template_arguments
+        if taken:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {sorted(taken)}: the server sets them",
+                "chat_template_kwargs",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,

@@ -69,6 +69,7 @@ SAMPLE = {
     "stop_token_ids": [1], "ignore_eos": False, "skip_special_tokens": True,
     "json_schema": '{"type": "object"}', "regex": "a", "ebnf": 'root ::= "a"', "min_tokens": 1, "rid": "x",
     "return_timing": True, "stream_options.continuous_usage_stats": True, "data_parallel_rank": 0,
+    "separate_reasoning": False, "chat_template_kwargs": {"enable_thinking": False},
 }  # fmt: skip
 
 
@@ -413,6 +414,20 @@ def check_prediction(api: Api, stream: bool, name: str) -> None:
     )
 
 
+def check_separate_reasoning(api: Api, stream: bool, name: str) -> None:
+    """Without --reasoning-parser (this server) the output is raw either way; the split itself is
+    test_reasoning_server.py's. A non-boolean is a 400 naming it."""
+    assert api.call(stream, separate_reasoning=False).texts == api.call(stream).texts
+    assert api.refused(stream, separate_reasoning="no")["param"] == "separate_reasoning"
+
+
+def check_chat_template_kwargs(api: Api, stream: bool, name: str) -> None:
+    """Variables reach the template (SmolLM2's reads none, so the answer is unchanged; Qwen3's
+    `enable_thinking` is test_reasoning_server.py's); one of apply_chat_template's own arguments is a 400."""
+    assert api.call(stream, chat_template_kwargs={"enable_thinking": False}).texts == api.call(stream).texts
+    assert api.refused(stream, chat_template_kwargs={"tokenize": True})["param"] == "chat_template_kwargs"
+
+
 HONOURED = {
     "messages": check_prompt, "prompt": check_prompt, "model": check_model, "max_tokens": check_max_tokens,
     "max_completion_tokens": check_max_tokens, "max_new_tokens": check_max_tokens,
@@ -431,7 +446,8 @@ HONOURED = {
     "tools": check_tools, "tool_choice": check_tools, "parallel_tool_calls": check_tools,
     "return_timing": check_return_timing, "prediction": check_prediction,
     "stream_options.continuous_usage_stats": check_continuous_usage_stats,
-    "data_parallel_rank": check_data_parallel_rank,
+    "data_parallel_rank": check_data_parallel_rank, "separate_reasoning": check_separate_reasoning,
+    "chat_template_kwargs": check_chat_template_kwargs,
 }  # fmt: skip
 
 

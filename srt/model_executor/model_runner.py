@@ -30,6 +30,7 @@ from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
 from srt.model_executor.layers.linear_method import CPU_KERNEL_QUANTIZATIONS, LayerMethods
 from srt.model_executor.model_loader import map_checkpoint_tensor, open_checkpoint
+from srt.model_executor.models.cpu_decode import EXTEND_MAX_TOKENS
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import (
     cached_int8_weights,
@@ -237,6 +238,13 @@ class ModelRunner:
     def decode_graph_max_bs(self) -> int:
         """The largest decode batch replayed from a CUDA graph (0: every step runs eagerly)."""
         return self.cuda_graph.max_bs if self.cuda_graph is not None else 0
+
+    @property
+    def verify_max_tokens(self) -> int:
+        """The most tokens one step may feed at about a decode step's cost (0: no bound of its own, an eager
+        GPU step): what the fused CPU step takes, or the largest decode graph, whose replay a speculative
+        verify step's rows take. The scheduler's verify budget reads it (`spec_step.verify_step_tokens`)."""
+        return EXTEND_MAX_TOKENS if self.device.startswith("cpu") else self.decode_graph_max_bs
 
     def decode_graph_refusal(self) -> str | None:
         """Why this runner's decode steps cannot be recorded in CUDA graphs, whatever its device (None: they

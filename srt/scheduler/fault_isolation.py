@@ -2,8 +2,9 @@
 never the process.
 
 What is isolated: admitting a request, sampling a batch (a bad seed, penalty token list or top-logprobs count
-makes the batch call raise; `step_sampler.py` then samples row by row and only the rows that raise fail),
-checking stop conditions (`token_append.py`) and compiling a grammar. What is not: `PROCESS_FATAL_ERRORS` and
+makes the batch call raise; `step_sampler.py` then samples row by row and only the rows that raise fail), the
+same for a speculative verify step's drafting requests (request by request over each one's rows), checking
+stop conditions (`token_append.py`) and compiling a grammar. What is not: `PROCESS_FATAL_ERRORS` and
 anything outside these guards (the forward pass, the KV pool's invariants), which are the process's failures
 and still end it.
 
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 # Failures of the process, not of one request: never isolated.
 PROCESS_FATAL_ERRORS = (MemoryError, torch.cuda.OutOfMemoryError)
 # Test hook, off unless set when the scheduler starts: a request whose rid contains this variable's value
-# raises inside sampling at its TEST_FAULT_DECODE_STEP-th decode step.
+# raises inside sampling at the step that would choose its TEST_FAULT_DECODE_STEP-th output token (0-based:
+# the decode step where it has that many, or the verify step whose run covers that position).
 TEST_FAULT_ENV = "SRT_TEST_FAULT_RID"
 TEST_FAULT_DECODE_STEP = 3
 # Token of a row whose sampling failed; its request is finished, so the value is never appended.

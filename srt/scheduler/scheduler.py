@@ -137,7 +137,7 @@ class Scheduler:
         self.grammar = SchedulerGrammar(server_args, model_runner, self.reporter.grammar_metrics)
         # decode steps in which some request drafts (--speculative-algorithm, or a request's `prediction`)
         # become verify steps
-        self.spec = SpecDecoder(server_args, self.sampler.sampler, self.context_len, model_runner)
+        self.spec = SpecDecoder(server_args, self.sampler, self.context_len, model_runner)
         self.executor = StepExecutor(
             model_runner, self.builder, self.tree_cache, self.sampler, self.grammar, self.spec,
             self.reporter, self.tracing, self.mixed_budget, finish=self._finish_in_step,

@@ -10,13 +10,12 @@ lossless verification, the figures) live in `srt/speculative/`.
 
 Eligibility, decided every step: a request drafts unless it is constrained by a grammar, whose matcher would
 have to be advanced over the drafts and rolled back; such a request decodes plainly in the same forward step
-instead (one row, the ordinary sampler), so its output is exactly what it is without speculation. What else
-acts per token acts per row of the run, each row after its own context (the output and the drafts before
-it): penalties and the min_new_tokens ban (`_apply_context_rules`), logprobs read off the row each token was
-chosen from (`run_logprobs`); the penalty pool then counts the appended tokens (`record_penalties`).
-What an eligible request's rows go through before verification is what the sampler does for it:
-`logit_bias`, then temperature and top-k/top-p/min-p (`RandomRows.probs`); a greedy request takes the
-argmax of its biased logits.
+instead (one row, the ordinary sampler), so its output is exactly what it is without speculation.
+
+An eligible request's rows are sampled as a plain step's row is, each after its own context (the output and
+the drafts before it), by the scheduler's isolating sampler (`IsolatingSampler.verify`, over
+srt/sampling/verify_rows.py): a request whose verify-step sampling raises finishes with `error` alone and
+the others keep their tokens, as in a plain step.
 """
 
 from __future__ import annotations
@@ -27,10 +26,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt.model_executor.models.cpu_decode import EXTEND_MAX_TOKENS
-from srt.sampling.penalties import apply_penalties, banned_token_ids, mask_tokens, uses_penalties
-from srt.sampling.sampler import top_logprobs
-from srt.sampling.sampling_batch import SamplingBatch
 from srt.scheduler.token_append import append_token_runs
 from srt.speculative.defaults import (
     DRAFT_MODEL_ALGORITHM,
@@ -42,13 +37,11 @@ from srt.speculative.ngram import NgramProposer
 from srt.speculative.prediction import PredictionProposer
 from srt.speculative.proposer import Proposer, draft_len_limit
 from srt.speculative.stats import SpecRequestStats, SpecStep, SpecStepStats
-from srt.speculative.verify import DraftBatch, verify
 
 if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
-    from srt.sampling.sampler import Sampler
     from srt.scheduler.schedule_batch import Req
-    from srt.scheduler.token_append import RunLogprobs
+    from srt.scheduler.step_sampler import IsolatingSampler
     from srt.server_args import ServerArgs
 
 
@@ -89,29 +82,30 @@ def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
     return DraftModelProposer(draft, k)
 
 
-def verify_step_tokens(device: str, graph_max_bs: int = 0) -> int:
-    """The most tokens a verify step may feed on `device` (a torch device string) whose runner replays decode
-    steps from CUDA graphs up to `graph_max_bs` rows (0: none). On the CPU, what the fused decode step
-    takes (EXTEND_MAX_TOKENS): there a fed token costs ~0.6 ms on top of a ~7.5 ms step, past it the step
-    takes the extend path and costs about a prefill of its tokens (a decode step of 16 sequences 22 ms,
-    their verify step of 64 tokens ~55 ms). Measured on a 2-core AMD EPYC Zen 4 (scripts/bench_spec.py):
-    with 64 on the CPU, concurrency 16 ran at 0.89x of no speculation; with 16, 1.01x. 8 drafts at batch 1,
-    3 at 4, 1 at 8, none from 9. On a GPU with graphs, no more than the largest graph: its verify rows replay
-    as a decode step (`StepBuilder.verify_rows_as_decode`), where an eager extend costs several decode steps."""
-    if device.startswith("cpu"):
-        return EXTEND_MAX_TOKENS
-    return min(GPU_VERIFY_STEP_TOKENS, graph_max_bs) if graph_max_bs else GPU_VERIFY_STEP_TOKENS
+def verify_step_tokens(runner_max_tokens: int) -> int:
+    """The most tokens a verify step may feed on a runner whose steps take `runner_max_tokens` at about a
+    decode step's cost (`ModelRunner.verify_max_tokens`; 0: no bound of its own), and never more than
+    GPU_VERIFY_STEP_TOKENS. On the CPU, what the fused decode step takes: there a fed token costs ~0.6 ms on
+    top of a ~7.5 ms step, past it the step takes the extend path and costs about a prefill of its tokens (a
+    decode step of 16 sequences 22 ms, their verify step of 64 tokens ~55 ms). Measured on a 2-core AMD EPYC
+    Zen 4 (scripts/bench_spec.py): with 64 on the CPU, concurrency 16 ran at 0.89x of no speculation; with
+    16, 1.01x. 8 drafts at batch 1, 3 at 4, 1 at 8, none from 9. On a GPU with graphs, no more than the
+    largest graph: its verify rows replay as a decode step (`StepBuilder.verify_rows_as_decode`), where an
+    eager extend costs several decode steps."""
+    if runner_max_tokens:
+        return min(GPU_VERIFY_STEP_TOKENS, runner_max_tokens)
+    return GPU_VERIFY_STEP_TOKENS
 
 
 class SpecDecoder:
     """Built for every scheduler: any request may carry a prediction. Without `--speculative-algorithm`
     a decode step in which no running request has one costs one scan of the batch here."""
 
-    def __init__(self, args: ServerArgs, sampler: Sampler, context_len: int, target: ModelRunner):
+    def __init__(self, args: ServerArgs, sampler: IsolatingSampler, context_len: int, target: ModelRunner):
         self.k = args.speculative_drafts_per_step  # 0 without --speculative-algorithm
         self.k_in_effect = self.k  # at the latest decode step's batch size (`drafts_for_batch`)
         # the most a verify step feeds
-        self.step_tokens = verify_step_tokens(str(target.device), target.decode_graph_max_bs)
+        self.step_tokens = verify_step_tokens(target.verify_max_tokens)
         self.proposer = build_proposer(args, self.k, target) if args.speculative_algorithm else None
         min_n, max_n = (
             args.speculative_ngram_min_match_window_size,
@@ -179,34 +173,10 @@ class SpecDecoder:
         self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]
     ) -> tuple[list[list[int]], list[int]]:
         """Judge each request's drafts (every one non-empty) against its k + 1 rows of `logits`, packed request
-        after request. Returns, per request, the tokens to append (its accepted drafts, then the bonus or
-        recovered token) and how many drafts were accepted."""
-        sampler = self.sampler
-        logits = logits[:, : sampler.vocab_size].float()
-        batch = DraftBatch.build(drafts, logits.device)
-        params = [r.sampling_params for r in reqs]
-        greedy = [p.is_greedy for p in params]
-        probs = None
-        if any(
-            uses_penalties(p) or len(r.output_ids) < p.min_new_tokens
-            for r, p in zip(reqs, params, strict=True)
-        ):
-            logits = logits.clone()  # the caller's rows stay raw (logprobs read them)
-            self._apply_context_rules(logits, reqs, drafts)
-        if not all(greedy) or any(p.logit_bias for p in params):
-            rows = [r for r, ids in zip(reqs, drafts, strict=True) for _ in range(len(ids) + 1)]
-            per_row = SamplingBatch.build(
-                rows, sampler.vocab_size, sampler.eos_token_ids, sampler.penalty_pool, sampler.device
-            )
-            if per_row.bias is not None:
-                row_ids, tokens, values = per_row.bias
-                logits = logits.clone()
-                logits.index_put_((row_ids, tokens), values, accumulate=True)
-            if per_row.random is not None:
-                probs = torch.zeros_like(logits)
-                probs[per_row.random.rows] = per_row.random.probs(logits[per_row.random.rows])
-        result = verify(batch, logits, probs, greedy, [r.generator for r in reqs])
-        return result.token_ids(), result.accepted
+        after request, through the isolating sampler (`IsolatingSampler.verify`): per request, the tokens to
+        append and how many drafts were accepted; a request whose sampling raised is finished with `error`
+        and gets none."""
+        return self.sampler.verify(logits, reqs, drafts)
 
     def accept(
         self,
@@ -225,10 +195,10 @@ class SpecDecoder:
         request's KV covers exactly its tokens and nothing rejected can reach the prefix cache), and record
         the figures. Returns how many tokens each request took, and the step's totals."""
         tokens, accepted = self.verify(logits, reqs, drafts)
-        logprobs = self.run_logprobs(logits, reqs, drafts, tokens)
+        logprobs = self.sampler.run_logprobs(logits, reqs, drafts, tokens)
         starts = [len(r.output_ids) for r in reqs]
         taken = append_token_runs(tokens, list(reqs), time.monotonic(), eos_token_ids, context_len, logprobs)
-        self.record_penalties(reqs, tokens, taken)
+        self.sampler.record_runs(reqs, tokens, taken)
         rejected: list[int] = []
         row = 0
         for req, run, n in zip(reqs, drafts, taken, strict=True):
@@ -251,69 +221,6 @@ class SpecDecoder:
             # still cut it
             req.spec_stats.record(step, may_be_cut=bool(req.sampling_params.stop))
         return taken, SpecStepStats.from_steps(steps)
-
-    def _apply_context_rules(
-        self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]
-    ) -> None:
-        """What depends on a row's position in the run, applied in place: row j of a request comes after its
-        output and its first j drafts, so its penalties count those tokens (computed from that context, as
-        the sampler's reference does), and while that context is shorter than min_new_tokens its end of
-        sequence and stop token ids are banned."""
-        eos = self.sampler.eos_token_ids
-        start = 0
-        for req, ids in zip(reqs, drafts, strict=True):
-            n, p = len(ids) + 1, req.sampling_params
-            rows = logits[start : start + n]
-            if uses_penalties(p):
-                contexts = [req.output_ids + ids[:j] for j in range(n)]
-                apply_penalties(rows, [p] * n, [req.origin_input_ids] * n, contexts)
-            short = [j for j in range(n) if len(req.output_ids) + j < p.min_new_tokens]
-            if short:
-                mask_tokens(rows, short, [banned_token_ids(p, list(eos))] * len(short))
-            start += n
-
-    def record_penalties(
-        self, reqs: Sequence[Req], tokens: Sequence[list[int]], taken: Sequence[int]
-    ) -> None:
-        """Count the tokens a verify step appended to penalized requests in their penalty-pool rows: the
-        sampler's incremental state, which their next plain step reads."""
-        pool = self.sampler.penalty_pool
-        for req, run, n in zip(reqs, tokens, taken, strict=True):
-            if req.penalty_row is None:
-                continue  # it acquires its row from its whole context when it next samples plainly
-            row = torch.tensor([req.penalty_row], device=pool.device)
-            for token in run[:n]:
-                pool.add_tokens(row, torch.tensor([token], device=pool.device))
-
-    def run_logprobs(
-        self,
-        logits: torch.Tensor,
-        reqs: Sequence[Req],
-        drafts: Sequence[list[int]],
-        tokens: Sequence[list[int]],
-    ) -> list[RunLogprobs | None] | None:
-        """For each request that asks for logprobs, its run's tokens' logprobs and top alternatives, read off
-        its verify rows as a decode step reads them off its one row (log_softmax of the raw logits): row j of
-        a request is the distribution its j-th token of the step was chosen from. None when none asks."""
-        asking = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
-        if not asking:
-            return None
-        starts = [0]
-        for d in drafts[:-1]:
-            starts.append(starts[-1] + len(d) + 1)
-        rows = [starts[i] + j for i in asking for j in range(len(tokens[i]))]
-        raw = torch.log_softmax(logits[rows, : self.sampler.vocab_size].float(), dim=-1)
-        chosen = torch.tensor([t for i in asking for t in tokens[i]], device=raw.device)
-        values = raw.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        ks = [reqs[i].sampling_params.logprobs for i in asking for _ in tokens[i]]
-        tops = top_logprobs(raw, ks)
-        out: list[RunLogprobs | None] = [None] * len(reqs)
-        at = 0
-        for i in asking:
-            n = len(tokens[i])
-            out[i] = (values[at : at + n], tops[at : at + n])
-            at += n
-        return out
 
     def release(self, rid: str) -> None:
         """The request left for good (finished or aborted; not retracted)."""

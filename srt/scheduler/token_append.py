@@ -10,10 +10,8 @@ from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, fail_request
 
 if TYPE_CHECKING:
     from srt.sampling.sampler import SampleOutput
+    from srt.sampling.verify_rows import RunLogprobs
     from srt.scheduler.schedule_batch import Req
-
-# one request's run: each token's logprob, and each token's top alternatives ((id, logprob) pairs)
-RunLogprobs = tuple[list[float], list[list[tuple[int, float]]]]
 
 
 def _each_isolated(reqs: list[Req], append: Callable[[int, Req], None]) -> None:

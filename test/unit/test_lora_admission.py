@@ -46,6 +46,7 @@ class StandInRunner:
     max_running_requests = 8
     max_total_num_tokens = 4096
     decode_graph_max_bs = 0
+    verify_max_tokens = 0
     model_dir = ""
     kv_cache_dtype = torch.float32
     attention_backend_name = "none"

@@ -63,15 +63,26 @@ def test_drafts_per_step_follow_sglangs_counting():
     assert unset.speculative_drafts_per_step == NUM_DRAFT_TOKENS - 1
 
 
+def verify_budget(device: str, graph_max_bs: int = 0) -> int:
+    """The scheduler's verify budget on a runner on `device` replaying decode graphs up to `graph_max_bs`
+    rows, as it reads it (`ModelRunner.verify_max_tokens`)."""
+    from types import SimpleNamespace
+
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.scheduler.spec_step import verify_step_tokens
+
+    runner = SimpleNamespace(device=device, decode_graph_max_bs=graph_max_bs)
+    return verify_step_tokens(ModelRunner.verify_max_tokens.fget(runner))
+
+
 @pytest.mark.parametrize(
     "batch, drafts", [(1, 11), (2, 7), (3, 4), (4, 3), (8, 1), (9, 0), (16, 0), (256, 0)]
 )
 def test_drafts_shrink_as_the_batch_grows_and_stop_past_it(batch, drafts):
     """A CPU verify step feeds at most what the fused CPU step takes (16 tokens): batch x (1 + drafts)."""
-    from srt.scheduler.spec_step import verify_step_tokens
     from srt.speculative.defaults import drafts_for_batch
 
-    budget = verify_step_tokens("cpu")
+    budget = verify_budget("cpu")
     assert drafts_for_batch(11, batch, budget) == drafts
     assert batch * (1 + drafts) <= budget or drafts == 0
 
@@ -79,18 +90,16 @@ def test_drafts_shrink_as_the_batch_grows_and_stop_past_it(batch, drafts):
 def test_a_gpu_verify_step_may_feed_more_tokens_than_a_cpu_one():
     """On the CPU a verify row past the fused step's 16 costs about a prompt token; on a GPU it costs little."""
     from srt.model_executor.models.cpu_decode import EXTEND_MAX_TOKENS
-    from srt.scheduler.spec_step import verify_step_tokens
     from srt.speculative.defaults import GPU_VERIFY_STEP_TOKENS
 
-    assert verify_step_tokens("cpu") == EXTEND_MAX_TOKENS
-    assert verify_step_tokens("cuda:0") == GPU_VERIFY_STEP_TOKENS > EXTEND_MAX_TOKENS
+    assert verify_budget("cpu") == EXTEND_MAX_TOKENS
+    assert verify_budget("cuda:0") == GPU_VERIFY_STEP_TOKENS > EXTEND_MAX_TOKENS
 
 
 @pytest.mark.parametrize("graph_max_bs", [8, 160])
 def test_with_decode_graphs_a_gpu_verify_step_stays_within_the_largest_graph(graph_max_bs):
     """Verify rows replay as a decode step of as many rows; one more row than the largest graph would run
     the step eagerly, several times a replayed step's cost."""
-    from srt.scheduler.spec_step import verify_step_tokens
     from srt.speculative.defaults import GPU_VERIFY_STEP_TOKENS
 
-    assert verify_step_tokens("cuda:0", graph_max_bs) == min(graph_max_bs, GPU_VERIFY_STEP_TOKENS)
+    assert verify_budget("cuda:0", graph_max_bs) == min(graph_max_bs, GPU_VERIFY_STEP_TOKENS)

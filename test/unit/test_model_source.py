@@ -4,17 +4,20 @@ importing torch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from srt import model_source
 from srt.model_executor.attention import registry
 from srt.server_args import ATTENTION_BACKENDS
+
+# how long the lock's holder waits for the other callers to reach it (they start at once: far less)
+LOCK_ARRIVAL_TIMEOUT_S = 30.0
 
 
 def test_a_directory_is_used_as_is(tmp_path):
@@ -43,6 +46,31 @@ def test_cache_key_changes_when_the_file_changes(tmp_path, monkeypatch):
     assert model_source.converted_dir_for(str(gguf)) != first
 
 
+def count_lock_arrivals(monkeypatch, callers: int):
+    """A barrier in place of a sleep: model_source's lock counts who reached it (before waiting on it); the
+    returned function waits until all `callers` have, so the one holding the lock knows the others are
+    blocked on it."""
+    arrived = threading.Condition()
+    count = [0]
+    real_locked = model_source._locked
+
+    @contextlib.contextmanager
+    def counting(path):
+        with arrived:
+            count[0] += 1
+            arrived.notify_all()
+        with real_locked(path):
+            yield
+
+    monkeypatch.setattr(model_source, "_locked", counting)
+
+    def wait() -> None:
+        with arrived:
+            assert arrived.wait_for(lambda: count[0] == callers, timeout=LOCK_ARRIVAL_TIMEOUT_S), count[0]
+
+    return wait
+
+
 def test_concurrent_resolves_convert_once(tmp_path, monkeypatch):
     monkeypatch.setenv(model_source.CACHE_DIR_ENV, str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
@@ -51,11 +79,12 @@ def test_concurrent_resolves_convert_once(tmp_path, monkeypatch):
 
     def fake_convert(src: str, dst: str) -> None:
         calls.append(src)
-        time.sleep(0.2)  # long enough for the other thread to reach the lock
+        every_caller_reached_the_lock()  # the others now wait on it: this is the race being tested
         os.makedirs(dst)
         open(os.path.join(dst, model_source.CONVERTED_MARKER), "w").close()
 
     monkeypatch.setattr(model_source, "_convert_in_subprocess", fake_convert)
+    every_caller_reached_the_lock = count_lock_arrivals(monkeypatch, 3)
     results = []
     threads = [
         threading.Thread(target=lambda: results.append(model_source.resolve_model_dir(str(gguf))))
@@ -132,13 +161,14 @@ def test_a_chunked_model_is_assembled_once_into_the_cache(tmp_path, monkeypatch)
         @staticmethod
         def assemble(output_path, overwrite=False):
             calls.append(output_path)
-            time.sleep(0.2)  # long enough for the other threads to reach the lock
+            every_caller_reached_the_lock()  # the others now wait on it: this is the race being tested
             with open(output_path, "wb") as f:
                 f.write(b"GGUF")
             return output_path
 
     model = model_source.EmbeddedModel("fake", "srt_test_fake_wheel", "fake-wheel", "fake.gguf", chunked=True)
     monkeypatch.setitem(sys.modules, model.package, FakeWheel)
+    every_caller_reached_the_lock = count_lock_arrivals(monkeypatch, 3)
     results = []
     threads = [
         threading.Thread(target=lambda: results.append(model_source.assembled_gguf_path(model)))

@@ -67,6 +67,9 @@ class GenerateInput:
     lora_name: str | None = None  # the LoRA adapter every sample runs with (None: the base model)
     # The data-parallel replica every sample runs on; None lets the DataParallelRouter choose.
     data_parallel_rank: int | None = None
+    # On a --reasoning-parser server: whether the request thinks (False: Qwen3's enable_thinking off), so
+    # its output is read for reasoning tokens and the time to its first answer token; None: not read.
+    thinking: bool | None = None
 
     @property
     def num_choices(self) -> int:

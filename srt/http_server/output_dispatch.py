@@ -60,6 +60,7 @@ def dispatch_batch(
         new_ids = b.output_ids[i]
         reason = b.finished_reasons[i]
         metrics.on_tokens(st, b.token_ts[i], bool(new_ids), now)
+        metrics.on_text(st, b.output_strs[i], new_ids, now)
         stats = None if reason is None else metrics.finished_stats(st, b, i, reason, now)
         if not st.abandoned:
             st.queue.put_nowait(

@@ -29,5 +29,6 @@ class ReqState:
     params: SamplingParams | None = None
     export: bool = True  # written to the request export (health checks are not)
     lora_name: str | None = None  # the LoRA adapter it runs with
+    thinking: bool | None = None  # GenerateInput.thinking: its output is read for reasoning when not None
     # the metrics recorder's stamps (written by it alone; the state itself is written only by its manager)
     stamps: TokenStamps = field(default_factory=TokenStamps)

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from srt.http_server.openai.chat_reasoning import ReasoningReading, ReasoningTracker
 from srt.io_struct import BatchStrOut, FinishReason
 from srt.metrics.custom_labels import CustomLabelPolicy, parse_allowed_custom_labels
 from srt.metrics.request_stats import FinishedRequestStats, inter_token_latencies
@@ -34,7 +35,9 @@ def exported_params(params: SamplingParams) -> dict:
 
 
 class RequestMetricsRecorder:
-    def __init__(self, server_args: ServerArgs, context_len: int):
+    def __init__(self, server_args: ServerArgs, context_len: int, reasoning: ReasoningReading | None = None):
+        """`reasoning`: how a --reasoning-parser server reads its outputs (None: no parser)."""
+        self.reasoning = reasoning
         self.collector = None
         self.exporter = None
         self.labels: CustomLabelPolicy = parse_allowed_custom_labels(
@@ -94,11 +97,21 @@ class RequestMetricsRecorder:
                     self.collector.observe_inter_token_latencies(itl, st.labels)
             stamps.last_token_ts = token_ts[-1]
 
+    def on_text(self, st: ReqState, text: str, ids: list[int], now: float) -> None:
+        """A request whose output is read for reasoning (GenerateInput.thinking) feeds its tracker."""
+        if self.reasoning is None or st.thinking is None:
+            return
+        if st.stamps.reasoning is None:
+            st.stamps.reasoning = ReasoningTracker(self.reasoning, st.thinking)
+        st.stamps.reasoning.feed(text, ids, now)
+
     def finished_stats(
         self, st: ReqState, b: BatchStrOut, i: int, reason: FinishReason, now: float
     ) -> FinishedRequestStats:
         """The request's finished record, from the same stamps the histograms observe."""
         labels = dict(zip(self.labels.names, st.labels, strict=True)) if st.labels else None
+        tracker = st.stamps.reasoning
+        reasoning_tokens = tracker.finish(now) if tracker is not None else None
         return FinishedRequestStats(
             prompt_tokens=b.prompt_tokens[i],
             generation_tokens=b.completion_tokens[i],
@@ -120,6 +133,8 @@ class RequestMetricsRecorder:
             labels=labels,
             spec=b.spec_stats[i] if b.spec_stats is not None else None,
             lora_name=st.lora_name,
+            reasoning_tokens=reasoning_tokens,
+            first_answer_recv_ts=tracker.first_answer_ts if tracker is not None else None,
         )
 
     def on_finish(self, st: ReqState, stats: FinishedRequestStats) -> None:

@@ -31,6 +31,7 @@ from srt.http_server.input_processor import (
     ServerUnavailableError,
 )
 from srt.http_server.lora_registry import LoRARegistry
+from srt.http_server.openai.chat_reasoning import ReasoningReading
 from srt.http_server.output_dispatch import ReqOutput, dispatch_batch
 from srt.http_server.req_state import ReqState
 from srt.http_server.request_metrics import RequestMetricsRecorder
@@ -117,7 +118,9 @@ class TokenizerManager:
                 self.server_args.grammar_compile_timeout,
             )
         )
-        self.metrics = RequestMetricsRecorder(self.server_args, ready.context_len)
+        args = self.server_args
+        reading = ReasoningReading.for_server(args.reasoning_parser, args.reasoning_field, self.tokenizer)
+        self.metrics = RequestMetricsRecorder(args, ready.context_len, reading)
         if self.server_args.enable_trace:  # the SDK is imported only then (srt/tracing/)
             from srt.tracing.request_tracer import RequestTracer
 
@@ -203,7 +206,7 @@ class TokenizerManager:
             ids, params = obj.prompts[p], per_prompt[p]
             self.rid_to_state[rid] = ReqState(
                 rid, i, queue, obj.arrival_ts, len(ids), params.max_new_tokens, obj.n, group,
-                labels=labels, params=params, export=export, lora_name=obj.lora_name,
+                labels=labels, params=params, export=export, lora_name=obj.lora_name, thinking=obj.thinking,
             )  # fmt: skip
             if params.logprob_start_len is not None:
                 self.rid_to_state[rid].logprob_ids = ids[params.logprob_start_len :]

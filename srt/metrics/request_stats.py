@@ -34,6 +34,8 @@ class TokenStamps:
 
     first_token_recv_ts: float | None = None
     last_token_ts: float | None = None
+    # On a --reasoning-parser server, a request's output read as it arrives (a ReasoningTracker)
+    reasoning: object | None = None
 
 
 def _diff(end: float | None, start: float | None) -> float | None:
@@ -70,10 +72,19 @@ class FinishedRequestStats:
     # its speculative figures (srt/speculative/stats.py) when it ran verify steps
     spec: SpecRequestStats | None = None
     lora_name: str | None = None  # the LoRA adapter it ran with
+    # On a --reasoning-parser server: its output tokens through the end of the thinking (usage's
+    # reasoning_tokens), and when its first answer text arrived (main process); None when not read.
+    reasoning_tokens: int | None = None
+    first_answer_recv_ts: float | None = None
 
     @property
     def ttft(self) -> float | None:
         return _diff(self.first_token_recv_ts, self.arrival_ts)
+
+    @property
+    def time_to_first_answer_token(self) -> float | None:
+        """From the HTTP arrival to the first answer text after the thinking (main-process clock)."""
+        return _diff(self.first_answer_recv_ts, self.arrival_ts)
 
     @property
     def e2e(self) -> float:
@@ -133,7 +144,14 @@ class FinishedRequestStats:
             "time_to_first_token": self.ttft,
             "decode_latency": self.decode_time,
             "time_per_output_token": self.tpot,
+            **self._reasoning_timings(),
         }
+
+    def _reasoning_timings(self) -> dict:
+        """On a --reasoning-parser server only (others' timings keep their keys)."""
+        if self.reasoning_tokens is None:
+            return {}
+        return {"time_to_first_answer_token": self.time_to_first_answer_token}
 
     def export_record(self) -> dict:
         """One line of the request export (srt/metrics/request_export.py): the request, its counts and

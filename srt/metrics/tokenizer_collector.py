@@ -77,6 +77,11 @@ class TokenizerMetricsCollector:
             "sglang:cached_tokens_total",
             "Prompt tokens of finished requests served from the prefix cache.",
         )
+        counter(
+            "reasoning_tokens",
+            "sglang:reasoning_tokens_total",
+            "Output tokens of finished requests through the end of their thinking (--reasoning-parser).",
+        )
         counter("num_requests", "sglang:num_requests_total", "Finished requests.")
         counter(
             "num_aborted",
@@ -90,6 +95,12 @@ class TokenizerMetricsCollector:
             "ttft",
             "sglang:time_to_first_token_seconds",
             "Time from the HTTP arrival to the first output token (main-process clock).",
+            ttft_buckets,
+        )
+        histogram(
+            "ttfat",
+            "sglang:time_to_first_answer_token_seconds",
+            "Time from the HTTP arrival to the first answer text after the thinking (--reasoning-parser).",
             ttft_buckets,
         )
         histogram(
@@ -201,6 +212,8 @@ class TokenizerMetricsCollector:
             s.prompt_tokens.inc(stats.prompt_tokens)
             s.cached_tokens.inc(stats.cached_tokens)
         s.generation_tokens.inc(stats.generation_tokens)
+        if stats.reasoning_tokens is not None:
+            s.reasoning_tokens.inc(stats.reasoning_tokens)
         s.num_requests.inc()
         success = s.success.get(stats.finished_reason)
         if success is None:  # a reason outside the documented four: keep it, label values stay bounded
@@ -214,6 +227,7 @@ class TokenizerMetricsCollector:
             (s.decode, stats.decode_time),
             (s.inference, stats.inference_time),
             (s.tpot, stats.tpot),
+            (s.ttfat, stats.time_to_first_answer_token),
         ):
             if value is not None:
                 hist.observe(value)

@@ -179,3 +179,45 @@ def test_two_different_thinkings_in_one_message_are_a_400(server):
 
 def server_model(server) -> str:
     return server.flags[server.flags.index("--model-path") + 1]
+
+
+def metric(server, name: str) -> float:
+    """The sum of a family's samples named `name` on /metrics (one model, no custom labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=TIMEOUT).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_the_counter_is_the_sum_of_the_responses_reasoning_tokens(server):
+    """Every route and shape that reports usage, against `sglang:reasoning_tokens_total`; the answers that
+    came after a thinking are each one observation of the time to first answer token, which the response's
+    timing reports beside (and after) its TTFT."""
+    counter, ttfat = "sglang:reasoning_tokens_total", "sglang:time_to_first_answer_token_seconds_count"
+    before, answered_before = metric(server, counter), metric(server, ttfat)
+    reported = []
+    whole = chat(server, regex=THOUGHT_THEN_ANSWER, n=2, return_timing=True).json()
+    reported.append(whole["usage"]["completion_tokens_details"]["reasoning_tokens"])
+    for choice in whole["choices"]:
+        timing = choice["timing"]
+        assert timing["time_to_first_token"] <= timing["time_to_first_answer_token"] <= timing["e2e_latency"]
+    reported.append(
+        streamed(server, regex=THOUGHT_THEN_ANSWER)[2]["completion_tokens_details"]["reasoning_tokens"]
+    )
+    cut = chat(server, regex=r"<think>\n[a-z]{40,60}\n</think>\n\nok", max_tokens=3).json()
+    reported.append(cut["usage"]["completion_tokens_details"]["reasoning_tokens"])
+    off = chat(server, regex="[a-z]{3}", chat_template_kwargs={"enable_thinking": False}).json()
+    reported.append(off["usage"]["completion_tokens_details"]["reasoning_tokens"])
+    body = {
+        "prompt": "<|im_start|>assistant\n",
+        "max_tokens": 64,
+        "temperature": 0,
+        "regex": THOUGHT_THEN_ANSWER,
+    }
+    completion = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=TIMEOUT).json()
+    reported.append(completion["usage"]["completion_tokens_details"]["reasoning_tokens"])
+    assert reported[0] > 0 and reported[2] == 3 and reported[3] == 0 and reported[4] > 0
+    assert metric(server, counter) - before == sum(reported)
+    # two chat samples, one stream, one completion answered after thinking; the enable_thinking-off answer
+    # came with no thinking (its first answer token is observed too); the cut one never answered
+    assert metric(server, ttfat) - answered_before == 5

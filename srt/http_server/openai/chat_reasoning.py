@@ -9,7 +9,7 @@ without a parser does. `reasoning_tokens` counts the thinking by token for OpenA
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from srt.function_call import StreamDelta, ToolCallStream
 from srt.reasoning.parser import (
@@ -24,12 +24,14 @@ from srt.reasoning.parser import (
 
 @dataclass(frozen=True)
 class ReasoningReading:
-    """How one server reads its chat outputs' thinking: its format, the field(s) it answers in, and the end
-    tag's token id when the tag is one token of the vocabulary (None: counted by re-tokenizing)."""
+    """How one server reads its outputs' thinking: its format, the field(s) chat answers in, the end tag's
+    token id when the tag is one token of the vocabulary (None: counted by decoded prefixes), and the
+    tokenizer that decodes them."""
 
     fmt: ReasoningFormat
     field: str
     end_token_id: int | None
+    tokenizer: object = field(compare=False, repr=False)
 
     @classmethod
     def for_server(cls, parser: str | None, field: str, tokenizer) -> ReasoningReading | None:
@@ -37,14 +39,14 @@ class ReasoningReading:
             return None
         fmt = REASONING_FORMATS[parser]
         ids = tokenizer.encode(fmt.end_tag, add_special_tokens=False)
-        return cls(fmt, field, ids[0] if len(ids) == 1 else None)
+        return cls(fmt, field, ids[0] if len(ids) == 1 else None, tokenizer)
 
     def fields(self, reasoning: str) -> dict:
         """The thinking under the name(s) `--reasoning-field` chose; null when there was none (SGLang's)."""
         names = (REASONING_CONTENT, REASONING) if self.field == REASONING_FIELD_BOTH else (self.field,)
         return dict.fromkeys(names, reasoning or None)
 
-    def reasoning_tokens(self, text: str, output_ids: list[int], thinking: bool, tokenizer) -> int:
+    def reasoning_tokens(self, text: str, output_ids: list[int], thinking: bool) -> int:
         """Output tokens up to and including the end tag; all of them when the output ended inside the
         thinking (`max_tokens` cut it); none when it never thought. By the end tag's id when it is one token
         the model wrote, else by the decoded text of the output's prefixes."""
@@ -60,16 +62,16 @@ class ReasoningReading:
             return output_ids.index(self.end_token_id) + 1
         if self.fmt.end_tag not in text:
             return 0
-        return self._tokens_through_tag(output_ids, tokenizer)
+        return self._tokens_through_tag(output_ids)
 
-    def _tokens_through_tag(self, output_ids: list[int], tokenizer) -> int:
+    def _tokens_through_tag(self, output_ids: list[int]) -> int:
         """The fewest output tokens whose text holds the end tag (a tag of several tokens, or one the model
         spelled in pieces): a binary search over prefixes, since a longer prefix's text extends a shorter
         one's."""
         lo, hi = 1, len(output_ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.fmt.end_tag in tokenizer.decode(output_ids[:mid], skip_special_tokens=False):
+            if self.fmt.end_tag in self.tokenizer.decode(output_ids[:mid], skip_special_tokens=False):
                 hi = mid
             else:
                 lo = mid + 1
@@ -78,6 +80,31 @@ class ReasoningReading:
     def split(self, text: str, thinking: bool) -> tuple[str, str]:
         """(reasoning, answer) of a whole output."""
         return self.fmt.parse(text, thinking)
+
+
+class ReasoningTracker:
+    """The request metrics recorder's reading of one request's output as it arrives: when the first answer
+    text came (time to first answer token) and, at finish, its reasoning tokens. The recorder owns it (in the
+    request's TokenStamps), so the counter, the histogram and the response's usage read one record."""
+
+    def __init__(self, reading: ReasoningReading, thinking: bool):
+        self.reading, self.thinking = reading, thinking
+        self._stream = reading.fmt.new_stream(thinking)
+        self._text = ""
+        self._ids: list[int] = []
+        self.first_answer_ts: float | None = None
+
+    def feed(self, text: str, ids: list[int], now: float) -> None:
+        self._text += text
+        self._ids.extend(ids)
+        if self.first_answer_ts is None and self._stream.feed(text)[1]:
+            self.first_answer_ts = now
+
+    def finish(self, now: float) -> int:
+        """The output's reasoning tokens (its last piece was fed)."""
+        if self.first_answer_ts is None and self._stream.finish()[1]:
+            self.first_answer_ts = now
+        return self.reading.reasoning_tokens(self._text, self._ids, self.thinking)
 
 
 class ChoiceReader:

@@ -17,6 +17,7 @@ from srt.http_server.openai.serving_common import (
     ChoiceAcc,
     chunk_usage,
     collect_response,
+    reasoning_tokens,
     resolve_model,
     spec_metrics_block,
     stream_chunk,
@@ -81,15 +82,6 @@ class ChatHandler:
         """How this request's output is read: the server's reasoning format unless the request asked raw."""
         return self.reasoning if req.separate_reasoning else None
 
-    def _reasoning_tokens(self, req: ChatCompletionRequest, choices: list[ChoiceAcc]) -> list[int] | None:
-        """Each choice's thinking tokens (counted with or without `separate_reasoning`); None without a parser."""
-        if self.reasoning is None:
-            return None
-        return [
-            self.reasoning.reasoning_tokens(c.text, c.output_ids, req.thinking_enabled, self.tm.tokenizer)
-            for c in choices
-        ]
-
     async def _build(
         self, req: ChatCompletionRequest, request
     ) -> tuple[GenerateInput, AsyncIterator[ReqOutput]]:
@@ -108,6 +100,7 @@ class ChatHandler:
             rid=req.rid or uuid.uuid4().hex,
             data_parallel_rank=req.data_parallel_rank,
             fill_max_new_tokens=max_new is None,
+            thinking=req.thinking_enabled if self.reasoning is not None else None,
             lora_name=lora,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction
@@ -156,7 +149,10 @@ class ChatHandler:
             "model": self.model_name,
             "choices": out,
             "usage": usage(
-                choices, req.num_samples, req.prediction is not None, self._reasoning_tokens(req, choices)
+                choices,
+                req.num_samples,
+                req.prediction is not None,
+                reasoning_tokens(self.reasoning is not None, choices),
             ),
         }
         metrics = spec_metrics_block(self.tm.server_args, choices, req.prediction is not None)
@@ -222,7 +218,12 @@ class ChatHandler:
                     "chat.completion.chunk",
                     created,
                     self.model_name,
-                    usage(accs, n, req.prediction is not None, self._reasoning_tokens(req, accs)),
+                    usage(
+                        accs,
+                        n,
+                        req.prediction is not None,
+                        reasoning_tokens(self.reasoning is not None, accs),
+                    ),
                     spec_metrics_block(self.tm.server_args, accs, req.prediction is not None),
                 )
             ]

@@ -173,6 +173,15 @@ def usage(
     return out
 
 
+def reasoning_tokens(parsed: bool, choices: list[ChoiceAcc]) -> list[int] | None:
+    """Each choice's reasoning tokens as its finished record counted them (the request metrics recorder,
+    with or without `separate_reasoning`); None when the output was not read (`parsed`: a --reasoning-parser
+    server)."""
+    if not parsed:
+        return None
+    return [(c.stats.reasoning_tokens or 0) if c.stats is not None else 0 for c in choices]
+
+
 def chunk_usage(include_usage: bool, continuous: bool, choice: ChoiceAcc) -> dict:
     """The `usage` member of a stream chunk: none without `include_usage`, null while usage comes in the
     closing chunk only, and with vLLM's `continuous_usage_stats` the choice's prompt and the tokens it has

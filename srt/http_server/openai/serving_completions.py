@@ -15,6 +15,7 @@ from srt.http_server.openai.serving_common import (
     ChoiceAcc,
     chunk_usage,
     collect_response,
+    reasoning_tokens,
     resolve_model,
     spec_metrics_block,
     stream_chunk,
@@ -79,6 +80,9 @@ class CompletionHandler:
         self.tm = tm
         self.model_name = model_name
 
+    def _reasoning_tokens(self, choices: list[ChoiceAcc]) -> list[int] | None:
+        return reasoning_tokens(self.tm.server_args.reasoning_parser is not None, choices)
+
     async def _build(
         self, req: CompletionRequest, request
     ) -> tuple[GenerateInput, list[str], AsyncIterator[ReqOutput]]:
@@ -107,6 +111,8 @@ class CompletionHandler:
             data_parallel_rank=req.data_parallel_rank,
             input_texts=texts,
             lora_name=lora,
+            # a --reasoning-parser server counts the thinking here too (usage, the counter)
+            thinking=True if self.tm.server_args.reasoning_parser else None,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction
             else None,
@@ -163,7 +169,9 @@ class CompletionHandler:
             "created": created,
             "model": self.model_name,
             "choices": out,
-            "usage": usage(samples, req.num_generated, req.prediction is not None),
+            "usage": usage(
+                samples, req.num_generated, req.prediction is not None, self._reasoning_tokens(samples)
+            ),
         }
         metrics = spec_metrics_block(self.tm.server_args, samples, req.prediction is not None)
         if metrics is not None:
@@ -220,7 +228,7 @@ class CompletionHandler:
                     "text_completion",
                     created,
                     self.model_name,
-                    usage(accs, req.num_samples, req.prediction is not None),
+                    usage(accs, req.num_samples, req.prediction is not None, self._reasoning_tokens(accs)),
                     spec_metrics_block(self.tm.server_args, accs, req.prediction is not None),
                 )
             ]

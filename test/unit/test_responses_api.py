@@ -4,6 +4,7 @@ scripted TokenizerManager, read by the real `openai` client (its `responses.crea
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -14,7 +15,7 @@ from pydantic import TypeAdapter
 
 from srt.http_server.openai.errors import validation_error
 from srt.http_server.openai.responses_protocol import ResponsesRequest
-from srt.http_server.openai.serving_responses import OutputBuilder, responses_usage
+from srt.http_server.openai.serving_responses import OutputBuilder, ResponsesHandler, responses_usage
 from srt.http_server.request_parsing import parse_body
 from test.unit.test_openai_protocol import SCRIPT, make_client  # noqa: F401 (the scripted app fixture)
 
@@ -208,7 +209,7 @@ def test_usage_counts_reasoning_tokens():
     chat["completion_tokens_details"] = {"reasoning_tokens": 4}
     assert responses_usage(chat) == {
         "input_tokens": 5,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": 9,
         "output_tokens_details": {"reasoning_tokens": 4},
         "total_tokens": 14,
@@ -252,3 +253,48 @@ def test_refusal_is_an_openai_400(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model="SmolLM2-135M-Instruct", input="hi", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
+
+
+def chat_sse(*payloads: dict) -> list[str]:
+    return [f"data: {json.dumps(p)}\n\n" for p in payloads] + ["data: [DONE]\n\n"]
+
+
+async def translate(chunks: list[str], **body) -> list[dict]:
+    async def source():
+        for c in chunks:
+            yield c
+
+    handler = ResponsesHandler(chat=None)
+    req = parse({"input": "x", "stream": True, **body})
+    out = [e async for e in handler._stream(req, source(), "resp_1", 0, "m")]
+    return [json.loads(e.split("data: ", 1)[1]) for e in out]
+
+
+def test_a_chat_stream_becomes_the_responses_events():
+    """Usage (reasoning tokens included) reaches `response.incomplete` when the chat stream ended with
+    `length`; each SSE frame's `event:` is its data's type."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    usage["completion_tokens_details"] = {"reasoning_tokens": 2}
+    chunks = chat_sse(
+        {"choices": [{"index": 0, "delta": {"reasoning": "hm"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+        {"choices": [], "usage": usage},
+    )
+    events = asyncio.run(translate(chunks, max_output_tokens=4))
+    for e in events:
+        EVENT.validate_python(e)
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    response = Response.model_validate(final["response"])
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == "ok" and response.output[0].content[0].text == "hm"
+    assert response.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_an_error_mid_stream_is_an_error_event():
+    error = {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}
+    chunks = chat_sse({"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}, error)
+    events = asyncio.run(translate(chunks))
+    assert events[-1]["type"] == "error" and events[-1]["message"] == "boom"
+    EVENT.validate_python(events[-1])

@@ -201,7 +201,9 @@ def responses_usage(chat_usage: dict | None) -> dict | None:
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached},
+        # cache_write_tokens: OpenAI's explicit prompt-cache writes, which srt has none of (its prefix cache
+        # is implicit); the installed client's type requires the field.
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens") or 0},
         "total_tokens": chat_usage["total_tokens"],

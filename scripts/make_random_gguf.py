@@ -1,4 +1,4 @@
-"""Random-weight GGUFs of real Llama shapes, for the scale ladder (issue 42) and the tests.
+"""Random-weight GGUFs of real Llama shapes, for the scale ladder (scripts/bench_scale.py) and the tests.
 
 A file has llama architecture keys, the embedded SmolLM2's tokenizer metadata (so its vocabulary is 49152
 tokens and srt's and llama.cpp's servers tokenize alike) and its weights in one of llama.cpp's type mixes,

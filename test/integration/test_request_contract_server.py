@@ -1,4 +1,4 @@
-"""Issue 41's HTTP classes through one real server (run with `--disable-metrics`), one table row each:
+"""The request contract's hostile classes through one real server (run with `--disable-metrics`), one table row each:
 
 - one rule for keys: an unknown key at the top level or in a nested object of a body, or an unknown query
   parameter, is a 400 naming it (the full table over every route and object is in test_openai_parameters.py);

@@ -1,4 +1,4 @@
-"""A hostile GGUF given to `python -m srt.launch_server --model-path` (issue 42, item 6): each crafted file
+"""A hostile GGUF given to `python -m srt.launch_server --model-path`: each crafted file
 is exit 2 with one `start-up failed:` line naming the problem, no traceback, never a crash in a kernel, a
 hang or unbounded memory. The files are a tiny random Llama (scripts/make_random_gguf.py) patched with
 struct, as the unit table does (test/unit/test_gguf_file.py) for the parser alone."""

@@ -53,6 +53,8 @@ class TokenizedGenerateReqInput:
     trace: TraceContext | None = None  # only when the request is traced at level >= 2
     prediction_ids: list[int] | None = None  # OpenAI's Predicted Outputs: drafts for the verify step
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # A reasoning model's one-token end tag (docs/reasoning.md): its grammar applies after this token only
+    think_end_id: int | None = None
 
 
 @dataclass

@@ -162,8 +162,13 @@ class GrammarManager:
             self.metrics.set_queue(len(self.queue))
 
     def fill_mask(self, reqs: list[Any]) -> GrammarMask | None:
-        """The step's bitmask over the rows of `reqs` that have a matcher; None when none has (no cost)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        """The step's bitmask over the rows of `reqs` whose matcher has started (a thinking request's starts
+        after its end-think token: `think_end_id` is None); None when none has (no cost)."""
+        rows = [
+            i
+            for i, r in enumerate(reqs)
+            if r.grammar is not None and getattr(r, "think_end_id", None) is None
+        ]
         if not rows:
             return None
         bitmask = allocate_bitmask(len(rows), self.backend.vocab_size)

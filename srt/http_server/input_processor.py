@@ -70,6 +70,8 @@ class GenerateInput:
     # On a --reasoning-parser server: whether the request thinks (False: Qwen3's enable_thinking off), so
     # its output is read for reasoning tokens and the time to its first answer token; None: not read.
     thinking: bool | None = None
+    # its constraint starts after this token (a reasoning model's one-token end tag; docs/reasoning.md)
+    think_end_id: int | None = None
 
     @property
     def num_choices(self) -> int:

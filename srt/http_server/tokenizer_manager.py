@@ -215,7 +215,15 @@ class TokenizerManager:
             trace = traces[i] if traces else None
             self.send_socks[rank].send_pyobj(
                 TokenizedGenerateReqInput(
-                    rid, ids, params, obj.stream, text, trace, obj.prediction_ids, obj.lora_name
+                    rid,
+                    ids,
+                    params,
+                    obj.stream,
+                    text,
+                    trace,
+                    obj.prediction_ids,
+                    obj.lora_name,
+                    think_end_id=obj.think_end_id,
                 )
             )
         return self._outputs(queue, rids, request, export)

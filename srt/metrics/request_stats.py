@@ -174,6 +174,7 @@ class FinishedRequestStats:
                 else {}
             ),
             **({"lora_name": self.lora_name} if self.lora_name is not None else {}),
+            **({"reasoning_tokens": self.reasoning_tokens} if self.reasoning_tokens is not None else {}),
         }
 
 

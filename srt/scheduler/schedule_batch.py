@@ -34,6 +34,9 @@ class Req:
         self.generator = generator
         self.penalty_row: int | None = None  # row in the sampler's PenaltyPool while it runs, if penalized
         self.grammar = None  # structured output: this request's matcher (srt/constrained/)
+        # A thinking request's end-tag id: its grammar waits until that token is in its output, then this
+        # is None (docs/reasoning.md, "Constraints")
+        self.think_end_id: int | None = None
         self.trace = None  # its tracing stamps (scheduler_tracing.ReqTrace) when the request is traced
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
@@ -170,6 +173,8 @@ class Req:
     def append_token(self, token_id: int, step_ts: float, logprob: float | None, top: list | None) -> None:
         self.output_ids.append(token_id)
         self.pending_ts.append(step_ts)
+        if token_id == self.think_end_id:
+            self.think_end_id = None  # the thinking ended: the grammar starts with the next token
         if logprob is not None:
             self.pending_logprobs.append(logprob)
             self.pending_top_logprobs.append(top or [])

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from srt.constrained import constraint_key
 from srt.function_call import DEFAULT_TOOL_CALL_PARSER, StreamDelta, create_tool_call_parser
 from srt.http_server.input_processor import GenerateInput
 from srt.http_server.openai.chat_reasoning import ChoiceReader, ReasoningReading
@@ -82,6 +83,14 @@ class ChatHandler:
         """How this request's output is read: the server's reasoning format unless the request asked raw."""
         return self.reasoning if req.separate_reasoning else None
 
+    def _think_end_id(self, req: ChatCompletionRequest, params) -> int | None:
+        """A constrained request that thinks waits for its grammar until the end tag (one token), as SGLang's
+        reasoning grammar does: the constraint shapes the answer, not the thinking."""
+        reading = self.reasoning
+        if reading is None or reading.end_token_id is None or not req.thinking_enabled:
+            return None
+        return reading.end_token_id if constraint_key(params) is not None else None
+
     async def _build(
         self, req: ChatCompletionRequest, request
     ) -> tuple[GenerateInput, AsyncIterator[ReqOutput]]:
@@ -101,6 +110,7 @@ class ChatHandler:
             data_parallel_rank=req.data_parallel_rank,
             fill_max_new_tokens=max_new is None,
             thinking=req.thinking_enabled if self.reasoning is not None else None,
+            think_end_id=self._think_end_id(req, params),
             lora_name=lora,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction

@@ -7,7 +7,10 @@ same token ids (the model's own tokenizer). Perplexity is exp(mean negative log-
 token); top-1 agreement is the share of positions where the model's most likely next token equals fp32's.
 
 The gate: int8 may be the CPU default only if its perplexity is within 2 % of fp32, no worse than
-llama.cpp's, and its top-1 agreement is at least 90 % (docs/cpu_execution.md, "The quality gate").
+llama.cpp's, and its top-1 agreement is at least 90 % (docs/cpu_execution.md, "The quality gate"). For a
+GGUF, srt also runs the file's own blocks (`--quantization gguf`, the CPU default for a GGUF): their
+perplexity must be within 0.5 % of llama.cpp's on the same file (both compute with the same blocks and
+quantize activations alike, per 32 values).
 
     .venv/bin/python scripts/eval_quality.py [--model-path DIR|GGUF|NAME] [--window 1024] [--json out.json]
     .venv/bin/python scripts/eval_quality.py --random-lora-rank 16     # the gate through a LoRA adapter
@@ -38,6 +41,8 @@ ADAPTER_NAME = "eval"  # the --lora-path adapter's name in the runners
 # --random-lora-rank's weights: the spread the SmolLM2 tests use, which moves its outputs substantially
 RANDOM_LORA_STD = 0.02
 MIN_TOP1_AGREEMENT = 0.90
+# srt on a GGUF's blocks against llama.cpp on the same file
+MAX_GGUF_PPL_GAP = 0.005
 
 
 def score(windows) -> tuple[float, torch.Tensor, int]:
@@ -163,6 +168,14 @@ def main() -> None:
         "top1_agreement": (top == top_fp32).float().mean().item(),
         "seconds": time.monotonic() - t0,
     }
+    if gguf is not None and adapter is None:
+        t0 = time.monotonic()
+        ppl_g, top_g, _ = score(srt_windows(gguf, ids, args.window, "gguf"))
+        results["srt gguf (blocks)"] = {
+            "perplexity": ppl_g,
+            "top1_agreement": (top_g == top_fp32).float().mean().item(),
+            "seconds": time.monotonic() - t0,
+        }
     t0 = time.monotonic()
     llama = (
         None
@@ -190,6 +203,11 @@ def main() -> None:
         checks["perplexity no worse than llama.cpp's"] = (
             int8["perplexity"] <= results["llama.cpp (GGUF)"]["perplexity"]
         )
+        if "srt gguf (blocks)" in results:
+            gap = results["srt gguf (blocks)"]["perplexity"] / results["llama.cpp (GGUF)"]["perplexity"] - 1
+            checks[f"gguf blocks' perplexity within 0.5 % of llama.cpp's ({gap * 100:+.2f} %)"] = (
+                abs(gap) <= MAX_GGUF_PPL_GAP
+            )
     elif adapter is not None:
         print("\n(through a LoRA adapter: llama.cpp is not compared)")
     else:

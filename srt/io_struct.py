@@ -55,6 +55,9 @@ class TokenizedGenerateReqInput:
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     # A reasoning model's one-token end tag (docs/reasoning.md): its grammar applies after this token only
     think_end_id: int | None = None
+    # With stop strings on a --reasoning-parser server: the reasoning format's name, so the detokenizer
+    # matches them in the answer only (docs/reasoning.md, "Stop strings")
+    stop_after_reasoning: str | None = None
 
 
 @dataclass
@@ -170,6 +173,9 @@ class BatchTokenIDOut(BatchOutMeta):
     # Present only when some request in the batch is traced and this is its first message: its context, once,
     # so the detokenizer can hang its span under the request (None for the other requests).
     trace_contexts: list[TraceContext | None] | None = None
+    # Present only when some request in the batch has one: per request the reasoning format whose thinking
+    # its stop strings skip (TokenizedGenerateReqInput.stop_after_reasoning), else None.
+    stop_after_reasoning: list[str | None] | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ import zmq
 from srt.io_struct import BatchOutMeta, BatchStrOut, BatchTokenIDOut, FinishReason
 from srt.port_args import PortArgs
 from srt.process_logging import configure_process_logging
+from srt.reasoning.parser import REASONING_FORMATS, ReasoningStream
 from srt.server_args import ServerArgs
 from srt.sockets import get_zmq_socket
 from srt.speculative.stats import SpecRequestStats
@@ -61,6 +62,11 @@ class DecodeState:
     text: str = ""  # confirmed text (no trailing partial character), stop strings not yet cut
     sent: int = 0  # characters of `text` already emitted
     stopped: bool = False  # finished by a stop string; later outputs are dropped
+    # A reasoning model's request: stop strings match from `answer_start` on, once the reader has seen the
+    # thinking end (None until then); `read` characters of `text` were fed to the reader.
+    reader: ReasoningStream | None = None
+    answer_start: int | None = 0
+    read: int = 0
 
 
 class IncrementalDetokenizer:
@@ -95,9 +101,9 @@ class IncrementalDetokenizer:
     def _find_stop(st: DecodeState, stops: list[str]) -> tuple[int, str] | None:
         """Earliest stop string in the unsent part of the text (a match may begin in already sent text only
         if it was held back, so searching from `sent` minus the longest stop is enough)."""
-        if not stops:
+        if not stops or st.answer_start is None:
             return None
-        start = max(0, st.sent - max(len(s) for s in stops) + 1)
+        start = max(0, st.sent - max(len(s) for s in stops) + 1, st.answer_start)
         best: tuple[int, str] | None = None
         for s in stops:
             pos = st.text.find(s, start)
@@ -115,6 +121,17 @@ class IncrementalDetokenizer:
                     hold = k
                     break
         return hold
+
+    @staticmethod
+    def _read_thinking(st: DecodeState) -> None:
+        """Feed the reader the new text; when the thinking has ended, the answer starts after the end tag
+        (or at 0: the output opened no thinking)."""
+        st.reader.feed(st.text[st.read :])
+        st.read = len(st.text)
+        if st.reader.reasoning_ended:
+            tag = st.reader.fmt.end_tag
+            end = st.text.find(tag)
+            st.answer_start = end + len(tag) if end >= 0 else 0
 
     def fail(self, rid: str, finished: bool, exc: Exception) -> FinishReason:
         """An entry of `rid` raised: log it once, forget the request's text and drop its later entries until
@@ -134,12 +151,16 @@ class IncrementalDetokenizer:
         finished: FinishReason | None,
         stops: list[str],
         skip_special_tokens: bool,
+        stop_after_reasoning: str | None = None,
     ) -> tuple[str, int, FinishReason | None] | None:
         """Consume one batch entry. Returns (text delta, tokens consumed from `new_ids`, finish reason) or
         None when the entry must be dropped (the request already stopped on a stop string)."""
         st = self.states.get(rid)
         if st is None:
             st = self.states[rid] = DecodeState()
+            if stop_after_reasoning is not None:
+                st.reader = REASONING_FORMATS[stop_after_reasoning].new_stream()
+                st.answer_start = None
         if st.stopped:
             if finished is not None:
                 del self.states[rid]
@@ -148,6 +169,8 @@ class IncrementalDetokenizer:
             self._push_token(st, token, skip_special_tokens)
             if finished is not None and i == len(new_ids) - 1:
                 self._flush_partial(st, skip_special_tokens)
+            if st.answer_start is None:
+                self._read_thinking(st)
             match = self._find_stop(st, stops)
             if match is not None:
                 pos, stop = match
@@ -203,7 +226,8 @@ class DetokenizerManager:
             try:
                 stops = batch.stop_strs[i] if batch.stop_strs else []
                 skip = batch.skip_special_tokens[i] if batch.skip_special_tokens else True
-                res = self.detok.step(rid, batch.output_ids[i], finished, stops, skip)
+                after = batch.stop_after_reasoning[i] if batch.stop_after_reasoning else None
+                res = self.detok.step(rid, batch.output_ids[i], finished, stops, skip, after)
             except MemoryError:
                 raise
             except Exception as e:

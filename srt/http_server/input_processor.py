@@ -72,6 +72,8 @@ class GenerateInput:
     thinking: bool | None = None
     # its constraint starts after this token (a reasoning model's one-token end tag; docs/reasoning.md)
     think_end_id: int | None = None
+    # with stop strings: the reasoning format whose thinking they skip (docs/reasoning.md, "Stop strings")
+    stop_after_reasoning: str | None = None
 
     @property
     def num_choices(self) -> int:

@@ -224,6 +224,7 @@ class TokenizerManager:
                     obj.prediction_ids,
                     obj.lora_name,
                     think_end_id=obj.think_end_id,
+                    stop_after_reasoning=obj.stop_after_reasoning,
                 )
             )
         return self._outputs(queue, rids, request, export)

@@ -37,6 +37,7 @@ class Req:
         # A thinking request's end-tag id: its grammar waits until that token is in its output, then this
         # is None (docs/reasoning.md, "Constraints")
         self.think_end_id: int | None = None
+        self.stop_after_reasoning: str | None = None  # its stop strings skip the thinking (io_struct)
         self.trace = None  # its tracing stamps (scheduler_tracing.ReqTrace) when the request is traced
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
@@ -227,6 +228,8 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut:
         spec_stats=[] if want_spec else None,
         embeddings=[] if any(r.embedding is not None for r in reqs) else None,
     )
+    if any(r.stop_after_reasoning is not None for r in reqs):
+        out.stop_after_reasoning = [r.stop_after_reasoning for r in reqs]
     for req in reqs:
         out.rids.append(req.rid)
         out.output_ids.append(req.output_ids[req.sent_len :])

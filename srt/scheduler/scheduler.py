@@ -178,6 +178,7 @@ class Scheduler:
             req.prediction_ids = recv.prediction_ids
             req.lora_name = recv.lora_name
             req.think_end_id = recv.think_end_id
+            req.stop_after_reasoning = recv.stop_after_reasoning
             self.tracing.attach(req, recv.trace)
             req.finished_reason = refusal(
                 req, self.live, self.max_req_input_len, self.vocab_size, self.args.is_embedding

@@ -221,3 +221,14 @@ def test_the_counter_is_the_sum_of_the_responses_reasoning_tokens(server):
     # two chat samples, one stream, one completion answered after thinking; the enable_thinking-off answer
     # came with no thinking (its first answer token is observed too); the cut one never answered
     assert metric(server, ttfat) - answered_before == 5
+
+
+def test_stop_strings_apply_to_the_answer_only(server):
+    """A stop string written while thinking does not end the request; the same string in the answer does."""
+    body = {"regex": r"<think>\nxyz stop here\n</think>\n\nabc stop now", "stop": ["stop"]}
+    choice = chat(server, **body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["reasoning_content"] == "xyz stop here"
+    assert choice["message"]["content"].strip() == "abc"
+    reasoning, content, _, finish = streamed(server, **body)
+    assert (reasoning, content.strip(), finish) == ("xyz stop here", "abc", "stop")

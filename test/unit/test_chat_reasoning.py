@@ -132,3 +132,23 @@ def test_the_grammar_mask_waits_for_the_end_think_token():
     assert req.think_end_id == 7
     req.append_token(7, 0.0, None, None)
     assert req.think_end_id is None and req.output_ids == [5, 7]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+@pytest.mark.parametrize("fmt", ["qwen3", "deepseek-r1"])
+def test_the_detokenizer_matches_stop_strings_in_the_answer_only(size, fmt):
+    from srt.detokenizer.detokenizer_manager import IncrementalDetokenizer
+
+    tok = CharTokenizer(one_token_tag=False)
+    opening = "<think>\n" if fmt == "qwen3" else ""  # DeepSeek-R1's template opened it in the prompt
+    ids = tok.encode(f"{opening}a stop b\n</think>\n\nok stop x")
+    detok, text, reason = IncrementalDetokenizer(tok), "", None
+    for k in range(0, len(ids), size):
+        out = detok.step("r", ids[k : k + size], None, ["stop"], True, fmt)
+        text += out[0]
+        if out[2] is not None:
+            reason = out[2]
+            break
+    assert reason.matched == "stop" and text == f"{opening}a stop b\n</think>\n\nok "
+    plain = IncrementalDetokenizer(tok).step("p", tok.encode("ok stop x"), None, ["stop"], True, "qwen3")
+    assert plain[0] == "ok " and plain[2].matched == "stop"  # no thinking opened: the answer from 0

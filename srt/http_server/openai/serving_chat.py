@@ -111,6 +111,10 @@ class ChatHandler:
             fill_max_new_tokens=max_new is None,
             thinking=req.thinking_enabled if self.reasoning is not None else None,
             think_end_id=self._think_end_id(req, params),
+            # stop strings apply to the answer: the detokenizer skips the thinking
+            stop_after_reasoning=self.reasoning.fmt.name
+            if self.reasoning is not None and req.thinking_enabled and params.stop
+            else None,
             lora_name=lora,
             prediction_ids=await self.tm.inputs.encode_prediction(req.prediction.text())
             if req.prediction

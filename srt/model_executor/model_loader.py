@@ -237,7 +237,9 @@ def open_checkpoint(path: str, requested: str | None, device: str):
         checkpoint = GGUFCheckpoint(path)
         if checkpoint.refusal is None:
             return checkpoint, quantization
-        raise GGUFError(f"{checkpoint.refusal} (--quantization w8a8_int8 or none serves its converted weights)")
+        raise GGUFError(
+            f"{checkpoint.refusal} (--quantization w8a8_int8 or none serves its converted weights)"
+        )
     return HFCheckpoint(resolve_model_dir(path)), quantization
 
 

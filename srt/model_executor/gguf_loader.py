@@ -35,7 +35,7 @@ from srt.model_executor.layers.block_embedding import BlockEmbedding
 from srt.model_executor.layers.gguf_linear import SUPPORTED_TYPES, BlockMatrix
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.layers.linear_method import WEIGHT, LayerMethods
-from srt.model_executor.model_loader import default_dtype
+from srt.model_executor.meta_build import on_meta_device
 from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
@@ -259,7 +259,7 @@ def build_model(
 ) -> nn.Module:
     arch_name, model_class = get_model_class(hf_config.architectures)
     arch, family = gguf_family(gguf.metadata)
-    with torch.device("meta"), default_dtype(dtype):
+    with on_meta_device(dtype):
         model = model_class(hf_config, arch_name, max_positions, dtype, device, tp, methods)
     embedding = _matrix(gguf, EMBEDDING)
     model.model.embed_tokens = BlockEmbedding(embedding)

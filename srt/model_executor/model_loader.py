@@ -14,7 +14,6 @@ are not one contiguous run of the fused tensor).
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import logging
@@ -29,6 +28,7 @@ from torch import nn
 
 from srt.model_executor.layers.linear import ColumnParallelLinear
 from srt.model_executor.layers.linear_method import UNQUANTIZED, LayerMethods
+from srt.model_executor.meta_build import on_meta_device
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import GGUF_QUANTIZATION, resolve_quantization
@@ -37,16 +37,6 @@ from srt.model_source import is_gguf_file, resolve_model_dir
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_GLOB = "*.safetensors"
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def iter_checkpoint(
@@ -191,7 +181,7 @@ def load_model(
     structure (on the meta device, before any memory is allocated): those stay uninitialised, and their
     pages are never touched, for the caller to replace."""
     arch, model_class = get_model_class(hf_config.architectures)
-    with torch.device("meta"), default_dtype(dtype):
+    with on_meta_device(dtype):
         model = model_class(hf_config, arch, max_positions, dtype, device, tp, methods)
     skipped = skip(model) if skip is not None else ()
     model = model.to_empty(device=device)

@@ -44,7 +44,11 @@ def guidellm_binary() -> str | None:
     guidellm_binary() is None, reason="guidellm is not installed (pip install guidellm==0.8.1)"
 )
 def test_guidellm_completes_every_request(server: ServerHandle, tmp_path):
-    tokenizer_dir = httpx.get(f"{server.base_url}/model_info", timeout=10).json()["tokenizer_path"]
+    tokenizer_path = httpx.get(f"{server.base_url}/model_info", timeout=10).json()["tokenizer_path"]
+    tokenizer_dir = tokenizer_path
+    if tokenizer_path.endswith(".gguf"):  # AutoTokenizer reads a directory: the one srt builds from the file
+        tokenizer_dir = str(tmp_path / "tokenizer")
+        load_tokenizer(tokenizer_path).save_pretrained(tokenizer_dir)
     report = tmp_path / "guidellm.json"
     cmd = [
         guidellm_binary(), "run",

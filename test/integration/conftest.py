@@ -225,3 +225,12 @@ def default_server() -> Iterator[ServerHandle]:
     (`--quantization none`): its greedy output is compared with transformers token for token."""
     with running_server("--quantization", "none", api_key=API_KEY) as handle:
         yield handle
+
+
+@pytest.fixture(scope="module")
+def child_pids(server: ServerHandle) -> dict[str, int]:
+    """The module's server's children (name -> pid) before its first case: a hostile case must leave them
+    unchanged. Each module defines its own `server` fixture."""
+    pids = server.child_pids()
+    assert {"srt-scheduler", "srt-detokenizer"} <= set(pids), pids
+    return pids

@@ -118,11 +118,6 @@ def client(server: ServerHandle):
         yield c
 
 
-@pytest.fixture(scope="module")
-def child_pids(server: ServerHandle) -> dict[str, int]:
-    return server.child_pids()
-
-
 class HealthPoller:
     """Polls /health from its own thread and keeps every latency."""
 

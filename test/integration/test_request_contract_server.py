@@ -53,13 +53,6 @@ def client(server: ServerHandle):
         yield c
 
 
-@pytest.fixture(scope="module")
-def child_pids(server: ServerHandle) -> dict[str, int]:
-    pids = server.child_pids()
-    assert {"srt-scheduler", "srt-detokenizer"} <= set(pids), pids
-    return pids
-
-
 def refused(response: httpx.Response, param: str, named: str | None = None) -> None:
     """A 400 whose `param` is `param` and whose message names `named` (the key itself by default)."""
     assert response.status_code == 400, response.text

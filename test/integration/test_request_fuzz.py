@@ -174,14 +174,6 @@ def client(server: ServerHandle):
         yield c
 
 
-@pytest.fixture(scope="module")
-def child_pids(server: ServerHandle) -> dict[str, int]:
-    """The children before the first example."""
-    pids = server.child_pids()
-    assert {"srt-scheduler", "srt-detokenizer"} <= set(pids), pids
-    return pids
-
-
 def check_answer(client: httpx.Client, path: str, body, method: str = "POST", params=None) -> None:
     # ensure_ascii: lone surrogates go as \ud800 escapes; NaN/Infinity go as their (non-JSON) literals.
     content = None if body is None else json.dumps(body, ensure_ascii=True).encode()

@@ -190,7 +190,11 @@ def test_behind_the_shepherd_model_gateway(server, client, model_name):
         assert worker["runtime_type"] == "sglang" and worker["labels"]["is_embedding"] == "true"
         via = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
         result = via.embeddings.create(model=model_name, input=TEXTS)
-    assert [d.embedding for d in result.data] == [d.embedding for d in direct.data]
+    # the same vectors up to float32 rounding: the server batches what arrives together, and a batch of another
+    # composition sums in another order (neither SGLang nor vLLM promises batch invariance)
+    assert [d.index for d in result.data] == [d.index for d in direct.data]
+    for got, want in zip(result.data, direct.data):
+        np.testing.assert_allclose(got.embedding, want.embedding, rtol=0, atol=1e-5)
     assert result.usage == direct.usage
 
 

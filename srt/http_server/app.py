@@ -146,7 +146,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
                 return card
         return model_not_found(model, model_name).to_response()
 
-    # ---- embeddings (--is-embedding; docs/embeddings.md) ----
+    # ---- embeddings (--is-embedding; docs/embeddings.md): /v1/embeddings and SGLang's /encode ----
     install_embedding_routes(app, tm, server_args)
 
     # ---- LoRA adapters (SGLang's routes and vLLM's /v1/ names; docs/lora.md) ----

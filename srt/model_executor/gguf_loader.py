@@ -36,9 +36,9 @@ from srt.model_executor.layers.gguf_linear import SUPPORTED_TYPES, BlockMatrix
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.layers.linear_method import WEIGHT, LayerMethods
 from srt.model_executor.meta_build import on_meta_device
-from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.model_executor.unsupported import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

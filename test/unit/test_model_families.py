@@ -127,7 +127,7 @@ def test_an_unsupported_model_is_one_line_of_configuration_error(tmp_path, arch,
     import json
 
     from srt.child_startup import startup_failure
-    from srt.model_executor.models import UnsupportedModelError
+    from srt.model_executor.unsupported import UnsupportedModelError
 
     config, model_class = mistral()
     model = model_class._from_config(config).to(torch.float32)

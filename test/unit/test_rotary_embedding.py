@@ -12,7 +12,7 @@ from transformers import LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from srt.model_executor.layers.rotary_embedding import RotaryEmbedding, rope_frequencies
-from srt.model_executor.models import UnsupportedModelError
+from srt.model_executor.unsupported import UnsupportedModelError
 
 SHAPE = dict(hidden_size=256, num_attention_heads=4)  # head_dim 64
 HEAD_DIM = 64

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.model_executor.models import UnsupportedModelError
+from srt.model_executor.unsupported import UnsupportedModelError
 
 DEFAULT_ROPE_THETA = 10000.0
 # YaRN's ramp bounds in rotations over the original context, as the paper suggests (transformers' defaults)

@@ -32,9 +32,9 @@ from srt.model_executor.layers.linear import (
 from srt.model_executor.layers.linear_method import UNQUANTIZED, LayerMethods
 from srt.model_executor.layers.moe import FusedMoE
 from srt.model_executor.layers.rotary_embedding import RotaryEmbedding
-from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.causal_lm import CausalLM
 from srt.model_executor.parallel_state import TensorParallelGroup
+from srt.model_executor.unsupported import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from srt.model_executor.models import UnsupportedModelError
 from srt.model_executor.models.gemma import GemmaForCausalLM
 from srt.model_executor.models.llama import LlamaForCausalLM
 from srt.model_executor.models.phi3 import Phi3ForCausalLM
+from srt.model_executor.unsupported import UnsupportedModelError
 
 MODEL_REGISTRY: dict[str, type] = {
     **{arch: LlamaForCausalLM for arch in LlamaForCausalLM.ARCH_SWITCHES},

@@ -16,28 +16,23 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
-from srt.engine_options import DIST_TIMEOUT_SECONDS, MIN_KV_TOKENS
-from srt.heap import release_free_heap
-from srt.lora.config import LoRAConfig
+from srt.engine_options import MIN_KV_TOKENS
 from srt.lora.manager import LoRAManager
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
+from srt.model_executor.int8_startup import Int8Startup
 from srt.model_executor.layers.linear_method import CPU_KERNEL_QUANTIZATIONS, LayerMethods
-from srt.model_executor.model_loader import map_checkpoint_tensor, open_checkpoint
+from srt.model_executor.model_loader import open_checkpoint
 from srt.model_executor.models.cpu_decode import EXTEND_MAX_TOKENS
 from srt.model_executor.parallel_state import TensorParallelGroup
-from srt.model_executor.quantization import (
-    cached_int8_weights,
-    calibrated_int8_weights,
-    install_int8_weights,
-    replaced_weights,
-)
+from srt.model_executor.runner_config import RunnerConfig
 from srt.model_executor.runner_setup import (
     available_memory_bytes,
     check_tp_divides,
@@ -75,90 +70,89 @@ DEFAULT_MEM_FRACTION_STATIC = {"cpu": 0.1, "cuda": 0.8}
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_dir: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_total_tokens: int | None = None,
-        mem_fraction_static: float | None = None,
-        max_running_requests: int | None = None,
-        context_length: int | None = None,
-        attention_backend: str | None = None,
-        random_seed: int = 0,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        dist_init_method: str | None = None,
-        quantization: str = "none",
-        kv_cache_dtype: str = "auto",
-        cuda_graph_max_bs: int = 0,
-        dp_rank: int = 0,
-        lora: LoRAConfig | None = None,
-        nnodes: int = 1,
-        dist_timeout: float = DIST_TIMEOUT_SECONDS,
-    ):
-        """`cuda_graph_max_bs`: record decode CUDA graphs up to this batch size (0: none; CUDA only, with a
-        backend whose decode is graph-safe, without tensor parallelism). `lora`: serve LoRA adapters
-        (`self.lora`, srt/lora/; None: the base model alone). `nnodes`: the TP ranks span this many
-        machines, each hosting tp_size / nnodes consecutive ranks; `dist_timeout` bounds the rendezvous and
-        every collective."""
-        torch.manual_seed(random_seed)
-        local_tp = tp_size // nnodes  # the ranks on this machine
+    """One rank's model, KV pools and attention backend, built from a RunnerConfig in stages (`__init__`)."""
+
+    def __init__(self, config: RunnerConfig | str, **fields):
+        """`ModelRunner(path, **fields)` is short for `ModelRunner(RunnerConfig(path, **fields))`, the tests'
+        and scripts' spelling; a server maps its flags once (`runner_builder.runner_config`). The stages run
+        in order, each reading the config and what the stages before it set."""
+        base = config if isinstance(config, RunnerConfig) else RunnerConfig(model_dir=config)
+        self.config = replace(base, **fields)
+        checkpoint = self._open_checkpoint()
+        int8 = self._load_model(checkpoint)
+        self._allocate_pools()
+        self._attach_attention_backend()
+        self.cuda_graph = self._capture_cuda_graphs(self.config.cuda_graph_max_bs)
+        if int8 is not None:  # calibration runs the fp32 model once, through the pools
+            int8.install(self.model, self.forward_windows, self.max_total_num_tokens)
+        self.model.ready()
+        self._log_ready()
+
+    def _open_checkpoint(self):
+        """Seed and threads, the device and dtype, the checkpoint with the quantization it runs under, and the
+        tensor-parallel group (after checking this model splits over it)."""
+        config = self.config
+        torch.manual_seed(config.random_seed)
         # on a CPU this machine's ranks share its cores: oversubscribed threads would only contend
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_tp))
-        path = resolve_model_path(model_dir)
-        self.device = resolve_device(device, tp_rank % local_tp, local_tp, dp_rank)
-        self.dtype = resolve_dtype(dtype, self.device)
-        checkpoint, self.quantization = open_checkpoint(path, quantization, self.device)
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.local_tp_size))
+        path = resolve_model_path(config.model_dir)
+        self.device = resolve_device(
+            config.device, config.local_tp_rank, config.local_tp_size, config.dp_rank
+        )
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        checkpoint, self.quantization = open_checkpoint(path, config.quantization, self.device)
         self.model_dir = checkpoint.path
         self.hf_config = checkpoint.hf_config
-        check_tp_divides(self.hf_config, tp_size)
+        check_tp_divides(self.hf_config, config.tp_size)
         self.tp = TensorParallelGroup.create(
-            tp_rank, tp_size, dist_init_method, self.device, dist_timeout, ranks_per_node=local_tp
+            config.tp_rank,
+            config.tp_size,
+            config.dist_init_method,
+            self.device,
+            config.dist_timeout,
+            ranks_per_node=config.local_tp_size,
         )
-        self.context_len = context_length or self.hf_config.max_position_embeddings
+        self.context_len = config.context_length or self.hf_config.max_position_embeddings
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = checkpoint.eos_token_ids
+        return checkpoint
 
+    def _load_model(self, checkpoint) -> Int8Startup | None:
+        """The model with its weights, its layers' methods wrapped for LoRA; under w8a8_int8 the int8 start
+        (`Int8Startup`), whose cached weights spare reading the fp32 ones, for installing once the pools exist."""
         start = time.monotonic()
         max_positions = max(self.context_len, self.hf_config.max_position_embeddings)
         if self.quantization in CPU_KERNEL_QUANTIZATIONS and self.dtype != torch.float32:
             raise ValueError(f"--quantization {self.quantization} needs --dtype float32 (auto on the CPU)")
-        methods = LayerMethods.for_run(self.quantization, self.device)
-        int8_weights = mapped_embedding = None
-
-        def replaced_by_cached_int8(model: torch.nn.Module) -> set[str]:
-            """With every rank's int8 weights cached, the fp32 weights they replace are never read, and the
-            lookup-only embedding is mapped rather than copied: the scheduler's peak memory at start is the
-            int8 model's, not the fp32 one's (613 MB instead of 1366 MB here)."""
-            nonlocal int8_weights, mapped_embedding
-            if self.quantization != "w8a8_int8":
-                return set()
-            int8_weights = cached_int8_weights(model, self.model_dir, self.tp)
-            if int8_weights is None:
-                return set()
-            skipped = replaced_weights(model)
-            mapped_embedding = self._mapped_embedding(model)
-            return skipped | {model.EMBEDDING_WEIGHT} if mapped_embedding is not None else skipped
-
+        self.layer_methods = LayerMethods.for_run(self.quantization, self.device)
+        int8 = Int8Startup(self.model_dir, self.device, self.tp) if self.quantization == "w8a8_int8" else None
         self.model = checkpoint.load_model(
-            max_positions, self.dtype, self.device, self.tp, methods, skip=replaced_by_cached_int8
+            max_positions,
+            self.dtype,
+            self.device,
+            self.tp,
+            self.layer_methods,
+            skip=None if int8 is None else int8.skip_cached,
         )
-        if mapped_embedding is not None:
-            self.model.input_embedding.weight = torch.nn.Parameter(mapped_embedding, requires_grad=False)
+        if int8 is not None:
+            int8.after_load(self.model)
         self.load_weights_seconds = time.monotonic() - start
         # wraps the layers' methods before int8 installs its weights through them
+        lora = self.config.lora
         self.lora = None if lora is None else LoRAManager(self.model, lora, self.tp, self.dtype, self.device)
+        return int8
 
-        layout = self.model.kv_layout
+    def _allocate_pools(self) -> None:
+        """The KV capacity every rank agrees on, the running-request bound, the request-to-token table and
+        the KV pool."""
+        config, layout = self.config, self.model.kv_layout
         self.kv_cache_dtype = resolve_kv_cache_dtype(
-            kv_cache_dtype, self.quantization, self.device, self.dtype
+            config.kv_cache_dtype, self.quantization, self.device, self.dtype
         )
         self.max_total_num_tokens = self.tp.min_across_ranks(
-            self._kv_capacity(layout, max_total_tokens, mem_fraction_static)
+            self._kv_capacity(layout, config.max_total_tokens, config.mem_fraction_static)
         )
-        self.max_running_requests = max_running_requests or min(
+        self.max_running_requests = config.max_running_requests or min(
             DEFAULT_MAX_RUNNING_REQUESTS, max(1, self.max_total_num_tokens // MIN_KV_SLOTS_PER_REQUEST)
         )
         self.req_to_token_pool = ReqToTokenPool(
@@ -175,7 +169,11 @@ class ModelRunner:
             layout.num_layers,
             device=self.device,
         )
-        self.attention_backend_name = resolve_backend_name(attention_backend, self.device)
+
+    def _attach_attention_backend(self) -> None:
+        """The attention backend over the pools, refused in one line if it cannot run a layer of this model."""
+        layout = self.model.kv_layout
+        self.attention_backend_name = resolve_backend_name(self.config.attention_backend, self.device)
         self.model.attn_backend = backend_class(self.attention_backend_name)(
             self.req_to_token_pool,
             self.token_to_kv_pool,
@@ -183,7 +181,7 @@ class ModelRunner:
             layout.num_kv_heads,
             layout.head_dim,
             self.device,
-            cpu_kernels=methods.cpu_kernels,
+            cpu_kernels=self.layer_methods.cpu_kernels,
         )
         for layer in self.model.attention_layers():
             reason = self.model.attn_backend.unsupported(layer)
@@ -192,19 +190,9 @@ class ModelRunner:
                     f"attention backend {self.attention_backend_name!r} cannot run layer {layer.layer_id} of this "
                     f"model ({reason}); choose another --attention-backend"
                 )
-        self.cuda_graph = self._capture_cuda_graphs(cuda_graph_max_bs)
-        if self.quantization == "w8a8_int8":
-            source, started = "cache", time.monotonic()
-            if int8_weights is None:  # calibration runs the fp32 model once, through the pools
-                source = "calibration"
-                int8_weights = calibrated_int8_weights(
-                    self.model, self.model_dir, self.tp, self.forward_windows, self.max_total_num_tokens
-                )
-            install_int8_weights(self.model, int8_weights, source, started)
-            if mapped_embedding is None:
-                self._map_lookup_only_embedding()
-            release_free_heap()  # the dropped fp32 weights
-        self.model.ready()
+
+    def _log_ready(self) -> None:
+        cpu_kernels = self.layer_methods.cpu_kernels
         logger.info(
             "model ready: %s (tp rank %d of %d) on %s/%s in %.2f s; KV capacity %d tokens, "
             "max running requests %d, context %d, attention %s, quantization %s, KV cache %s, "
@@ -221,7 +209,7 @@ class ModelRunner:
             self.attention_backend_name,
             self.quantization,
             str(self.kv_cache_dtype).removeprefix("torch."),
-            "off" if methods.cpu_kernels is None else methods.cpu_kernels.isa,
+            "off" if cpu_kernels is None else cpu_kernels.isa,
             f"up to batch {self.decode_graph_max_bs}" if self.decode_graph_max_bs else "off",
         )
 
@@ -259,20 +247,6 @@ class ModelRunner:
         if not getattr(self.model.attn_backend, "cuda_graph_safe_decode", False):
             return f"attention backend {self.attention_backend_name} reads host data in decode"
         return None
-
-    def _mapped_embedding(self, model: torch.nn.Module) -> torch.Tensor | None:
-        """The embedding table as a private map of the checkpoint (see map_checkpoint_tensor), where the
-        checkpoint stores it as the model holds it and this is the CPU. `model` may still be on meta."""
-        if self.device != "cpu":
-            return None
-        return map_checkpoint_tensor(self.model_dir, model.EMBEDDING_WEIGHT, model.input_embedding.weight)
-
-    def _map_lookup_only_embedding(self) -> None:
-        """Once the int8 head has its own copy of a tied embedding, the fp32 table is only looked up: map it
-        from the checkpoint (only the rows of tokens seen become resident) instead of holding it."""
-        mapped = self._mapped_embedding(self.model)
-        if mapped is not None:
-            self.model.input_embedding.weight = torch.nn.Parameter(mapped, requires_grad=False)
 
     def _kv_capacity(self, layout: KVLayout, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         if max_total_tokens is not None:

@@ -1,5 +1,5 @@
-"""A scheduler rank's model runner, from the server's flags: one place that maps `ServerArgs` onto
-`ModelRunner`, for rank 0 (`scheduler_process.py`) and its tensor-parallel peers (`tp_peers.py`) alike."""
+"""A scheduler rank's model runner, from the server's flags: one place that maps `ServerArgs` onto a
+`RunnerConfig`, for rank 0 (`scheduler_process.py`) and its tensor-parallel peers (`tp_peers.py`) alike."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from srt.lora.adapter import adapter_rank
 from srt.lora.config import DEFAULT_MAX_LORA_RANK, LoRAConfig
 from srt.lora.specs import lora_enabled, slots_per_batch, startup_adapters, target_modules
+from srt.model_executor.runner_config import RunnerConfig
 from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -25,8 +26,23 @@ def build_runner(
     same arguments."""
     from srt.model_executor.model_runner import ModelRunner
 
-    runner = ModelRunner(
-        model_dir,
+    runner = ModelRunner(runner_config(server_args, model_dir, tp_rank, dist_init_method, dp_rank))
+    for spec in startup_adapters(server_args.lora_paths, server_args.lora_modules):
+        runner.lora.load(spec.name, spec.path, spec.pinned)  # AdapterError: one line, exit 2
+    return runner
+
+
+def runner_config(
+    server_args: ServerArgs,
+    model_dir: str,
+    tp_rank: int = 0,
+    dist_init_method: str | None = None,
+    dp_rank: int = 0,
+) -> RunnerConfig:
+    """The one mapping of the flags onto a runner's inputs; the rank's place (`tp_rank`, `dp_rank`, where the
+    ranks meet) comes from its launcher."""
+    return RunnerConfig(
+        model_dir=model_dir,
         dtype=server_args.dtype,
         device=server_args.device,
         max_total_tokens=server_args.max_total_tokens,
@@ -49,9 +65,6 @@ def build_runner(
         nnodes=server_args.nnodes,
         dist_timeout=server_args.dist_timeout,
     )
-    for spec in startup_adapters(server_args.lora_paths, server_args.lora_modules):
-        runner.lora.load(spec.name, spec.path, spec.pinned)  # AdapterError: one line, exit 2
-    return runner
 
 
 def lora_config(args: ServerArgs) -> LoRAConfig | None:

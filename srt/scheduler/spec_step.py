@@ -62,10 +62,11 @@ def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
             k=k,
         )
     from srt.model_executor.model_runner import ModelRunner
+    from srt.model_executor.runner_config import RunnerConfig
     from srt.speculative.draft_model import DraftModelProposer
 
-    draft = ModelRunner(
-        args.speculative_draft_model_path,
+    draft_config = RunnerConfig(
+        model_dir=args.speculative_draft_model_path,
         dtype=str(target.dtype).removeprefix("torch."),
         device=target.device,
         max_total_tokens=target.max_total_num_tokens,
@@ -74,6 +75,7 @@ def build_proposer(args: ServerArgs, k: int, target: ModelRunner) -> Proposer:
         quantization=target.quantization,
         random_seed=args.random_seed,
     )
+    draft = ModelRunner(draft_config)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"--speculative-draft-model-path: the draft model's vocabulary ({draft.vocab_size} tokens) is not "

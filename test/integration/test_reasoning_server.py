@@ -10,10 +10,18 @@ server serves every case."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
+from srt.bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from test.conftest import save_random_model
 from test.integration.conftest import running_server
 from test.model_families import COMMON
@@ -232,3 +240,128 @@ def test_stop_strings_apply_to_the_answer_only(server):
     assert choice["message"]["content"].strip() == "abc"
     reasoning, content, _, finish = streamed(server, **body)
     assert (reasoning, content.strip(), finish) == ("xyz stop here", "abc", "stop")
+
+
+# ---------------------------------------------------------------- the client matrix (docs/reasoning.md, "Clients")
+# Each client, unchanged, asks the server for one steered thinking-then-answer (the `regex` as a body extra,
+# which every one of them passes through) and reports what it read: the answer, and the thinking where it
+# reads one (None: it shows no thinking). docs/reasoning.md's matrix says the same in words.
+# guidellm's arg strings split on commas, so its steering regex has none.
+GUIDELLM_THOUGHT_THEN_ANSWER = r"<think>\n[a-z]{4} [a-z]{4}\n</think>\n\n[a-z]{4}"
+GUIDELLM_REQUESTS, GUIDELLM_TIMEOUT_SECONDS = 2, 300
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a client read of one answer."""
+
+    answer: str
+    thinking: str | None
+
+
+def served_name(server) -> str:
+    return httpx.get(f"{server.openai_base_url}/models", timeout=TIMEOUT).json()["data"][0]["id"]
+
+
+def openai_chat(base_url: str, model: str) -> Seen:
+    """The `openai` client: the thinking is an extra field of the message, under either name."""
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=TIMEOUT)
+    kw = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 64}
+    message = (
+        client.chat.completions.create(**kw, extra_body={"regex": THOUGHT_THEN_ANSWER}).choices[0].message
+    )
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]
+    return Seen(message.content, message.model_extra["reasoning_content"])
+
+
+def openai_stream(base_url: str, model: str) -> Seen:
+    """The `openai` client streaming: the deltas' extra fields, joined."""
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=TIMEOUT)
+    kw = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 64, "stream": True}
+    answer, thinking, other = "", "", ""
+    for chunk in client.chat.completions.create(**kw, extra_body={"regex": THOUGHT_THEN_ANSWER}):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            answer += choice.delta.content or ""
+            thinking += extra.get("reasoning_content") or ""
+            other += extra.get("reasoning") or ""
+    assert other == thinking
+    return Seen(answer, thinking)
+
+
+def lm_eval_chat(base_url: str, model: str) -> Seen:
+    """lm-evaluation-harness's `local-chat-completions`: generate_until reads `message.content` only."""
+    api_models = pytest.importorskip("lm_eval.models.openai_completions", reason="lm-eval is not installed")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+
+    lm = api_models.LocalChatCompletion(
+        base_url=f"{base_url}/chat/completions", model=model, num_concurrent=1, max_retries=1
+    )
+    gen_kwargs = {"until": [], "max_gen_toks": 64, "regex": THOUGHT_THEN_ANSWER}
+    request = Instance("generate_until", doc={}, arguments=(JsonChatStr(json.dumps(USER)), gen_kwargs), idx=0)
+    (answer,) = lm.generate_until([request], disable_tqdm=True)
+    return Seen(answer, None)
+
+
+def via_gateway(read):
+    """`read` through the Shepherd Model Gateway in front of the server (SMG's chat path, HTTP mode)."""
+
+    def through(base_url: str, model: str) -> Seen:
+        if smg_problem() is not None:
+            pytest.skip(str(smg_problem()))
+        with running_gateway([base_url.removesuffix("/v1")], ROUND_ROBIN) as gw:
+            return read(f"{gw.base_url}/v1", model)
+
+    return through
+
+
+CLIENTS = {
+    "openai-chat": openai_chat,
+    "openai-stream": openai_stream,
+    "smg-chat": via_gateway(openai_chat),
+    "smg-stream": via_gateway(openai_stream),
+    "lm-eval-chat": lm_eval_chat,
+}
+
+
+@pytest.mark.parametrize("name", CLIENTS)
+def test_each_client_reads_the_answer_alone(server, name):
+    """Every client gets the server's own answer (the thinking never leaks into it) and, where it reads one,
+    the server's own thinking."""
+    reference = chat(server, regex=THOUGHT_THEN_ANSWER).json()["choices"][0]["message"]
+    seen = CLIENTS[name](server.openai_base_url, served_name(server))
+    assert seen.answer == reference["content"] and THINK_END not in seen.answer
+    assert seen.thinking in (None, reference["reasoning_content"])
+    assert (seen.thinking is None) == (name == "lm-eval-chat")
+
+
+def guidellm_binary() -> str | None:
+    path = Path(sys.executable).parent / "guidellm"
+    return str(path) if path.exists() else None
+
+
+@pytest.mark.skipif(guidellm_binary() is None, reason="guidellm is not installed (pip install guidellm)")
+def test_guidellm_reads_the_thinking_and_the_answer_apart(server, tmp_path):
+    """guidellm streams chat and keeps each request's thinking (`reasoning`, else `reasoning_content`) apart
+    from its output; its synthetic prompts differ from ours, so the shapes are checked, not the words."""
+    report = tmp_path / "guidellm.json"
+    cmd = [
+        guidellm_binary(), "run",
+        "--backend", f"kind=openai_http,target={server.base_url},extras.body.regex={GUIDELLM_THOUGHT_THEN_ANSWER}",
+        "--profile", "kind=synchronous",
+        "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
+        "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=48",
+        "--tokenizer", f"kind=hf_auto,model={server_model(server)}",
+        "--output", f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=GUIDELLM_TIMEOUT_SECONDS, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (bench,) = json.loads(report.read_text())["benchmarks"]
+    done = bench["requests"]["successful"]
+    assert len(done) == GUIDELLM_REQUESTS and bench["scheduler_state"]["errored_requests"] == 0
+    for r in done:
+        assert re.fullmatch("[a-z]{4}", r["output"]), r
+        assert re.fullmatch("[a-z]{4} [a-z]{4}", r["reasoning_output"]), r

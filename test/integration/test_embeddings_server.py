@@ -1,7 +1,8 @@
 """An embedding server (--is-embedding) through the real `openai` client: vectors equal transformers' pooled
 hidden states on the same weights, in both encodings; docs/api.md's "Parameters of /v1/embeddings" table
 holds cell by cell; the counters count each input as a finished request with prompt tokens and none generated;
-the generation routes are a 400; gateways read `is_embedding`. One server (the tiny random Llama, default
+SGLang's `/encode` answers the same vectors in SGLang's shape; the generation routes are a 400; gateways
+read `is_embedding`. One server (the tiny random Llama, default
 pooling and quantization) serves every case."""
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 import torch
 from openai.resources.embeddings import Embeddings as EmbeddingsResource
 
-from srt.bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from srt.http_server.openai.serving_embedding import GENERATION_PATHS, EmbeddingRequest
 from srt.metrics.text_format import parse_metrics_text, total
+from srt_bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from test.integration.conftest import REPO_ROOT, running_server
 
 pytestmark = pytest.mark.slow
@@ -153,6 +154,67 @@ def test_bad_input_names_its_field_and_the_server_keeps_serving(server, body, pa
     assert post(server, {"input": "still serving"}).status_code == 200
 
 
+# ---------------------------------------------------------------- SGLang's /encode
+def encode(server, body: dict, method: str = "POST") -> httpx.Response:
+    return httpx.request(method, f"{server.base_url}/encode", json=body, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "body, values, batched",
+    [
+        ({"text": TEXTS[0]}, [TEXTS[0]], False),
+        ({"text": TEXTS}, TEXTS, True),
+        ({"text": TEXTS[:1]}, TEXTS[:1], True),  # a list in is a list out, whatever its length
+        ({"input_ids": IDS[0]}, [IDS[0]], False),
+        ({"input_ids": IDS}, IDS, True),
+    ],
+    ids=["text", "texts", "one-text-list", "ids", "id-lists"],
+)
+def test_encode_answers_sglangs_shape_with_the_same_vectors(server, reference, body, values, batched):
+    """SGLang's native route: `{"embedding": [floats], "meta_info": {...}}` per input (a list for a list),
+    the vector /v1/embeddings answers; its meta_info names the request and counts its prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(server.flags[server.flags.index("--model-path") + 1])
+    r = encode(server, {**body, "rid": "enc"})
+    assert r.status_code == 200, r.text
+    results = r.json() if batched else [r.json()]
+    assert isinstance(r.json(), list) == batched
+    rids = ["enc"] if len(values) == 1 else [f"enc-{i}" for i in range(len(values))]
+    for result, value, rid in zip(results, values, rids, strict=True):
+        np.testing.assert_allclose(result["embedding"], reference(value), atol=TOLERANCE)
+        meta = result["meta_info"]
+        tokens = len(tokenizer(value).input_ids) if isinstance(value, str) else len(value)
+        assert (meta["id"], meta["prompt_tokens"], meta["completion_tokens"]) == (rid, tokens, 0)
+        assert meta["finish_reason"]["type"] == "stop" and meta["e2e_latency"] > 0
+
+
+def test_encode_takes_put_as_sglang_does(server):
+    assert (
+        encode(server, {"text": "hi"}, "PUT").json()["embedding"]
+        == encode(server, {"text": "hi"}).json()["embedding"]
+    )
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"text": "hi", "input_ids": [1]}, "text"),
+        ({}, "text"),
+        ({"input_ids": [10**9]}, "input_ids"),  # outside the vocabulary
+        ({"input_ids": [[]]}, "input_ids"),
+        ({"text": "hi", "sampling_params": {}}, "sampling_params"),  # /generate's, not /encode's
+        ({"text": "hi", "dimensions": 8}, "dimensions"),
+        ({"text": "hi", "lora_path": "none-such"}, "model"),
+    ],
+    ids=["both", "neither", "vocabulary", "empty-ids", "unknown", "dimensions", "adapter"],
+)
+def test_bad_encode_input_names_its_field_and_the_server_keeps_serving(server, body, param):
+    r = encode(server, body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+    assert encode(server, {"text": "still serving"}).status_code == 200
+
+
 # ---------------------------------------------------------------- the server's kind
 @pytest.mark.parametrize("path", GENERATION_PATHS)
 def test_generation_routes_are_refused(server, path):
@@ -193,7 +255,7 @@ def test_behind_the_shepherd_model_gateway(server, client, model_name):
     # the same vectors up to float32 rounding: the server batches what arrives together, and a batch of another
     # composition sums in another order (neither SGLang nor vLLM promises batch invariance)
     assert [d.index for d in result.data] == [d.index for d in direct.data]
-    for got, want in zip(result.data, direct.data):
+    for got, want in zip(result.data, direct.data, strict=True):
         np.testing.assert_allclose(got.embedding, want.embedding, rtol=0, atol=1e-5)
     assert result.usage == direct.usage
 

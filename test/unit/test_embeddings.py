@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from srt.http_server.openai.serving_embedding import (
-    EMBEDDINGS_PATH,
+    EMBEDDING_PATHS,
     GENERATION_PATHS,
     EmbeddingRequest,
+    EncodeRequest,
     RouteKindMiddleware,
     encode_embedding,
 )
@@ -244,12 +246,12 @@ def test_each_kind_of_server_refuses_the_others_routes(is_embedding):
     from fastapi.testclient import TestClient
 
     app = FastAPI()
-    for path in (EMBEDDINGS_PATH, *GENERATION_PATHS):
+    for path in (*EMBEDDING_PATHS, *GENERATION_PATHS):
         app.post(path)(lambda: {"ok": True})
     app.add_middleware(RouteKindMiddleware, is_embedding=is_embedding)
     client = TestClient(app)
     own, other = (
-        (GENERATION_PATHS, [EMBEDDINGS_PATH]) if not is_embedding else ([EMBEDDINGS_PATH], GENERATION_PATHS)
+        (GENERATION_PATHS, EMBEDDING_PATHS) if not is_embedding else (EMBEDDING_PATHS, GENERATION_PATHS)
     )
     for path in other:
         r = client.post(path, content=b"not even json")
@@ -257,3 +259,34 @@ def test_each_kind_of_server_refuses_the_others_routes(is_embedding):
         assert r.json()["error"]["code"] == "unsupported_route"
     for path in own:
         assert client.post(path).json() == {"ok": True}, path
+
+
+# ---------------------------------------------------------------- SGLang's /encode body
+@pytest.mark.parametrize(
+    "body, inputs, field, batched",
+    [
+        ({"text": "hi"}, ["hi"], "text", False),
+        ({"text": ["a"]}, ["a"], "text", True),  # a list in: a list out, whatever its length
+        ({"input_ids": [1, 2]}, [[1, 2]], "input_ids", False),
+        ({"input_ids": [[1], [2, 3]]}, [[1], [2, 3]], "input_ids", True),
+    ],
+)
+def test_encode_body_keeps_the_shape_it_came_in(body, inputs, field, batched):
+    req = EncodeRequest.model_validate(body)
+    assert req.inputs == (inputs, field) and req.batched is batched
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({}, "exactly one of `text` and `input_ids`"),
+        ({"text": "a", "input_ids": [1]}, "exactly one of `text` and `input_ids`"),
+        ({"text": [1, 2]}, "`text` must be a string or a list of strings"),
+        ({"input_ids": "a"}, "`input_ids` must be token ids"),
+        ({"text": "a", "dimensions": 8}, "Matryoshka"),
+        ({"text": "a", "sampling_params": {}}, "sampling_params"),
+    ],
+)
+def test_encode_body_refuses_naming_the_problem(body, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        EncodeRequest.model_validate(body)

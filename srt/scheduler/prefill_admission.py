@@ -5,17 +5,40 @@ keeps the queues and applies the answer."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS
 from srt.scheduler.schedule_batch import Req
 from srt.scheduler.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from srt.server_args import ServerArgs
 
-# While others wait, a prompt mid-chunk keeps at least this share of the step's prefill tokens: the waiting
-# prompts that go ahead of it share the rest. Its throughput then stays above this share of its throughput
-# alone however many prompts queue (in practice far closer: a prompt goes ahead once, and a decode row costs
-# one token), and it never falls to chunks where each step's fixed cost dominates.
+# A prompt mid-chunk keeps at least this share of the prefill tokens offered to it over all its steps so far
+# (its ledger, below), however many prompts queue: its throughput stays above this share of its throughput
+# alone. Within that share the prompts waiting go first and the chunk falls to MIN_MIXED_PREFILL_TOKENS (it
+# always progresses), so the step an arrival joins is its own prefill plus a small chunk, not a full step (a
+# fixed half of every step made an arrival wait the step in flight plus a second whole one: 2.1 s beyond its
+# time alone on a 2-core CPU).
 LONG_PROMPT_MIN_SHARE = 0.5
+
+
+@dataclass
+class ChunkLedger:
+    """The prompt mid-chunk's account: the prefill tokens its steps offered it (what it could have taken
+    alone) and the tokens it took. The waiting prompts that go ahead of it spend its surplus."""
+
+    req: Req
+    offered: int = 0
+    taken: int = 0
+
+    def floor(self, offer: int) -> int:
+        """The fewest tokens it takes this step so that `taken` stays ≥ LONG_PROMPT_MIN_SHARE × `offered`."""
+        owed = math.ceil(LONG_PROMPT_MIN_SHARE * (self.offered + offer)) - self.taken
+        return min(offer, max(MIN_MIXED_PREFILL_TOKENS, owed))
+
+    def record(self, offer: int, took: int) -> None:
+        self.offered += offer
+        self.taken += took
 
 
 @dataclass
@@ -47,6 +70,7 @@ class PrefillAdmission:
         self.req_to_token_pool = req_to_token_pool
         self.max_running_requests = max_running_requests
         self.lora = lora  # SchedulerLoRA or None: an admitted request's adapter must fit the step
+        self.ledger: ChunkLedger | None = None  # the prompt mid-chunk's, from its first continued chunk
 
     def admit(
         self,
@@ -82,37 +106,46 @@ class PrefillAdmission:
             lora_fits=self.lora.fits if self.lora is not None else None,
             chunked=chunked_req,
         )
-        if chunked_req is not None and waiting:
-            self._admit_ahead_of_chunk(adder, waiting, chunked_req)
+        if chunked_req is not None:
+            self._continue_chunk(adder, waiting, chunked_req, short_steps=token_budget is not None)
         else:
-            result = AddResult.CONTINUE
-            if chunked_req is not None:
-                result = adder.add_chunked_req(chunked_req)
-            if result == AddResult.CONTINUE:
-                for req in waiting:
-                    added = adder.add_one_req(req)
-                    if added not in (AddResult.CONTINUE, AddResult.SKIP):
-                        break
+            for req in waiting:
+                added = adder.add_one_req(req)
+                if added not in (AddResult.CONTINUE, AddResult.SKIP):
+                    break
+            first = adder.new_chunked_req
+            if first is not None:  # a first chunk: taken whole, as offered
+                self.ledger = ChunkLedger(first, first.extend_len, first.extend_len)
         admitted = set(map(id, adder.can_run))
         still_waiting = [r for r in waiting if id(r) not in admitted]
         return Admission(adder.can_run, still_waiting, adder.new_chunked_req)
 
-    def _admit_ahead_of_chunk(self, adder: PrefillAdder, waiting: list[Req], chunked_req: Req) -> None:
-        """A long prompt is mid-chunk and others wait: the waiting prompts that fit whole in the step's budget
-        less the long prompt's floor (LONG_PROMPT_MIN_SHARE of it) go first, and the chunk takes the rest.
+    def _continue_chunk(
+        self, adder: PrefillAdder, waiting: list[Req], chunked_req: Req, short_steps: bool
+    ) -> None:
+        """A long prompt is mid-chunk: the waiting prompts that fit whole in the step's budget less the long
+        prompt's floor (its ledger's: see LONG_PROMPT_MIN_SHARE) go first, and the chunk takes the rest or,
+        where steps are bounded in time (`short_steps`: the cost model's budget), only its floor beside
+        them: the step they joined then costs their prefill and a small chunk, not a full step.
 
         The step's budget is what it would be for the long prompt alone (the scheduler gives a step that
         continues a long prompt the LONE_PREFILL_STEP_SECONDS budget of srt/scheduler/mixed_chunk.py, decode
-        rows riding along), so a request arriving during a long prefill waits for at most one such step, and
-        the step costs the same bounded time whoever shares it. The chunk is never sized from a second,
-        smaller budget: the earlier rule bounded it like a mixed step, which at a long context is a few dozen
-        tokens: a 6,300-token prompt crawled at 32-token steps (twice its time alone) and plain requests
-        arriving meanwhile still waited 1.8-8.5 s. Without the rule, one long prompt (a request with 128 tools
-        is 6,300 tokens) held every later request for its whole prefill: 36 s for a 4-token completion on a
-        2-core CPU."""
-        floor = max(1, int(min(adder.rem_chunk, adder.rem_input) * LONG_PROMPT_MIN_SHARE))
+        rows riding along), so a request arriving during a long prefill waits for the step in flight, then
+        for its own prefill beside a small chunk (larger only once arrivals have spent the long prompt's
+        surplus). The chunk is never sized from a second, smaller budget: the earlier
+        rule bounded it like a mixed step, which at a long context is a few dozen tokens: a 6,300-token
+        prompt crawled at 32-token steps (twice its time alone). Without the rule, one long prompt (a request
+        with 128 tools is 6,300 tokens) held every later request for its whole prefill: 36 s for a 4-token
+        completion on a 2-core CPU."""
+        if self.ledger is None or self.ledger.req is not chunked_req:
+            self.ledger = ChunkLedger(chunked_req)
+        offer = int(min(adder.rem_chunk, adder.rem_input, len(chunked_req.fill_ids) - chunked_req.kv_len))
+        floor = max(1, self.ledger.floor(offer))
         for req in waiting:
             added = adder.add_one_req(req, keep=floor)
             if added not in (AddResult.CONTINUE, AddResult.SKIP):
                 break
-        adder.add_chunked_req(chunked_req, at_least=floor)
+        at_most = floor if short_steps and adder.can_run else None
+        ran = adder.add_chunked_req(chunked_req, at_least=floor, at_most=at_most)
+        ran = ran != AddResult.NO_TOKEN
+        self.ledger.record(offer, chunked_req.extend_len if ran else 0)

@@ -127,12 +127,14 @@ class PrefillAdder:
         self.rem_now -= locked
         return locked
 
-    def add_chunked_req(self, req: Req, at_least: int = 0) -> AddResult:
+    def add_chunked_req(self, req: Req, at_least: int = 0, at_most: int | None = None) -> AddResult:
         """Continue a prompt already being prefilled in chunks (its prefix is its own, already locked):
         within the step's budget, but at least `at_least` tokens if KV room allows (so requests admitted
-        ahead of it cannot starve it)."""
+        ahead of it cannot starve it), and at most `at_most` (so the step they joined stays short)."""
         rest = len(req.fill_ids) - req.kv_len
         budget = max(min(self.rem_chunk, self.rem_input), at_least)
+        if at_most is not None:
+            budget = min(budget, max(at_most, at_least))
         req.extend_len = int(min(rest, budget, max(self.rem_now, 0)))
         if req.extend_len == 0:  # no KV slot free now: the chunk waits for running requests to free some
             self.new_chunked_req = req

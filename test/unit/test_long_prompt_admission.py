@@ -1,16 +1,17 @@
 """A long prompt mid-chunk and the requests that arrive during its prefill, counted in tokens and steps (no
 timing): the step's prefill budget is what it is for the long prompt alone, the arrivals share it, each is
-admitted in the step after it arrives, and the long prompt's chunks never fall below
-LONG_PROMPT_MIN_SHARE of the budget, so it finishes in about the steps it takes alone
-(srt/scheduler/prefill_admission.py)."""
+admitted in the step after it arrives, and the long prompt keeps at least LONG_PROMPT_MIN_SHARE of the
+tokens its steps offered it (its ledger), so it finishes in about the steps it takes alone, while the
+arrivals spend its surplus first (srt/scheduler/prefill_admission.py)."""
 
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 
-from srt.scheduler.mixed_chunk import LONE_PREFILL_STEP_SECONDS, MixedChunkBudget
+from srt.scheduler.mixed_chunk import LONE_PREFILL_STEP_SECONDS, MIN_MIXED_PREFILL_TOKENS, MixedChunkBudget
 from srt.scheduler.prefill_admission import LONG_PROMPT_MIN_SHARE
 from srt.scheduler.scheduler import Scheduler
 from test.unit.scheduler_driver import drive, greedy, request
@@ -78,29 +79,43 @@ def test_a_long_prompt_keeps_its_chunk_and_arrivals_go_in_the_next_step(tiny_mod
     solo = run_long_prompt(alone, [])
     assert solo["long_steps"] == math.ceil(LONG_LEN / STEP_TOKENS)
 
+    offered = taken = 0
     for i, (decoding, step) in enumerate(zip(shared["decoding"], shared["prefilled"], strict=True)):
         budget = STEP_TOKENS - decoding if mixed else STEP_TOKENS  # decode rows share a mixed step's second
         assert sum(step.values()) <= budget, f"step {i} carried {step} over its budget {budget}"
-        others = sum(n for rid, n in step.items() if rid != "long")
-        if i < shared["long_steps"] - 1 and others:  # the last chunk is what is left of the prompt
-            assert step.get("long", 0) >= int(budget * LONG_PROMPT_MIN_SHARE), f"step {i}: {step}"
+        if "long" in step and i < shared["long_steps"] - 1:  # the last chunk is what is left of the prompt
+            offered, taken = offered + budget, taken + step["long"]
+            assert taken >= LONG_PROMPT_MIN_SHARE * offered, f"step {i}: {step}, {taken} of {offered} so far"
+    # the first arrival finds the long prompt's surplus (its first chunk, taken whole): it goes ahead, and
+    # where steps are bounded in time the chunk beside it is the smallest, so the step it waits for is its
+    # own prefill, not a full step (on a chunk-size budget, a GPU's, the chunk takes the rest)
+    first_arrival = shared["prefilled"][ARRIVAL_STEPS[0]]
+    assert "s0" in first_arrival
+    if mixed:
+        assert first_arrival["long"] == MIN_MIXED_PREFILL_TOKENS, first_arrival
     # each arrival is prefilled in the step it arrives before (unmixed, a decode step may come first)
     for i, at in enumerate(ARRIVAL_STEPS):
         admitted = next(k for k, step in enumerate(shared["prefilled"]) if f"s{i}" in step)
         assert admitted - at <= (0 if mixed else 1), f"s{i} arrived before step {at}, admitted in {admitted}"
         assert shared["results"][f"s{i}"].first_token_ts < shared["results"]["long"].first_token_ts
     # the long prompt finishes in about its steps alone (unmixed, decode steps alternate with its chunks)
-    prefill_steps = sum("long" in step for step in shared["prefilled"])
-    assert prefill_steps <= MAX_STEP_RATIO * solo["long_steps"]
-    if mixed:
-        assert shared["long_steps"] <= MAX_STEP_RATIO * solo["long_steps"]
+    if mixed:  # its time, in steps of the budget (a = 0: a step costs its tokens, decode rows included)
+        spent = shared["prefilled"][: shared["long_steps"]], shared["decoding"][: shared["long_steps"]]
+        units = (
+            sum(sum(step.values()) + decoding for step, decoding in zip(*spent, strict=True)) / STEP_TOKENS
+        )
+        assert units <= MAX_STEP_RATIO * solo["long_steps"]
+    else:
+        prefill_steps = sum("long" in step for step in shared["prefilled"])
+        assert prefill_steps <= MAX_STEP_RATIO * solo["long_steps"]
     assert shared["results"]["long"].output_ids == solo["results"]["long"].output_ids
     assert_pool_whole(sched)
 
 
 def test_a_queue_of_arrivals_never_takes_more_than_its_share_of_the_step(tiny_model_dir):
-    """Many prompts arriving at once go ahead of the long prompt a share of a step at a time: the long
-    prompt still takes at least LONG_PROMPT_MIN_SHARE of every step, and the queue drains in order."""
+    """Many prompts arriving at once go ahead of the long prompt as far as its surplus allows, then share each
+    step with it: over its steps the long prompt still takes at least LONG_PROMPT_MIN_SHARE of the tokens
+    offered to it, and the queue drains in order."""
     # no prefix cache: a cached first token would make a prompt shorter than the 25 tokens counted below
     sched = make_scheduler(tiny_model_dir, chunked_prefill_size=4096, disable_radix_cache=True)
     sched = with_step_budget(sched, STEP_TOKENS)
@@ -112,8 +127,12 @@ def test_a_queue_of_arrivals_never_takes_more_than_its_share_of_the_step(tiny_mo
         steps.append((s.chunked_req.kv_len if s.chunked_req is not None else None, len(s.waiting)))
 
     drive(sched, {0: [request("long", long_prompt, greedy(1))], 1: burst}, on_step=record)
-    # 12 prompts of 25 tokens: 3 go ahead in each step (75 of 150 tokens, the other half), in 4 steps
-    assert [waiting for _, waiting in steps[1:5]] == [9, 6, 3, 0]
-    for (before, _), (after, _) in zip(steps[:4], steps[1:5], strict=True):
-        assert after - before >= int(STEP_TOKENS * LONG_PROMPT_MIN_SHARE)
+    # 12 prompts of 25 tokens after a first chunk of 150 (the long prompt's ledger: 150 taken of 150 offered).
+    # Step 1: nothing owed, 4 prompts beside the smallest chunk (182 of 300); step 2: 43 owed (half of 450
+    # less 182), 4 prompts beside it (225 of 450); step 3: 75 owed, 3 prompts (300 of 600); step 4: the last.
+    assert [waiting for _, waiting in steps[1:5]] == [8, 4, 1, 0]
+    kv = [kv_len for kv_len, _ in steps[:5]]
+    assert [b - a for a, b in pairwise(kv)][:3] == [MIN_MIXED_PREFILL_TOKENS, 43, 75]
+    for k in range(1, 5):  # what it took over its first k + 1 steps against what they offered
+        assert kv[k] >= LONG_PROMPT_MIN_SHARE * STEP_TOKENS * (k + 1), (k, kv)
     assert_pool_whole(sched)

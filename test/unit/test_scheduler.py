@@ -276,9 +276,9 @@ def test_running_requests_are_not_starved_by_a_burst_of_prefills(tiny_model_dir)
 @MIXED
 def test_a_short_prompt_does_not_wait_for_a_long_prompts_remaining_chunks(tiny_model_dir, mixed):
     """A long prompt mid-chunk: a short request arriving then is prefilled in the very next step, ahead of the
-    long prompt's remaining chunks (which share that step, at least LONG_PROMPT_MIN_SHARE of its 128 tokens),
-    and both outputs are what they are alone."""
-    from srt.scheduler.prefill_admission import LONG_PROMPT_MIN_SHARE
+    long prompt's remaining chunks (which share that step: the long prompt always progresses), and both
+    outputs are what they are alone."""
+    from srt.scheduler.mixed_chunk import MIN_MIXED_PREFILL_TOKENS
 
     long_prompt = prompts(1, low=600, high=600, seed=5)[0]
     short = prompts(1, low=6, high=6, seed=6)[0]
@@ -300,7 +300,7 @@ def test_a_short_prompt_does_not_wait_for_a_long_prompts_remaining_chunks(tiny_m
     )
     assert progress[1][2], "the short request waited behind the long prompt's remaining chunks"
     assert progress[0][1] is not None and progress[1][1] is not None  # the long prompt is still mid-chunk ...
-    assert progress[1][1] - progress[0][1] >= 128 * LONG_PROMPT_MIN_SHARE  # ... and advanced in that step
+    assert progress[1][1] - progress[0][1] >= MIN_MIXED_PREFILL_TOKENS  # ... and advanced in that step
     assert res["short"].first_token_ts < res["long"].first_token_ts
     assert {rid: c.output_ids for rid, c in res.items()} == alone
     assert_pool_whole(sched)

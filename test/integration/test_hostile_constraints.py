@@ -241,8 +241,9 @@ TOOLS = [
 ]
 PLAIN = {"prompt": "Hello", "max_tokens": 4}
 # A plain request sent while the 6,300-token prompt of 128 tools prefills waits for the step in flight
-# (bounded by LONE_PREFILL_STEP_SECONDS on the CPU) and then shares each step with a chunk of it (the
-# mixed-step rule): a small share of the tool request's own time. Before, it waited for the whole prefill
+# (bounded by LONE_PREFILL_STEP_SECONDS on the CPU) and is then prefilled in the next step beside a small
+# chunk of it (the long prompt's ledger, srt/scheduler/prefill_admission.py): a small share of the tool
+# request's own time. Before, it waited for the whole prefill
 # (35.9 s of a 40-s request). A share, not seconds, so that a slower or busier machine changes nothing.
 PLAIN_DURING_MAX_SHARE = 1 / 3
 BIG_REQUEST_TIMEOUT_SECONDS = 900.0

@@ -24,7 +24,8 @@ def parse_trace_level(value: str | None) -> int:
     """The level of `/set_trace_level?level=...`; ValueError (a 400) for anything but 0..3."""
     text = (value or "").strip()
     if not (text.isascii() and text.isdigit()) or int(text) > MAX_TRACE_LEVEL:
-        shown = "missing" if value is None else repr(value)
+        # SGLang reads the level from the query string only: a JSON body alone is told so, not ignored
+        shown = "none in the query string (?level=N)" if value is None else repr(value)
         raise ValueError(f"level must be an integer from 0 to {MAX_TRACE_LEVEL}, got {shown}")
     return int(text)
 

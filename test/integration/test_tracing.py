@@ -24,7 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from srt.bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
+from srt_bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from test.integration.conftest import launch_server
 
 pytestmark = pytest.mark.slow
@@ -267,6 +267,9 @@ def test_set_trace_level_refuses_bad_levels(server):
         assert r.json()["error"]["param"] == "level"
     r = httpx.get(f"{server.base_url}/set_trace_level", timeout=10)
     assert r.status_code == 400 and "integer from 0 to 3" in r.json()["error"]["message"]
+    # the level goes in the query string, as in SGLang: a body alone is told so, never taken as a change
+    r = httpx.post(f"{server.base_url}/set_trace_level", json={"level": 2}, timeout=10)
+    assert r.status_code == 400 and "query string" in r.json()["error"]["message"]
 
 
 def test_level_0_exports_nothing(server, receiver):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 from srt.http_server.load_report import loads_body, unknown_sections
-from srt.http_server.openai.serving_common import ChoiceAcc, chunk_usage
+from srt.http_server.openai.response_frame import chunk_usage
+from srt.http_server.openai.serving_common import ChoiceAcc
 from srt.http_server.server_info import OWNED_BY, model_card, model_info, server_info, tokenizer_info
 from srt.io_struct import SchedulerReady
 from srt.metrics.load_snapshot import RankLoad, SchedulerLoadReader, SchedulerLoadWriter

@@ -100,7 +100,8 @@ def test_a_responses_choices_add_up_field_by_field():
 def test_openai_usage_reports_prediction_tokens_only_for_a_request_with_a_prediction():
     """`completion_tokens_details` sums every choice's accepted and rejected prediction tokens (n samples all
     draft from the one prediction); without a prediction it is absent, as OpenAI leaves it."""
-    from srt.http_server.openai.serving_common import ChoiceAcc, spec_metrics_block, usage
+    from srt.http_server.openai.response_frame import spec_metrics_block, usage
+    from srt.http_server.openai.serving_common import ChoiceAcc
     from srt.server_args import ServerArgs
     from srt.speculative.defaults import PREDICTION_DRAFTS_PER_STEP
 

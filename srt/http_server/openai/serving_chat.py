@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,24 +13,18 @@ from srt.http_server.input_processor import GenerateInput
 from srt.http_server.openai.chat_reasoning import ChoiceReader, ReasoningReading
 from srt.http_server.openai.chat_tools import ChatTools, finish_override
 from srt.http_server.openai.protocol import ChatCompletionRequest
+from srt.http_server.openai.response_frame import ResponseFrame
 from srt.http_server.openai.serving_common import (
     ChoiceAcc,
-    chunk_usage,
     collect_response,
-    reasoning_tokens,
     resolve_model,
-    spec_metrics_block,
-    stream_chunk,
     stream_with_errors,
-    timing,
     to_openai_error,
     token_text,
-    usage,
-    usage_chunk,
-    wants_timing,
 )
 from srt.http_server.output_dispatch import ReqOutput
 from srt.http_server.tokenizer_manager import TokenizerManager
+from srt.metrics.request_stats import FinishedRequestStats
 
 
 def stream_delta(read: StreamDelta, reasoning: dict | None = None) -> dict:
@@ -130,17 +123,24 @@ class ChatHandler:
             obj, outputs = await self._build(req, request)
         except Exception as e:
             return to_openai_error(e).to_response()
-        rid = f"chatcmpl-{obj.rid}"
-        created = int(time.time())
+        frame = ResponseFrame.of(
+            self.tm,
+            req,
+            f"chatcmpl-{obj.rid}",
+            "chat.completion",
+            self.model_name,
+            req.num_samples,
+            reasoning=self.reasoning is not None,
+            chunk_kind="chat.completion.chunk",
+        )
         if req.streaming:
-            return StreamingResponse(self._stream(req, outputs, rid, created), media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, outputs, frame), media_type="text/event-stream")
         return await collect_response(
-            self.tm, outputs, obj.num_choices, lambda choices: self._response(req, choices, rid, created)
+            self.tm, outputs, obj.num_choices, lambda choices: self._response(req, choices, frame)
         )
 
-    def _response(self, req: ChatCompletionRequest, choices: list[ChoiceAcc], rid: str, created: int) -> dict:
+    def _response(self, req: ChatCompletionRequest, choices: list[ChoiceAcc], frame: ResponseFrame) -> dict:
         tools = ChatTools(req, self.tool_parser)
-        with_timing = wants_timing(self.tm, req.return_timing)
         out = []
         for i, c in enumerate(choices):
             logprobs = (
@@ -153,28 +153,11 @@ class ChatHandler:
             message, finish = tools.message(answer, c.finish_reason.to_openai() if c.finish_reason else None)
             if reading is not None:
                 message.update(reading.fields(reasoning))
-            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
-            if with_timing:
-                out[-1]["timing"] = timing(c.stats)
-        body = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": out,
-            "usage": usage(
-                choices,
-                req.num_samples,
-                req.prediction is not None,
-                reasoning_tokens(self.reasoning is not None, choices),
-            ),
-        }
-        metrics = spec_metrics_block(self.tm.server_args, choices, req.prediction is not None)
-        if metrics is not None:
-            body["metrics"] = metrics
-        return body
+            choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            out.append(frame.timed_choice(choice, c.stats))
+        return frame.body(out, choices)
 
-    def _stream(self, req: ChatCompletionRequest, outputs: AsyncIterator[ReqOutput], rid: str, created: int):
+    def _stream(self, req: ChatCompletionRequest, outputs: AsyncIterator[ReqOutput], frame: ResponseFrame):
         n = req.num_samples
         accs = [ChoiceAcc() for _ in range(n)]
         started = [False] * n
@@ -186,7 +169,6 @@ class ChatHandler:
             )
             for _ in range(n)
         ]
-        with_timing = wants_timing(self.tm, req.return_timing)
 
         def chunk(
             index: int,
@@ -194,11 +176,10 @@ class ChatHandler:
             finish: str | None = None,
             logprobs: dict | None = None,
             so_far: ChoiceAcc | None = None,
-            **more,
+            stats: FinishedRequestStats | None = None,
         ) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **more}
-            extra = chunk_usage(req.include_usage, req.continuous_usage, so_far or accs[index])
-            return stream_chunk(rid, "chat.completion.chunk", created, self.model_name, choice, extra)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return frame.chunk(choice, so_far or accs[index], stats)
 
         def on_output(out: ReqOutput) -> list[str]:
             accs[out.index].add(out)
@@ -219,27 +200,7 @@ class ChatHandler:
                 finish = out.finish_reason.to_openai()
                 if stream.num_committed:
                     finish = finish_override(finish)
-                more = {"timing": timing(out.stats)} if with_timing else {}
-                chunks.append(chunk(out.index, {}, finish=finish, **more))
+                chunks.append(chunk(out.index, {}, finish=finish, stats=out.stats))
             return chunks
 
-        def on_end() -> list[str]:
-            if not req.include_usage:
-                return []
-            return [
-                usage_chunk(
-                    rid,
-                    "chat.completion.chunk",
-                    created,
-                    self.model_name,
-                    usage(
-                        accs,
-                        n,
-                        req.prediction is not None,
-                        reasoning_tokens(self.reasoning is not None, accs),
-                    ),
-                    spec_metrics_block(self.tm.server_args, accs, req.prediction is not None),
-                )
-            ]
-
-        return stream_with_errors(self.tm, outputs, on_output, on_end)
+        return stream_with_errors(self.tm, outputs, on_output, lambda: frame.closing_chunks(accs))

@@ -1,5 +1,5 @@
 """Pieces shared by the chat, completions and native handlers: model-name check, error mapping, SSE
-framing, per-choice accumulation and usage."""
+framing, per-choice accumulation (a chat or completions response's body, chunks and usage: `response_frame`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from srt.http_server.output_dispatch import ReqOutput
 from srt.http_server.tokenizer_manager import TokenizerManager
 from srt.io_struct import FinishReason
 from srt.metrics.request_stats import FinishedRequestStats
-from srt.server_args import ServerArgs
-from srt.speculative.defaults import PREDICTION_DRAFTS_PER_STEP
 from srt.speculative.stats import SpecRequestStats
 
 logger = logging.getLogger(__name__)
@@ -142,85 +140,6 @@ def timing(stats: FinishedRequestStats | None) -> dict | None:
     return None if stats is None else stats.timings()
 
 
-def usage(
-    choices: list[ChoiceAcc], n: int, predicted: bool = False, reasoning_tokens: list[int] | None = None
-) -> dict:
-    """OpenAI usage. Each prompt counts once, however many samples (`n`) it has, in `prompt_tokens` and in
-    `cached_tokens` alike: a prompt's cached tokens are those of its first sample (choice index `p * n`), so
-    cached never exceeds prompt. Completion tokens are summed over every sample. `/metrics`' token counters
-    follow the same rule (RequestMetricsRecorder). With a `prediction` (`predicted`), OpenAI's
-    `completion_tokens_details`: the prediction's tokens accepted and rejected, summed over every sample
-    (each drafted from it), as `sglang:{accepted,rejected}_prediction_tokens_total` count them. On a
-    `--reasoning-parser` server (`reasoning_tokens`: each choice's), OpenAI's `reasoning_tokens` there too,
-    summed over every sample (a part of `completion_tokens`)."""
-    firsts = choices[::n]
-    prompt = sum(c.prompt_tokens for c in firsts)
-    completion = sum(c.completion_tokens for c in choices)
-    cached = sum(c.cached_tokens for c in firsts)
-    out = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-    details: dict = {}
-    if predicted:
-        details.update(merged_spec_stats(choices).prediction_usage())
-    if reasoning_tokens is not None:
-        details["reasoning_tokens"] = sum(reasoning_tokens)
-    if details:
-        out["completion_tokens_details"] = details
-    return out
-
-
-def reasoning_tokens(parsed: bool, choices: list[ChoiceAcc]) -> list[int] | None:
-    """Each choice's reasoning tokens as its finished record counted them (the request metrics recorder,
-    with or without `separate_reasoning`); None when the output was not read (`parsed`: a --reasoning-parser
-    server)."""
-    if not parsed:
-        return None
-    return [(c.stats.reasoning_tokens or 0) if c.stats is not None else 0 for c in choices]
-
-
-def chunk_usage(include_usage: bool, continuous: bool, choice: ChoiceAcc) -> dict:
-    """The `usage` member of a stream chunk: none without `include_usage`, null while usage comes in the
-    closing chunk only, and with vLLM's `continuous_usage_stats` the choice's prompt and the tokens it has
-    generated so far (the closing chunk still counts the whole request: `usage`)."""
-    if not include_usage:
-        return {}
-    if not continuous:
-        return {"usage": None}
-    prompt, completion = choice.prompt_tokens, choice.completion_tokens
-    return {
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-    }
-
-
-def merged_spec_stats(choices: list[ChoiceAcc]) -> SpecRequestStats:
-    """The choices' speculative figures added up (a choice without verify steps adds nothing)."""
-    total = SpecRequestStats()
-    for c in choices:
-        if c.spec_stats is not None:
-            total.add(c.spec_stats)
-    return total
-
-
-def spec_metrics_block(args: ServerArgs, choices: list[ChoiceAcc], predicted: bool) -> dict | None:
-    """vLLM's top-level `metrics` object with its per-request speculative decoding block (its
-    `--per-request-spec-decode-metrics summary`), over every choice of the response; None when the
-    server was not started with it. `num_spec_tokens`: the most drafts a step gave a choice (a
-    prediction's, or the algorithm's)."""
-    if not args.per_request_spec_decode_metrics:
-        return None
-    block = merged_spec_stats(choices).vllm_block()
-    block["num_spec_tokens"] = PREDICTION_DRAFTS_PER_STEP if predicted else args.speculative_drafts_per_step
-    return {"speculative_decoding": block}
-
-
 async def collect(
     tm: TokenizerManager, outputs: AsyncIterator[ReqOutput], num_choices: int
 ) -> list[ChoiceAcc]:
@@ -246,22 +165,6 @@ async def collect_response(
     except Exception as e:
         return to_openai_error(e).to_response()
     return JSONResponse(build(choices))
-
-
-def stream_chunk(rid: str, kind: str, created: int, model: str, choice: dict, extra: dict) -> str:
-    """One SSE chunk in OpenAI's shape: a single choice, plus its `usage` member (`chunk_usage`)."""
-    return sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], **extra})
-
-
-def usage_chunk(
-    rid: str, kind: str, created: int, model: str, usage_dict: dict, metrics: dict | None = None
-) -> str:
-    """The closing chunk of `stream_options.include_usage`: no choices, the whole request's usage (and
-    vLLM's `metrics` object where the server adds it)."""
-    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage_dict}
-    if metrics is not None:
-        body["metrics"] = metrics
-    return sse(body)
 
 
 async def stream_with_errors(

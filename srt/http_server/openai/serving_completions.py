@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,21 +10,14 @@ from fastapi.responses import StreamingResponse
 
 from srt.http_server.input_processor import GenerateInput, InvalidRequestError
 from srt.http_server.openai.protocol import CompletionRequest
+from srt.http_server.openai.response_frame import ResponseFrame
 from srt.http_server.openai.serving_common import (
     ChoiceAcc,
-    chunk_usage,
     collect_response,
-    reasoning_tokens,
     resolve_model,
-    spec_metrics_block,
-    stream_chunk,
     stream_with_errors,
-    timing,
     to_openai_error,
     token_text,
-    usage,
-    usage_chunk,
-    wants_timing,
 )
 from srt.http_server.output_dispatch import ReqOutput
 from srt.http_server.request_types import MAX_SEQUENCES
@@ -80,9 +72,6 @@ class CompletionHandler:
         self.tm = tm
         self.model_name = model_name
 
-    def _reasoning_tokens(self, choices: list[ChoiceAcc]) -> list[int] | None:
-        return reasoning_tokens(self.tm.server_args.reasoning_parser is not None, choices)
-
     async def _build(
         self, req: CompletionRequest, request
     ) -> tuple[GenerateInput, list[str], AsyncIterator[ReqOutput]]:
@@ -125,24 +114,28 @@ class CompletionHandler:
             obj, texts, outputs = await self._build(req, request)
         except Exception as e:
             return to_openai_error(e).to_response()
-        rid = f"cmpl-{obj.rid}"
-        created = int(time.time())
+        # usage counts every generated sample (best_of's too); a stream generates only the returned ones
+        frame = ResponseFrame.of(
+            self.tm,
+            req,
+            f"cmpl-{obj.rid}",
+            "text_completion",
+            self.model_name,
+            req.num_generated,
+            reasoning=self.tm.server_args.reasoning_parser is not None,
+        )
         if req.streaming:
             return StreamingResponse(
-                self._stream(req, obj, texts, outputs, rid, created), media_type="text/event-stream"
+                self._stream(req, obj, texts, outputs, frame), media_type="text/event-stream"
             )
         return await collect_response(
-            self.tm,
-            outputs,
-            obj.num_choices,
-            lambda choices: self._response(req, choices, texts, rid, created),
+            self.tm, outputs, obj.num_choices, lambda choices: self._response(req, choices, texts, frame)
         )
 
     def _response(
-        self, req: CompletionRequest, samples: list[ChoiceAcc], texts: list[str], rid: str, created: int
-    ):
+        self, req: CompletionRequest, samples: list[ChoiceAcc], texts: list[str], frame: ResponseFrame
+    ) -> dict:
         choices = best_of(samples, req.num_generated, req.num_samples)
-        with_timing = wants_timing(self.tm, req.return_timing)
         out = []
         for i, c in enumerate(choices):
             prefix = texts[i // req.num_samples] if req.echo else ""
@@ -153,30 +146,14 @@ class CompletionHandler:
                 )
                 if req.echo and c.input_token_logprobs is not None:
                     logprobs = with_prompt_logprobs(self.tm, c, logprobs)
-            out.append(
-                {
-                    "index": i,
-                    "text": prefix + c.text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason.to_openai() if c.finish_reason else None,
-                }
-            )
-            if with_timing:
-                out[-1]["timing"] = timing(c.stats)
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": out,
-            "usage": usage(
-                samples, req.num_generated, req.prediction is not None, self._reasoning_tokens(samples)
-            ),
-        }
-        metrics = spec_metrics_block(self.tm.server_args, samples, req.prediction is not None)
-        if metrics is not None:
-            body["metrics"] = metrics
-        return body
+            choice = {
+                "index": i,
+                "text": prefix + c.text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason.to_openai() if c.finish_reason else None,
+            }
+            out.append(frame.timed_choice(choice, c.stats))
+        return frame.body(out, samples)
 
     def _stream(
         self,
@@ -184,21 +161,12 @@ class CompletionHandler:
         obj: GenerateInput,
         texts: list[str],
         outputs: AsyncIterator[ReqOutput],
-        rid: str,
-        created: int,
+        frame: ResponseFrame,
     ):
         total = len(obj.prompts) * req.num_samples
         accs = [ChoiceAcc() for _ in range(total)]
         offsets = [len(texts[i // req.num_samples]) if req.echo else 0 for i in range(total)]
         echoed = [not req.echo] * total
-        with_timing = wants_timing(self.tm, req.return_timing)
-
-        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None, stats=None) -> str:
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            if with_timing and finish is not None:
-                choice["timing"] = timing(stats)
-            extra = chunk_usage(req.include_usage, req.continuous_usage, accs[index])
-            return stream_chunk(rid, "text_completion", created, self.model_name, choice, extra)
 
         def on_output(out: ReqOutput) -> list[str]:
             accs[out.index].add(out)
@@ -217,20 +185,7 @@ class CompletionHandler:
             finish = out.finish_reason.to_openai() if out.finish_reason else None
             if not text and finish is None and logprobs is None:
                 return []
-            return [chunk(out.index, text, finish, logprobs, out.stats)]
+            choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return [frame.chunk(choice, accs[out.index], out.stats)]
 
-        def on_end() -> list[str]:
-            if not req.include_usage:
-                return []
-            return [
-                usage_chunk(
-                    rid,
-                    "text_completion",
-                    created,
-                    self.model_name,
-                    usage(accs, req.num_samples, req.prediction is not None, self._reasoning_tokens(accs)),
-                    spec_metrics_block(self.tm.server_args, accs, req.prediction is not None),
-                )
-            ]
-
-        return stream_with_errors(self.tm, outputs, on_output, on_end)
+        return stream_with_errors(self.tm, outputs, on_output, lambda: frame.closing_chunks(accs))

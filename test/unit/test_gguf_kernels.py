@@ -221,6 +221,24 @@ def test_a_fused_product_of_quantized_and_float_parts_is_each_parts_product():
         assert torch.equal(fused, torch.cat([block_matmul(x, p, exact) for p in parts], dim=-1))
 
 
+@pytest.mark.parametrize("tokens", (1, 37), ids=("one-token", "past-a-token-block"))
+def test_a_fused_layer_large_enough_to_run_in_parallel_is_each_parts_product(tokens):
+    """One parallel region takes every part's tasks (ROW_TASK = 16 rows, TOKEN_BLOCK = 32 tokens in the C
+    source): parts of row counts that end mid-task, of types with and without offsets, quantized and float,
+    each land in their own columns with the bits of their own product."""
+    parts = [
+        matrix(T.Q4_K, rows=37, cols=2304, seed=1)[0],
+        matrix(T.Q6_K, rows=21, cols=2304, seed=2)[0],
+        matrix(T.F16, rows=5, cols=2304, seed=3)[0],
+        matrix(T.Q8_0, rows=40, cols=2304, seed=4)[0],
+    ]
+    x = torch.randn(tokens, 2304, generator=torch.Generator().manual_seed(8))
+    assert tokens * sum(p.rows for p in parts) * 2304 >= 65536  # PARALLEL_MIN_MACS: a parallel region
+    for exact in (False, True):
+        fused = gguf_linear.block_matmul_parts(x, parts, exact)
+        assert torch.equal(fused, torch.cat([block_matmul(x, p, exact) for p in parts], dim=-1))
+
+
 def test_the_layer_call_refuses_a_type_it_does_not_take_before_writing():
     k = gguf_linear.kernels()
     m, _ = matrix(T.Q4_K, rows=2, cols=256)

@@ -100,8 +100,9 @@ static int64_t type_elements(int qtype) {
 int64_t srt_gguf_type_bytes(int qtype) { return type_bytes(qtype); }
 int64_t srt_gguf_type_elements(int qtype) { return type_elements(qtype); }
 /* Bytes of one token's quantized activations (srt_gguf_quantize_rows): a + 128 [cols] uint8, d4 [cols/4] and
- * m16 [cols/16] float. */
-int64_t srt_gguf_act_row_bytes(int64_t cols) { return cols + cols + cols / 4; }
+ * m16 [cols/16] float, then for the single-token path a [cols] int8 and n4 [cols/4] int32 (-128 times the sum
+ * of each lane's four a). */
+int64_t srt_gguf_act_row_bytes(int64_t cols) { return cols + cols + cols / 4 + cols + cols; }
 
 static inline float fp16(const uint8_t *p) {
     uint16_t h;
@@ -312,6 +313,8 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
         const float *xr = x + t * x_stride;
         uint8_t *au = act + t * row_bytes;
         float *d4 = (float *)(void *)(au + cols), *m16 = d4 + cols / LANE;
+        int8_t *as = (int8_t *)(void *)(m16 + cols / GROUP);
+        int32_t *n4 = (int32_t *)(void *)(as + cols);
         for (int64_t c = 0; c < cols; c += QK) {
             float amax = 0.0f;
             int finite = 1;
@@ -321,12 +324,15 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
                 amax = v > amax ? v : amax;
             }
             const float d = finite ? amax / ACT_MAX : NAN, id = finite && amax > 0.0f ? ACT_MAX / amax : 0.0f;
-            int32_t sum[QK / GROUP] = {0};
+            int32_t sum[QK / GROUP] = {0}, lane[QK / LANE] = {0};
             for (int i = 0; i < QK; i++) {
                 const int32_t a = finite ? (int32_t)nearbyintf(xr[c + i] * id) : 0;
                 au[c + i] = (uint8_t)(a + 128);
+                as[c + i] = (int8_t)a;
                 sum[i / GROUP] += a;
+                lane[i / LANE] += a;
             }
+            for (int l = 0; l < QK / LANE; l++) n4[c / LANE + l] = -128 * lane[l];
             fill(d4 + c / LANE, QK / LANE, d);
             for (int g = 0; g < QK / GROUP; g++) m16[c / GROUP + g] = d * (float)sum[g];
         }
@@ -338,14 +344,19 @@ typedef struct {
     const uint8_t *au;
     const float *d4;
     const float *m16;
+    const int8_t *as;
+    const int32_t *n4;
 } ActChunk;
 
 static inline ActChunk act_chunk(const uint8_t *act_row, int64_t cols, int64_t c0) {
     ActChunk c;
     const float *d4 = (const float *)(const void *)(act_row + cols);
+    const int8_t *as = (const int8_t *)(const void *)(d4 + cols / LANE + cols / GROUP);
     c.au = act_row + c0;
     c.d4 = d4 + c0 / LANE;
     c.m16 = d4 + cols / LANE + c0 / GROUP;
+    c.as = as + c0;
+    c.n4 = (const int32_t *)(const void *)(as + cols) + c0 / LANE;
     return c;
 }
 
@@ -494,7 +505,25 @@ ALWAYS_INLINE void dot_tokens(const int8_t *w, const float *sc16, const float *m
  * A decode step (one sequence) has nothing to share a decoded chunk with, and writing it to L1 and reading
  * it back cost more than the arithmetic (Q4_K 2048 x 2048 on one core of a Xeon: 21 cycles per 64 elements
  * with the decoded form, 11 here). The weights, scales and offsets are the decoded form's, made in registers,
- * and the steps, lanes and sums are dot_tile's, in its order: a token gets the same bits alone as in a batch. */
+ * and the steps, lanes and sums are dot_tile's, in its order: a token gets the same bits alone as in a batch.
+ * Only a lane's integer dot is reached another way, to the same integer: the weights as unsigned bytes (those
+ * of the types with offsets, Q4_1, Q5_1, Q4_K and Q5_K, are unsigned as they are, the others take + 128) times
+ * the signed activations a, started from 0 or from n4 = -128 * sum(a) (per token, made once per call): one
+ * vpdpbusd a step where dot_tile's needs two for -128 * sum(w), which a batch shares and one token does not
+ * (scripts/bench_gguf_gemm.py --cpu-time, one core of a busy 2-core Xeon, 4096 x 4096 streamed from memory,
+ * medians: Q4_K 1.48 -> 1.19 ms, Q6_K 1.63 -> 1.52 ms). */
+
+/* One step of 64 elements of one token: wu the weights as unsigned bytes (w, or w + 128 unless ZERO_START),
+ * sv their lanes' scales; MASKED as in fused_step. */
+ALWAYS_INLINE void token_step(__m512i wu, __m512 sv, const ActChunk *ac, int64_t i, const int ZERO_START,
+                              const int MASKED, __m512 *v) {
+    const __mmask64 mb = MASKED ? (__mmask64)0xffffffffu : ~(__mmask64)0;
+    const __mmask16 ml = MASKED ? (__mmask16)0xff : (__mmask16)0xffff;
+    const __m512i start = ZERO_START ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi32(ml, ac->n4 + i / LANE);
+    const __m512i dot = _mm512_dpbusd_epi32(start, wu, _mm512_maskz_loadu_epi8(mb, ac->as + i));
+    const __m512 scale = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(ml, ac->d4 + i / LANE));
+    *v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *v);
+}
 
 static inline __m512 two_scales(float lo, float hi) { /* lanes 0-7 lo, 8-15 hi */
     return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(lo), _mm512_set1_ps(hi));
@@ -513,12 +542,14 @@ static inline __m512i nibble_blocks(const uint8_t *a, const uint8_t *b) {
     return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-/* The 64 weights of blocks x and y of a 32-element type, as decode_* makes them */
+/* The 64 weights of blocks x and y of a 32-element type as decode_* makes them, as unsigned bytes: + 128 for
+ * the types without offsets (Q4_0, Q5_0, Q8_0: signed as decoded), as they are for Q4_1, Q5_1 */
 ALWAYS_INLINE __m512i weights_of_two_blocks(const int QTYPE, const uint8_t *x, const uint8_t *y) {
     if (QTYPE == GGML_Q8_0)
-        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
-                                  _mm256_loadu_si256((const __m256i *)(y + 2)), 1);
-    if (QTYPE == GGML_Q4_0) return _mm512_sub_epi8(nibble_blocks(x + 2, y + 2), _mm512_set1_epi8(8));
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
+                                                   _mm256_loadu_si256((const __m256i *)(y + 2)), 1),
+                                _mm512_set1_epi8((char)0x80));
+    if (QTYPE == GGML_Q4_0) return _mm512_add_epi8(nibble_blocks(x + 2, y + 2), _mm512_set1_epi8(128 - 8));
     if (QTYPE == GGML_Q4_1) return nibble_blocks(x + 4, y + 4);
     /* Q5_0, Q5_1: bit j of a block's qh is its element j's fifth bit */
     const int64_t head = QTYPE == GGML_Q5_1 ? 4 : 2;
@@ -527,7 +558,7 @@ ALWAYS_INLINE __m512i weights_of_two_blocks(const int QTYPE, const uint8_t *x, c
     memcpy(&hy, y + head, sizeof hy);
     const __m512i high = _mm512_maskz_mov_epi8((__mmask64)hx | ((__mmask64)hy << 32), _mm512_set1_epi8(16));
     const __m512i q = _mm512_or_si512(nibble_blocks(x + head + 4, y + head + 4), high);
-    return QTYPE == GGML_Q5_1 ? q : _mm512_sub_epi8(q, _mm512_set1_epi8(16));
+    return QTYPE == GGML_Q5_1 ? q : _mm512_add_epi8(q, _mm512_set1_epi8(128 - 16));
 }
 
 /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the nb blocks of 32 at b, two a step (the last alone in a masked half step
@@ -541,13 +572,11 @@ ALWAYS_INLINE void fused_blocks32(const int QTYPE, const uint8_t *b, int64_t nb,
     for (int64_t k = 0; k < nb; k += 2) {
         const int pair = k + 1 < nb;
         const uint8_t *x = b + k * bytes, *y = pair ? x + bytes : x;
-        __m512i wv = weights_of_two_blocks(QTYPE, x, y);
-        if (pair) {
-            fused_step(wv, two_scales(fp16(x), fp16(y)), ac, k * QK, 1, 0, v);
-        } else {
-            wv = _mm512_maskz_mov_epi8((__mmask64)0xffffffffu, wv);
-            fused_step(wv, two_scales(fp16(x), 0.0f), ac, k * QK, 1, 1, v);
-        }
+        const __m512i wu = weights_of_two_blocks(QTYPE, x, y);
+        if (pair)
+            token_step(wu, two_scales(fp16(x), fp16(y)), ac, k * QK, MIN, 0, v);
+        else
+            token_step(wu, two_scales(fp16(x), 0.0f), ac, k * QK, MIN, 1, v);
         if (MIN) {
             const int at = 2 * (int)(k % 8);
             offsets[at] = offsets[at + 1] = fp16(x + 2);
@@ -584,8 +613,9 @@ ALWAYS_INLINE void fused_k(const int QTYPE, const uint8_t *b0, int64_t nb, const
                         (__mmask32)0xffff0000u, _mm512_set1_epi16((short)(4 * part)), _mm512_set1_epi16((short)(4 * part + 2)));
                     const __m512i low = _mm512_and_si512(part ? _mm512_srli_epi16(lv, 4) : lv, _mm512_set1_epi8(0x0f));
                     const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(hv, shifts), _mm512_set1_epi8(3));
-                    const __m512i wv = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), _mm512_set1_epi8(32));
-                    fused_step(wv, spread4(scales, 4 * s), ac, i0 + 64 * s, 1, 0, v);
+                    /* q - 32 + 128 */
+                    const __m512i wu = _mm512_add_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), _mm512_set1_epi8(96));
+                    token_step(wu, spread4(scales, 4 * s), ac, i0 + 64 * s, 0, 0, v);
                 }
             }
         } else {
@@ -613,7 +643,7 @@ ALWAYS_INLINE void fused_k(const int QTYPE, const uint8_t *b0, int64_t nb, const
                 /* sub-blocks 2g and 2g + 1: eight lanes each */
                 const __m512 sv = _mm512_permutexvar_ps(
                     _mm512_add_epi32(_mm512_set1_epi32(2 * g), _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)), scales);
-                fused_step(wv, sv, ac, i0 + 64 * g, 1, 0, v);
+                token_step(wv, sv, ac, i0 + 64 * g, 1, 0, v);
             }
             *o = _mm512_fmadd_ps(offsets, _mm512_loadu_ps(ac->m16 + k * (QK_K / GROUP)), *o);
         }
@@ -667,32 +697,18 @@ ALWAYS_INLINE void rows_times_tokens(const int QTYPE, const uint8_t *act, int64_
     }
 }
 
-ALWAYS_INLINE void matmul_type(const int QTYPE, const uint8_t *act, int64_t m, const uint8_t *w, int64_t w_stride,
-                               int64_t rows, int64_t cols, float *out, int64_t out_stride) {
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (m * rows * cols >= PARALLEL_MIN_MACS)
-    for (int64_t j0 = 0; j0 < rows; j0 += ROW_TASK)
-        for (int64_t b0 = 0; b0 < m; b0 += TOKEN_BLOCK) {
-            const int64_t j1 = j0 + ROW_TASK < rows ? j0 + ROW_TASK : rows;
-            const int64_t tb = m - b0 < TOKEN_BLOCK ? m - b0 : TOKEN_BLOCK;
-            rows_times_tokens(QTYPE, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride);
-        }
-}
-
-/* out [m, rows] (row stride out_stride) = the activations act (srt_gguf_quantize_rows of x [m, cols]) times
- * the block matrix w [rows, cols] of type qtype (each row w_stride bytes apart). Returns 0, or -1 for a type
- * this function does not take (gguf_linear.py checks it first). */
-int srt_gguf_matmul(int qtype, const uint8_t *act, int64_t m, const uint8_t *w, int64_t w_stride, int64_t rows,
-                    int64_t cols, float *out, int64_t out_stride) {
+/* One task of a product with quantized activations: rows_times_tokens for a quantized type's matrix */
+static void quantized_task(int qtype, const uint8_t *act, int64_t b0, int64_t tb, const uint8_t *w, int64_t w_stride,
+                           int64_t j0, int64_t j1, int64_t rows, int64_t cols, float *out, int64_t out_stride) {
     switch (qtype) {
-    case GGML_Q4_0: matmul_type(GGML_Q4_0, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    case GGML_Q4_1: matmul_type(GGML_Q4_1, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    case GGML_Q5_0: matmul_type(GGML_Q5_0, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    case GGML_Q5_1: matmul_type(GGML_Q5_1, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    case GGML_Q8_0: matmul_type(GGML_Q8_0, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    case GGML_Q4_K: matmul_type(GGML_Q4_K, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    case GGML_Q5_K: matmul_type(GGML_Q5_K, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    case GGML_Q6_K: matmul_type(GGML_Q6_K, act, m, w, w_stride, rows, cols, out, out_stride); return 0;
-    default: return -1;
+    case GGML_Q4_0: rows_times_tokens(GGML_Q4_0, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
+    case GGML_Q4_1: rows_times_tokens(GGML_Q4_1, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
+    case GGML_Q5_0: rows_times_tokens(GGML_Q5_0, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
+    case GGML_Q5_1: rows_times_tokens(GGML_Q5_1, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
+    case GGML_Q8_0: rows_times_tokens(GGML_Q8_0, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
+    case GGML_Q4_K: rows_times_tokens(GGML_Q4_K, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
+    case GGML_Q5_K: rows_times_tokens(GGML_Q5_K, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
+    default: rows_times_tokens(GGML_Q6_K, act, b0, tb, w, w_stride, j0, j1, rows, cols, out, out_stride); break;
     }
 }
 
@@ -734,6 +750,11 @@ static void dequantize_chunk(int qtype, const uint8_t *row, int64_t c0, int64_t 
     }
 }
 
+/* One task of a product with exact activations: the rows [j0, j1) times the tokens [b0, b1), each chunk of a
+ * row dequantized once for them */
+static void exact_task(int qtype, const float *x, int64_t x_stride, int64_t b0, int64_t b1, const uint8_t *w,
+                       int64_t w_stride, int64_t j0, int64_t j1, int64_t cols, float *out, int64_t out_stride);
+
 /* a . b in LANES partial sums (explicit vectors where there are: GCC leaves such loops scalar inside OpenMP
  * regions, see cpu_layer_kernels.c's dot_lanes), then the tail, then the lanes */
 static float dot_float(const float *a, const float *b, int64_t n) {
@@ -760,28 +781,76 @@ static float dot_float(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+static void exact_task(int qtype, const float *x, int64_t x_stride, int64_t b0, int64_t b1, const uint8_t *w,
+                       int64_t w_stride, int64_t j0, int64_t j1, int64_t cols, float *out, int64_t out_stride) {
+    float buf[COL_CHUNK] __attribute__((aligned(64)));
+    for (int64_t j = j0; j < j1; j++) {
+        float acc[TOKEN_BLOCK] = {0};
+        for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK) {
+            const int64_t n = cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK;
+            dequantize_chunk(qtype, w + j * w_stride, c0, n, buf);
+            for (int64_t t = b0; t < b1; t++) acc[t - b0] += dot_float(buf, x + t * x_stride + c0, n);
+        }
+        for (int64_t t = b0; t < b1; t++) out[t * out_stride + j] = acc[t - b0];
+    }
+}
+
+#define PART_WORDS 4 /* a part: ggml type, address of its first row, bytes from one row to the next, rows */
+
+/* out [m, sum of rows] = the nparts block matrices of parts [nparts, PART_WORDS] (each writing its columns
+ * of out in turn) times x, with the activations act (srt_gguf_quantize_rows of x) for the quantized parts
+ * where act is given, else x in fp32. One parallel region for all the parts: tasks of ROW_TASK rows and
+ * TOKEN_BLOCK tokens, the parts' in turn, taken as threads come free (a region a part cost a fused qkv three
+ * fork-joins, and a joining thread the process shares a core with can hold a join up for a time slice). */
+static void products(const float *x, int64_t x_stride, const uint8_t *act, int64_t m, int64_t cols, int64_t nparts,
+                     const int64_t *parts, float *out, int64_t out_stride) {
+    const int64_t token_blocks = (m + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    int64_t tasks = 0, rows = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        rows += parts[PART_WORDS * p + 3];
+        tasks += (parts[PART_WORDS * p + 3] + ROW_TASK - 1) / ROW_TASK * token_blocks;
+    }
+#pragma omp parallel for schedule(dynamic, 1) if (m * rows * cols >= PARALLEL_MIN_MACS)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t p = 0, first = task, column = 0; /* the task's part, its number there, the part's first column */
+        for (;; p++) {
+            const int64_t in_part = (parts[PART_WORDS * p + 3] + ROW_TASK - 1) / ROW_TASK * token_blocks;
+            if (first < in_part) break;
+            first -= in_part;
+            column += parts[PART_WORDS * p + 3];
+        }
+        const int64_t *part = parts + PART_WORDS * p;
+        const int qtype = (int)part[0];
+        const uint8_t *w = (const uint8_t *)(uintptr_t)part[1];
+        const int64_t part_rows = part[3], j0 = first / token_blocks * ROW_TASK, b0 = first % token_blocks * TOKEN_BLOCK;
+        const int64_t j1 = j0 + ROW_TASK < part_rows ? j0 + ROW_TASK : part_rows;
+        const int64_t tb = m - b0 < TOKEN_BLOCK ? m - b0 : TOKEN_BLOCK;
+        if (act && type_elements(qtype) > 1)
+            quantized_task(qtype, act, b0, tb, w, part[2], j0, j1, part_rows, cols, out + column, out_stride);
+        else
+            exact_task(qtype, x, x_stride, b0, b0 + tb, w, part[2], j0, j1, cols, out + column, out_stride);
+    }
+}
+
+/* out [m, rows] (row stride out_stride) = the activations act (srt_gguf_quantize_rows of x [m, cols]) times
+ * the block matrix w [rows, cols] of type qtype (each row w_stride bytes apart). Returns 0, or -1 for a type
+ * this function does not take (gguf_linear.py checks it first). */
+int srt_gguf_matmul(int qtype, const uint8_t *act, int64_t m, const uint8_t *w, int64_t w_stride, int64_t rows,
+                    int64_t cols, float *out, int64_t out_stride) {
+    if (type_elements(qtype) <= 1) return -1;
+    const int64_t part[PART_WORDS] = {qtype, (int64_t)(uintptr_t)w, w_stride, rows};
+    products(NULL, 0, act, m, cols, 1, part, out, out_stride);
+    return 0;
+}
+
 /* out [m, rows] (row stride out_stride) = x [m, cols] (row stride x_stride) times the matrix w [rows, cols]
  * of any type this library takes, dequantized exactly: the fp32 product up to summation order. Each chunk of
  * a row is dequantized once for a block of tokens. -1 for a type it does not take. */
 int srt_gguf_matmul_exact(int qtype, const float *x, int64_t m, int64_t x_stride, const uint8_t *w, int64_t w_stride,
                           int64_t rows, int64_t cols, float *out, int64_t out_stride) {
     if (!type_bytes(qtype)) return -1;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (m * rows * cols >= PARALLEL_MIN_MACS)
-    for (int64_t j0 = 0; j0 < rows; j0 += ROW_TASK)
-        for (int64_t b0 = 0; b0 < m; b0 += TOKEN_BLOCK) {
-            const int64_t j1 = j0 + ROW_TASK < rows ? j0 + ROW_TASK : rows;
-            const int64_t b1 = b0 + TOKEN_BLOCK < m ? b0 + TOKEN_BLOCK : m;
-            float buf[COL_CHUNK] __attribute__((aligned(64)));
-            for (int64_t j = j0; j < j1; j++) {
-                float acc[TOKEN_BLOCK] = {0};
-                for (int64_t c0 = 0; c0 < cols; c0 += COL_CHUNK) {
-                    const int64_t n = cols - c0 < COL_CHUNK ? cols - c0 : COL_CHUNK;
-                    dequantize_chunk(qtype, w + j * w_stride, c0, n, buf);
-                    for (int64_t t = b0; t < b1; t++) acc[t - b0] += dot_float(buf, x + t * x_stride + c0, n);
-                }
-                for (int64_t t = b0; t < b1; t++) out[t * out_stride + j] = acc[t - b0];
-            }
-        }
+    const int64_t part[PART_WORDS] = {qtype, (int64_t)(uintptr_t)w, w_stride, rows};
+    products(x, x_stride, NULL, m, cols, 1, part, out, out_stride);
     return 0;
 }
 
@@ -802,8 +871,6 @@ int srt_gguf_dequantize_rows(int qtype, const uint8_t *w, int64_t w_stride, int6
 
 /* ---- a whole layer in one call: x times block matrices stacked along the output ---- */
 
-#define PART_WORDS 4 /* a part: ggml type, address of its first row, bytes from one row to the next, rows */
-
 /* out [m, sum of rows] (row stride out_stride) = x [m, cols] (row stride x_stride) times the nparts block
  * matrices described by parts [nparts, PART_WORDS], each writing its columns of out in turn: a fused layer
  * (qkv, gate_up) whose parts may differ in type, with the activations quantized once into act (m *
@@ -819,15 +886,6 @@ int srt_gguf_linear(const float *x, int64_t m, int64_t cols, int64_t x_stride, i
         quantized |= type_elements(qtype) > 1;
     }
     if (quantized && act) srt_gguf_quantize_rows(x, m, cols, x_stride, act);
-    for (int64_t p = 0; p < nparts; p++) {
-        const int64_t *part = parts + PART_WORDS * p;
-        const int qtype = (int)part[0];
-        const uint8_t *w = (const uint8_t *)(uintptr_t)part[1];
-        if (act && type_elements(qtype) > 1)
-            srt_gguf_matmul(qtype, act, m, w, part[2], part[3], cols, out, out_stride);
-        else
-            srt_gguf_matmul_exact(qtype, x, m, x_stride, w, part[2], part[3], cols, out, out_stride);
-        out += part[3];
-    }
+    products(x, x_stride, quantized ? act : NULL, m, cols, nparts, parts, out, out_stride);
     return 0;
 }

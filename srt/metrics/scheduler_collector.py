@@ -23,6 +23,44 @@ GAUGE_MODE = "livemostrecent"
 RECENT_REQUESTS_WINDOW = 1000
 PREFILL_COMPUTE, PREFILL_CACHE, DECODE = "prefill_compute", "prefill_cache", "decode"
 MODE_EXTEND, MODE_DECODE = "extend", "decode"
+# (attribute, metric name, documentation) of the gauges flushed at log steps, set to 0 at construction.
+GAUGES = (
+    ("_num_running", "sglang:num_running_reqs", "Requests in the running batch."),
+    ("_num_queue", "sglang:num_queue_reqs", "Requests waiting to be scheduled."),
+    (
+        "_num_used_tokens",
+        "sglang:num_used_tokens",
+        "KV slots held (evictable radix-cache slots count as free).",
+    ),
+    ("_token_usage", "sglang:token_usage", "num_used_tokens / max_total_num_tokens."),
+    ("_max_total_num_tokens", "sglang:max_total_num_tokens", "KV pool capacity in tokens."),
+    (
+        "_gen_throughput",
+        "sglang:gen_throughput",
+        "Decode tokens per second over the last decode-log interval.",
+    ),
+    ("_cache_hit_rate", "sglang:cache_hit_rate", "Prefix hit rate of the last prefill batch."),
+    ("_new_token_ratio", "sglang:new_token_ratio", "Decode-memory reservation ratio."),
+    ("_kv_headroom", "sglang:kv_headroom_tokens", "KV slots new work could use now."),
+    (
+        "_concurrency",
+        "sglang:max_concurrency_estimate",
+        "Requests of the recent mix (last 1000 finished) that fit in the KV pool.",
+    ),
+    (
+        "_load_factor",
+        "sglang:load_factor",
+        "(running + queued) / max_concurrency_estimate; above 1 is saturated.",
+    ),
+    ("_startup_time", "sglang:engine_startup_time", "Seconds from process start to ready."),
+    ("_load_weights_time", "sglang:engine_load_weights_time", "Seconds spent loading weights."),
+)
+# (attribute, metric name, documentation) of the counters without a mode label.
+COUNTERS = (
+    ("_prefix_queries", "sglang:prefix_cache_queries_total", "Prompt tokens looked up."),
+    ("_prefix_hits", "sglang:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    ("_retracted", "sglang:num_retracted_requests_total", "Preemptions (retractions)."),
+)
 
 
 @dataclass
@@ -123,36 +161,10 @@ class SchedulerMetricsCollector:
         self._capacity = max_total_num_tokens
         self._context_len = context_len
 
-        def gauge(name: str, doc: str) -> Gauge:
+        for attr, name, doc in GAUGES:
             child = Gauge(name, doc, names, multiprocess_mode=GAUGE_MODE).labels(**labels)
             child.set(0)
-            return child
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names).labels(**labels)
-
-        self._num_running = gauge("sglang:num_running_reqs", "Requests in the running batch.")
-        self._num_queue = gauge("sglang:num_queue_reqs", "Requests waiting to be scheduled.")
-        self._num_used_tokens = gauge(
-            "sglang:num_used_tokens", "KV slots held (evictable radix-cache slots count as free)."
-        )
-        self._token_usage = gauge("sglang:token_usage", "num_used_tokens / max_total_num_tokens.")
-        self._max_total_num_tokens = gauge("sglang:max_total_num_tokens", "KV pool capacity in tokens.")
-        self._gen_throughput = gauge(
-            "sglang:gen_throughput", "Decode tokens per second over the last decode-log interval."
-        )
-        self._cache_hit_rate = gauge("sglang:cache_hit_rate", "Prefix hit rate of the last prefill batch.")
-        self._new_token_ratio = gauge("sglang:new_token_ratio", "Decode-memory reservation ratio.")
-        self._kv_headroom = gauge("sglang:kv_headroom_tokens", "KV slots new work could use now.")
-        self._concurrency = gauge(
-            "sglang:max_concurrency_estimate",
-            "Requests of the recent mix (last 1000 finished) that fit in the KV pool.",
-        )
-        self._load_factor = gauge(
-            "sglang:load_factor", "(running + queued) / max_concurrency_estimate; above 1 is saturated."
-        )
-        self._startup_time = gauge("sglang:engine_startup_time", "Seconds from process start to ready.")
-        self._load_weights_time = gauge("sglang:engine_load_weights_time", "Seconds spent loading weights.")
+            setattr(self, attr, child)
         info = Gauge(
             "sglang:cache_config_info",
             "KV cache configuration (value fixed at 1; the labels carry it).",
@@ -161,12 +173,16 @@ class SchedulerMetricsCollector:
         )
         info.labels(**labels, **cache_config).set(1)
         self._max_total_num_tokens.set(max_total_num_tokens)
+        for attr, name, doc in COUNTERS:
+            setattr(self, attr, Counter(name, doc, names).labels(**labels))
+        self._declare_step_families(names, labels, max_batch_tokens or max_total_num_tokens)
 
-        self._prefix_queries = counter("sglang:prefix_cache_queries_total", "Prompt tokens looked up.")
-        self._prefix_hits = counter(
-            "sglang:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."
-        )
-        self._retracted = counter("sglang:num_retracted_requests_total", "Preemptions (retractions).")
+        self._recent = RecentFootprint()
+        self._concurrency.set(self.concurrency_estimate())
+        self._reset_pending()
+
+    def _declare_step_families(self, names: list[str], labels: dict[str, str], max_batch_tokens: int) -> None:
+        """The families a step adds to: tokens and forward time by mode, and tokens per step."""
         realtime = Counter(
             "sglang:realtime_tokens_total", "Tokens as the scheduler processes them.", [*names, "mode"]
         )
@@ -179,12 +195,8 @@ class SchedulerMetricsCollector:
             "sglang:iteration_tokens_total",
             "Tokens per forward step (prefill and decode).",
             names,
-            buckets=powers_of_two_buckets(max_batch_tokens or max_total_num_tokens),
+            buckets=powers_of_two_buckets(max_batch_tokens),
         ).labels(**labels)
-
-        self._recent = RecentFootprint()
-        self._concurrency.set(self.concurrency_estimate())
-        self._reset_pending()
 
     def _reset_pending(self) -> None:
         self._p_queries = 0

@@ -24,6 +24,88 @@ from srt.metrics.request_stats import FinishedRequestStats
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
+# Every family, in the order they are registered: (attribute on the series, metric name, documentation).
+COUNTERS = (
+    ("prompt_tokens", "sglang:prompt_tokens_total", "Prompt tokens of finished requests."),
+    ("generation_tokens", "sglang:generation_tokens_total", "Output tokens of finished requests."),
+    (
+        "cached_tokens",
+        "sglang:cached_tokens_total",
+        "Prompt tokens of finished requests served from the prefix cache.",
+    ),
+    (
+        "reasoning_tokens",
+        "sglang:reasoning_tokens_total",
+        "Output tokens of finished requests through the end of their thinking (--reasoning-parser).",
+    ),
+    ("num_requests", "sglang:num_requests_total", "Finished requests."),
+    (
+        "num_aborted",
+        "sglang:num_aborted_requests_total",
+        "Requests aborted by client disconnect or /abort_request.",
+    ),
+)
+# The histograms' bucket lists, by what they measure (the first three configurable by flags).
+TTFT, ITL, E2E, QUEUE, TOKENS, N, RETRACTIONS = "ttft", "itl", "e2e", "queue", "tokens", "n", "retractions"
+# (attribute, metric name, documentation, bucket list)
+HISTOGRAMS = (
+    (
+        "ttft",
+        "sglang:time_to_first_token_seconds",
+        "Time from the HTTP arrival to the first output token (main-process clock).",
+        TTFT,
+    ),
+    (
+        "ttfat",
+        "sglang:time_to_first_answer_token_seconds",
+        "Time from the HTTP arrival to the first answer text after the thinking (--reasoning-parser).",
+        TTFT,
+    ),
+    (
+        "itl",
+        "sglang:inter_token_latency_seconds",
+        "Time between the forward steps that produced successive tokens of a request.",
+        ITL,
+    ),
+    ("tpot", "sglang:time_per_output_token_seconds", "Per request: decode time / (output tokens - 1).", ITL),
+    (
+        "e2e",
+        "sglang:e2e_request_latency_seconds",
+        "Time from the HTTP arrival to the final output (main-process clock).",
+        E2E,
+    ),
+    ("queue", "sglang:queue_time_seconds", "Time waiting before first scheduled.", QUEUE),
+    (
+        "prefill",
+        "sglang:request_prefill_time_seconds",
+        "First scheduled to first token (includes preemptions during prefill).",
+        E2E,
+    ),
+    (
+        "decode",
+        "sglang:request_decode_time_seconds",
+        "First token to last token (includes preemptions during decode).",
+        E2E,
+    ),
+    ("inference", "sglang:request_inference_time_seconds", "First scheduled to last token.", E2E),
+    ("prompt_hist", "sglang:prompt_tokens_histogram", "Prompt tokens per finished request.", TOKENS),
+    ("generation_hist", "sglang:generation_tokens_histogram", "Output tokens per finished request.", TOKENS),
+    (
+        "max_tokens",
+        "sglang:request_params_max_tokens",
+        "The max_tokens parameter of finished requests.",
+        TOKENS,
+    ),
+    ("n", "sglang:request_params_n", "The n parameter of finished requests.", N),
+    (
+        "max_generation",
+        "sglang:request_max_num_generation_tokens",
+        "Output tokens of each finished sample (srt schedules each of n samples as a request).",
+        TOKENS,
+    ),
+    ("retractions", "sglang:num_retractions", "Times each finished request was preempted.", RETRACTIONS),
+)
+
 
 class _Series:
     """The label children of every family for one value of the custom labels, resolved once."""
@@ -58,121 +140,21 @@ class TokenizerMetricsCollector:
         self._labels = dict(labels)
         self._custom_names = tuple(custom_label_names)
         names = [*labels, *self._custom_names]
-        ttft_buckets = bucket_time_to_first_token or TIME_TO_FIRST_TOKEN_BUCKETS
-        itl_buckets = bucket_inter_token_latency or INTER_TOKEN_LATENCY_BUCKETS
-        e2e_buckets = bucket_e2e_request_latency or E2E_REQUEST_LATENCY_BUCKETS
-        token_buckets = one_two_five_buckets(context_len)
-        f: dict[str, Counter | Histogram] = {}
-
-        def counter(attr: str, name: str, doc: str) -> None:
-            f[attr] = Counter(name, doc, names)
-
-        def histogram(attr: str, name: str, doc: str, buckets: Sequence[float]) -> None:
-            f[attr] = Histogram(name, doc, names, buckets=buckets)
-
-        counter("prompt_tokens", "sglang:prompt_tokens_total", "Prompt tokens of finished requests.")
-        counter("generation_tokens", "sglang:generation_tokens_total", "Output tokens of finished requests.")
-        counter(
-            "cached_tokens",
-            "sglang:cached_tokens_total",
-            "Prompt tokens of finished requests served from the prefix cache.",
-        )
-        counter(
-            "reasoning_tokens",
-            "sglang:reasoning_tokens_total",
-            "Output tokens of finished requests through the end of their thinking (--reasoning-parser).",
-        )
-        counter("num_requests", "sglang:num_requests_total", "Finished requests.")
-        counter(
-            "num_aborted",
-            "sglang:num_aborted_requests_total",
-            "Requests aborted by client disconnect or /abort_request.",
-        )
+        buckets = {
+            TTFT: bucket_time_to_first_token or TIME_TO_FIRST_TOKEN_BUCKETS,
+            ITL: bucket_inter_token_latency or INTER_TOKEN_LATENCY_BUCKETS,
+            E2E: bucket_e2e_request_latency or E2E_REQUEST_LATENCY_BUCKETS,
+            QUEUE: QUEUE_TIME_BUCKETS,
+            TOKENS: one_two_five_buckets(context_len),
+            N: PARAMS_N_BUCKETS,
+            RETRACTIONS: RETRACTION_BUCKETS,
+        }
+        f: dict[str, Counter | Histogram] = {attr: Counter(name, doc, names) for attr, name, doc in COUNTERS}
         self._success_family = Counter(
             "sglang:request_success_total", "Finished requests by finish reason.", [*names, "finished_reason"]
         )
-        histogram(
-            "ttft",
-            "sglang:time_to_first_token_seconds",
-            "Time from the HTTP arrival to the first output token (main-process clock).",
-            ttft_buckets,
-        )
-        histogram(
-            "ttfat",
-            "sglang:time_to_first_answer_token_seconds",
-            "Time from the HTTP arrival to the first answer text after the thinking (--reasoning-parser).",
-            ttft_buckets,
-        )
-        histogram(
-            "itl",
-            "sglang:inter_token_latency_seconds",
-            "Time between the forward steps that produced successive tokens of a request.",
-            itl_buckets,
-        )
-        histogram(
-            "tpot",
-            "sglang:time_per_output_token_seconds",
-            "Per request: decode time / (output tokens - 1).",
-            itl_buckets,
-        )
-        histogram(
-            "e2e",
-            "sglang:e2e_request_latency_seconds",
-            "Time from the HTTP arrival to the final output (main-process clock).",
-            e2e_buckets,
-        )
-        histogram(
-            "queue", "sglang:queue_time_seconds", "Time waiting before first scheduled.", QUEUE_TIME_BUCKETS
-        )
-        histogram(
-            "prefill",
-            "sglang:request_prefill_time_seconds",
-            "First scheduled to first token (includes preemptions during prefill).",
-            e2e_buckets,
-        )
-        histogram(
-            "decode",
-            "sglang:request_decode_time_seconds",
-            "First token to last token (includes preemptions during decode).",
-            e2e_buckets,
-        )
-        histogram(
-            "inference",
-            "sglang:request_inference_time_seconds",
-            "First scheduled to last token.",
-            e2e_buckets,
-        )
-        histogram(
-            "prompt_hist",
-            "sglang:prompt_tokens_histogram",
-            "Prompt tokens per finished request.",
-            token_buckets,
-        )
-        histogram(
-            "generation_hist",
-            "sglang:generation_tokens_histogram",
-            "Output tokens per finished request.",
-            token_buckets,
-        )
-        histogram(
-            "max_tokens",
-            "sglang:request_params_max_tokens",
-            "The max_tokens parameter of finished requests.",
-            token_buckets,
-        )
-        histogram("n", "sglang:request_params_n", "The n parameter of finished requests.", PARAMS_N_BUCKETS)
-        histogram(
-            "max_generation",
-            "sglang:request_max_num_generation_tokens",
-            "Output tokens of each finished sample (srt schedules each of n samples as a request).",
-            token_buckets,
-        )
-        histogram(
-            "retractions",
-            "sglang:num_retractions",
-            "Times each finished request was preempted.",
-            RETRACTION_BUCKETS,
-        )
+        for attr, name, doc, kind in HISTOGRAMS:
+            f[attr] = Histogram(name, doc, names, buckets=buckets[kind])
         self._families = f
         self._series: dict[tuple[str, ...], _Series] = {}
         self._default = self._get(("",) * len(self._custom_names))

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable
 import torch
 
 from srt.heap import release_free_heap
+from srt.model_executor import int8_layerwise
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.model_loader import map_checkpoint_tensor
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.model_executor.quantization import (
-    cached_int8_weights,
     calibrated_int8_weights,
     install_int8_weights,
     replaced_weights,
@@ -37,9 +37,10 @@ class Int8Startup:
         self.mapped_embedding: torch.Tensor | None = None
 
     def skip_cached(self, model: torch.nn.Module) -> set[str]:
-        """The parameters the loader need not read: those the cached int8 weights replace and the embedding
-        when it can be mapped (none unless every rank has its cache file). `model` is still on meta."""
-        self.weights = cached_int8_weights(model, self.model_dir, self.tp)
+        """The parameters the loader need not read: those the int8 weights replace and the embedding when it
+        can be mapped. `model` is still on meta: the int8 weights come from the cache, or where any rank
+        lacks its file, from calibrating one layer at a time (`int8_layerwise`), never the whole fp32 model."""
+        self.weights = int8_layerwise.int8_weights(model, self.model_dir, self.tp, self.device)
         if self.weights is None:
             return set()
         skipped = replaced_weights(model)

@@ -185,11 +185,19 @@ def load_model(
         model = model_class(hf_config, arch, max_positions, dtype, device, tp, methods)
     skipped = skip(model) if skip is not None else ()
     model = model.to_empty(device=device)
-    checkpoint = iter_checkpoint(model_dir, lambda name: _map_name(model, name)[0] not in skipped)
-    load_weights(model, checkpoint, skipped)
+    load_parameters(model, model_dir, {name for name, _ in model.named_parameters()} - set(skipped))
     model.eval().requires_grad_(False)
     logger.info("loaded %s (%s) from %s", arch, dtype, model_dir)
     return model
+
+
+def load_parameters(model: nn.Module, model_dir: str, names: Collection[str]) -> None:
+    """Fill the parameters `names` of `model` from the checkpoint in `model_dir`; the checkpoint's other
+    tensors are never read and the model's other parameters stay as they are (on the meta device, while
+    `int8_layerwise` calibrates one layer of it at a time)."""
+    names = set(names)
+    skipped = {name for name, _ in model.named_parameters()} - names
+    load_weights(model, iter_checkpoint(model_dir, lambda name: _map_name(model, name)[0] in names), skipped)
 
 
 class HFCheckpoint:

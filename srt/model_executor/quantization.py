@@ -20,12 +20,13 @@ Attention, norms and the embedding stay fp32; the KV cache is fp16 by default wh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,7 +85,12 @@ def weight_name(layer_name: str, key: str) -> str:
 
 
 def quantizable_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
-    return [(weight_name(n, key), m, key) for n, m in quantizable_layers(model) for key in m.weight_keys()]
+    return weights_of(quantizable_layers(model))
+
+
+def weights_of(layers: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module, str]]:
+    """(cache name, layer, key) of each weight of the named `layers`."""
+    return [(weight_name(n, key), m, key) for n, m in layers for key in m.weight_keys()]
 
 
 class _RecordingMethod(LinearMethod):
@@ -111,6 +117,16 @@ def input_second_moments(model: torch.nn.Module, windows: Iterable) -> dict[str,
     """Sum of x x^T [K, K] over every input row x of every quantizable weight while `windows` runs the model
     over the calibration text: the Hessian of each weight's squared output error, which GPTQ's rounding
     minimizes. An expert sees only the rows routed to it."""
+    with recorded_moments(quantizable_layers(model)) as moments:
+        for _ in windows:
+            pass
+    return moments
+
+
+@contextlib.contextmanager
+def recorded_moments(layers: list[tuple[str, torch.nn.Module]]) -> Iterator[dict[str, torch.Tensor]]:
+    """A dict that gains, while the block runs, each weight's sum of x x^T over the input rows x the named
+    `layers` multiply (`input_second_moments` for a chosen set: one decoder layer's, the head's)."""
     moments: dict[str, torch.Tensor] = {}
 
     def record(name: str, x: torch.Tensor) -> None:
@@ -118,23 +134,26 @@ def input_second_moments(model: torch.nn.Module, windows: Iterable) -> dict[str,
         xtx = x.t() @ x
         moments[name] = xtx if name not in moments else moments[name].add_(xtx)
 
-    layers = quantizable_layers(model)
     for name, m in layers:
         m.method = _RecordingMethod(m.method, name, record)
     try:
-        for _ in windows:
-            pass
+        yield moments
     finally:
         for _, m in layers:
             m.method = m.method.inner
-    return moments
 
 
 def quantize_model(model: torch.nn.Module, moments: dict[str, torch.Tensor]) -> dict[str, Int8Weight]:
-    """Every quantizable weight in int8, each freed of its moments as soon as it is done. A weight no
+    return quantize_weights(quantizable_weights(model), moments)
+
+
+def quantize_weights(
+    weights: list[tuple[str, torch.nn.Module, str]], moments: dict[str, torch.Tensor]
+) -> dict[str, Int8Weight]:
+    """Each (name, layer, key) weight in int8, each freed of its moments as soon as it is done. A weight no
     calibration row reached (an expert the text never routed to) is rounded to its nearest levels."""
     out = {}
-    for name, layer, key in quantizable_weights(model):
+    for name, layer, key in weights:
         w = layer.dense_weight(key).data
         hessian = moments.pop(name, None)
         out[name] = quantize_per_channel_gptq(

@@ -35,6 +35,7 @@ from srt.model_executor.layers.block_embedding import BlockEmbedding
 from srt.model_executor.layers.gguf_linear import SUPPORTED_TYPES, BlockMatrix
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.model_executor.layers.linear_method import WEIGHT, LayerMethods
+from srt.model_executor.layers.rotary_embedding import ROPE_FREQ_FACTORS
 from srt.model_executor.meta_build import on_meta_device
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
@@ -43,6 +44,8 @@ from srt.model_executor.unsupported import UnsupportedModelError
 logger = logging.getLogger(__name__)
 
 EMBEDDING, HEAD, FINAL_NORM = "token_embd.weight", "output.weight", "output_norm.weight"
+# one divisor per rotary frequency (llama.cpp's converter writes Llama 3.1's scaling so)
+ROPE_FREQS = "rope_freqs.weight"
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Llama-layer files whose q/k rows llama.cpp permuted for its rotary embedding
 PERMUTED_QK_ARCHS = ("llama",)
@@ -160,7 +163,23 @@ def gguf_config(gguf: GGUFFile):
         if dims is not None and heads and dims != fields["head_dim"]:
             raise UnsupportedModelError(f"partial rotary embedding ({dims} of {fields['head_dim']} dims)")
         fields["rope_parameters"] = rope
-    return getattr(transformers, family.config_class)(**fields)
+    config = getattr(transformers, family.config_class)(**fields)
+    if ROPE_FREQS in gguf.tensors:
+        setattr(config, ROPE_FREQ_FACTORS, _rope_freq_factors(gguf, config))
+    return config
+
+
+def _rope_freq_factors(gguf: GGUFFile, config) -> list[float]:
+    """The file's `rope_freqs` (F32, one finite positive divisor per frequency of a head): a list, so that
+    the config stays plain data."""
+    half = (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) // 2
+    t = gguf.tensors[ROPE_FREQS]
+    if t.ggml_type != GGMLQuantizationType.F32 or t.shape != (half,):
+        raise GGUFError(f"tensor {ROPE_FREQS} is a {t.type_name} {t.shape}, not F32 ({half},)")
+    factors = gguf.raw(ROPE_FREQS).view(torch.float32)
+    if not bool(torch.isfinite(factors).all()) or not bool((factors > 0).all()):
+        raise GGUFError(f"tensor {ROPE_FREQS} holds a factor that is not finite and positive")
+    return factors.tolist()
 
 
 def _rope_parameters(key: Callable[[str], object]) -> dict:
@@ -376,7 +395,7 @@ def _vector_target(name: str, family: Family) -> tuple[str, str | None] | None:
     """(parameter, fused shard) of a norm or bias tensor; None for the weight matrices (installed)."""
     if name == FINAL_NORM:
         return "model.norm.weight", None
-    if name in (EMBEDDING, HEAD):
+    if name in (EMBEDDING, HEAD, ROPE_FREQS):
         return None
     m = BLOCK_TENSOR.match(name)
     if m is None:

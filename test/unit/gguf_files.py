@@ -74,10 +74,16 @@ def encode(rng: np.random.Generator, rows: int, cols: int, qtype: T) -> np.ndarr
 
 
 def write_random_llama(
-    path: Path, tokenizer_gguf: str, layer_types: list[T], seed: int = 0, head_type: T | None = T.Q6_K
+    path: Path,
+    tokenizer_gguf: str,
+    layer_types: list[T],
+    seed: int = 0,
+    head_type: T | None = T.Q6_K,
+    rope: tuple[float, np.ndarray | None] = (10000.0, None),
 ) -> str:
     """A llama GGUF with one decoder layer per entry of `layer_types` (all its linear tensors in that
-    type), a Q8_0 embedding, and an untied `output.weight` in `head_type` (None: tied to the embedding)."""
+    type), a Q8_0 embedding, and an untied `output.weight` in `head_type` (None: tied to the embedding).
+    `rope`: the base and, if not None, a `rope_freqs` tensor (a divisor per frequency, as Llama 3.1's)."""
     rng = np.random.default_rng(seed)
     meta = GGUFFile.open(tokenizer_gguf).metadata
     vocab = len(meta["tokenizer.ggml.tokens"])
@@ -91,7 +97,7 @@ def write_random_llama(
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope[0])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     for key in TOKENIZER_KEYS:
@@ -107,6 +113,8 @@ def write_random_llama(
     if head_type is not None:
         tensor("output.weight", vocab, h, head_type)
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    if rope[1] is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope[1], dtype=np.float32))
     for i, qtype in enumerate(layer_types):
         for name, rows, cols in (
             ("attn_q", heads * head_dim, h),

@@ -180,7 +180,28 @@ def rope_frequencies(config, head_dim: int, layer_type: str | None = None) -> Ro
         )
     # explicit CPU device: the model may be constructed under a `meta` device context
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    return SCHEMES[rope_type](params["rope_theta"] ** exponents, params, config)
+    freqs = SCHEMES[rope_type](params["rope_theta"] ** exponents, params, config)
+    factors = getattr(config, ROPE_FREQ_FACTORS, None)
+    if factors is None:
+        return freqs
+    return divided_by_factors(freqs, factors)
+
+
+# A config attribute (not a transformers field) holding one divisor per frequency: a GGUF's `rope_freqs`
+# tensor, which is how llama.cpp's converter stores Llama 3.1's scaling (the file states no scaling type)
+ROPE_FREQ_FACTORS = "rope_freq_factors"
+
+
+def divided_by_factors(freqs: RopeFrequencies, factors) -> RopeFrequencies:
+    """Each frequency divided by its own factor, as ggml's rope divides by `rope_freqs` (after the scheme's
+    own scaling, which such files leave at none)."""
+    factors = torch.as_tensor(factors, dtype=torch.float32, device="cpu")
+    if factors.shape != freqs.inv_freq.shape:
+        raise UnsupportedModelError(
+            f"{factors.numel()} rope frequency factors for {freqs.inv_freq.numel()} frequencies"
+        )
+    long = None if freqs.long_inv_freq is None else freqs.long_inv_freq / factors
+    return RopeFrequencies(freqs.inv_freq / factors, freqs.attention_scaling, long, freqs.long_from)
 
 
 class RotaryEmbedding:

@@ -117,6 +117,8 @@ TOKEN_IDS = {
 ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 # Gemma 3's sliding-window layers keep their own base (transformers' default; GGUF files do not state it)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# Gemma 3 27B's layers: the one size whose score scale is not its head size (168 = 5376 / 32, head 128)
+GEMMA3_27B_LAYERS = 62
 
 
 def gguf_family(metadata: dict) -> tuple[str, Family]:
@@ -152,7 +154,7 @@ def gguf_config(gguf: GGUFFile):
     fields["architectures"] = [GGUF_ARCHITECTURES[arch][1]]
     rope = _rope_parameters(key)
     if arch == "gemma3":
-        fields["query_pre_attn_scalar"] = fields.get("head_dim", 256)
+        fields["query_pre_attn_scalar"] = _gemma3_query_scalar(fields)
         local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}
         fields["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
     else:
@@ -180,6 +182,15 @@ def _rope_freq_factors(gguf: GGUFFile, config) -> list[float]:
     if not bool(torch.isfinite(factors).all()) or not bool((factors > 0).all()):
         raise GGUFError(f"tensor {ROPE_FREQS} holds a factor that is not finite and positive")
     return factors.tolist()
+
+
+def _gemma3_query_scalar(fields: dict) -> int:
+    """Gemma 3 scales its scores by query_pre_attn_scalar^-0.5, which a GGUF does not state: the head size,
+    except for the 27B (its layer count tells it, as llama.cpp does), which uses hidden size / heads."""
+    head_dim = fields.get("head_dim", 256)
+    if fields.get("num_hidden_layers") == GEMMA3_27B_LAYERS:
+        return fields["hidden_size"] // fields["num_attention_heads"]
+    return head_dim
 
 
 def _rope_parameters(key: Callable[[str], object]) -> dict:

@@ -268,3 +268,19 @@ def test_adapters_on_the_blocks_match_peft_on_the_dequantized_weights(tmp_path):
         errors[name] = float((ours.reshape(references[name].shape) - references[name]).abs().max())
     effect = float((references["r8"] - references[None]).abs().max())
     assert errors["r8"] <= 2 * errors[None] and effect > 10 * errors["r8"], (errors, effect)
+
+
+def test_gemma3_scales_scores_by_its_head_size_except_the_27b():
+    """A GGUF does not state Gemma 3's query_pre_attn_scalar: the head size, and for the 27B (62 layers,
+    5376 / 32 = 168 against a head of 128) hidden size / heads, as llama.cpp infers it."""
+    gguf = GGUFFile.open(embedded(GEMMA3))
+    assert gguf_loader.gguf_config(gguf).query_pre_attn_scalar == gguf.metadata["gemma3.attention.key_length"]
+    gguf.metadata.update(
+        {
+            "gemma3.block_count": 62,
+            "gemma3.embedding_length": 5376,
+            "gemma3.attention.head_count": 32,
+            "gemma3.attention.key_length": 128,
+        }
+    )
+    assert gguf_loader.gguf_config(gguf).query_pre_attn_scalar == 168

@@ -7,7 +7,7 @@ Starts two srt workers on the embedded model, then prints, from one run:
 - the gateway's overhead: TTFT and E2E medians at concurrency 1, chat streamed through a `round_robin`
   gateway against the same requests sent to a worker directly (alternating, so both see the same machine);
 - the prefix-cache hit rate summed over both workers (srt's `/metrics`) on the shared-prefix workload of
-  srt/bench/gateway.py, with `--policy cache_aware` against `round_robin`, caches flushed before each.
+  scripts/srt_bench/gateway.py, with `--policy cache_aware` against `round_robin`, caches flushed before each.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import time
 
 import httpx
 
-from srt.bench.backends import Target
-from srt.bench.dataset import BenchRequest, load_tokenizer, random_requests
-from srt.bench.gateway import (
+from srt.model_source import DEFAULT_EMBEDDED_MODEL, resolve_model_dir
+from srt.sockets import find_free_port
+from srt_bench.backends import Target
+from srt_bench.dataset import BenchRequest, load_tokenizer, random_requests
+from srt_bench.gateway import (
     CACHE_AWARE,
     ROUND_ROBIN,
     prefix_counters,
@@ -32,10 +34,8 @@ from srt.bench.gateway import (
     shared_prefix_prompts,
     smg_problem,
 )
-from srt.bench.peers import RunningServer, srt_peer
-from srt.bench.runner import run_benchmark
-from srt.model_source import DEFAULT_EMBEDDED_MODEL, resolve_model_dir
-from srt.sockets import find_free_port
+from srt_bench.peers import srt_peer, start_peer, wait_peer_ready
+from srt_bench.runner import run_benchmark
 
 logger = logging.getLogger("bench_gateway")
 
@@ -103,12 +103,10 @@ async def main(args: argparse.Namespace) -> int:
     flags = ("--max-total-tokens", str(args.max_total_tokens))
     peers = [srt_peer(find_free_port(), model_dir, *flags, name=f"worker{i}") for i in range(WORKERS)]
     logs = tempfile.mkdtemp(prefix="bench-gateway-")
-    servers = [RunningServer(p, f"{logs}/{p.name}.log") for p in peers]
-    for s in servers:
-        s.__enter__()
+    servers = [start_peer(p, f"{logs}/{p.name}.log") for p in peers]
     try:
-        for s in servers:
-            await s.wait_ready(count_tokens)
+        for s, p in zip(servers, peers, strict=True):
+            await wait_peer_ready(s, p, count_tokens)
         urls = [p.target.base_url for p in peers]
         model = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["id"]  # the gateway needs it
         requests = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, 0.0,

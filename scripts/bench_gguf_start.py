@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from srt.process_control import descendant_pids, process_name
-from srt.sockets import find_free_port
+from srt_bench.server import launch_server
 
 SAMPLE_SECONDS = 0.1
 START_TIMEOUT_SECONDS = 900.0
@@ -58,14 +56,11 @@ def cache_files(root: str) -> list[str]:
 
 
 def one_start(label: str, model_path: str | None, cache_dir: str, extra: list[str]) -> StartFigures:
-    port = find_free_port()
-    cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(port), *extra]
-    if model_path:
-        cmd += ["--model-path", model_path]
-    env = {**os.environ, "SRT_CACHE_DIR": cache_dir}
-    log = tempfile.NamedTemporaryFile(prefix="bench-gguf-start-", suffix=".log", delete=False)
+    flags = [*extra, *(("--model-path", model_path) if model_path else ())]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # its own wait: the figures are taken while it starts (the time to the first answer, the memory peak)
+    server = launch_server(*flags, wait=False, env={"SRT_CACHE_DIR": cache_dir})
+    proc, log = server.proc, server.log_path
     peak, hwm, names = 0, {}, {}
     body = {"prompt": PROMPT, "max_tokens": ANSWER_TOKENS, "temperature": 0}
     answered = None
@@ -73,26 +68,22 @@ def one_start(label: str, model_path: str | None, cache_dir: str, extra: list[st
         with httpx.Client(timeout=httpx.Timeout(60.0, connect=1.0)) as client:
             while answered is None:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode}; log: {log.name}")
+                    raise RuntimeError(f"the server exited with {proc.returncode}; log: {log}")
                 if time.monotonic() - start > START_TIMEOUT_SECONDS:
-                    raise RuntimeError(f"no answer in {START_TIMEOUT_SECONDS:.0f} s; log: {log.name}")
+                    raise RuntimeError(f"no answer in {START_TIMEOUT_SECONDS:.0f} s; log: {log}")
                 pids = [proc.pid, *descendant_pids(proc.pid)]
                 peak = max(peak, sum(status_kib(p, "VmRSS") for p in pids))
                 for p in pids:
                     hwm[p] = max(hwm.get(p, 0), status_kib(p, "VmHWM"))
                     names[p] = process_name(p) or names.get(p) or "?"  # a spawned child renames itself
                 try:
-                    r = client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                    r = client.post(f"{server.base_url}/v1/completions", json=body)
                     if r.status_code == 200 and r.json().get("choices"):
                         answered = time.monotonic() - start
                 except httpx.HTTPError:
                     time.sleep(SAMPLE_SECONDS)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
     return StartFigures(
         label,
         answered,

@@ -35,10 +35,9 @@ import time
 
 import httpx
 
-from srt.bench.peers import RunningServer, srt_peer
 from srt.model_source import resolve_model_dir
 from srt.scheduler.mixed_chunk import LONE_PREFILL_STEP_SECONDS
-from srt.sockets import find_free_port
+from srt_bench.server import launch_server, wait_healthy
 
 SEED = 0
 TOKEN_RANGE = (100, 40000)  # ordinary tokens of SmolLM2's vocabulary
@@ -133,12 +132,14 @@ def main() -> None:
     args = parse_args()
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_long_prompt-")
     os.makedirs(log_dir, exist_ok=True)
-    port = find_free_port()
-    peer = srt_peer(port, resolve_model_dir(args.model_path), *args.server_args.split())
-    with RunningServer(peer, os.path.join(log_dir, "server.log")) as server:
-        ready_s = asyncio.run(server.wait_ready(len))
+    flags = ("--model-path", resolve_model_dir(args.model_path), *args.server_args.split())
+    server = launch_server(*flags, wait=False, log_path=os.path.join(log_dir, "server.log"))
+    try:
+        ready_s = wait_healthy(server)
         logging.info("server ready in %.0f s (log: %s)", ready_s, server.log_path)
-        results = asyncio.run(bench(peer.target.base_url, args))
+        results = asyncio.run(bench(server.base_url, args))
+    finally:
+        server.stop()
     report(results, args)
 
 

@@ -37,11 +37,11 @@ from dataclasses import replace
 
 import httpx
 
-from srt.bench.dataset import load_tokenizer, random_requests
-from srt.bench.lora_adapters import random_peft_adapter
-from srt.bench.peers import RunningServer, machine_description, srt_peer
-from srt.bench.runner import run_benchmark, run_interleaved, warmup
 from srt.model_source import resolve_model_dir
+from srt_bench.dataset import load_tokenizer, random_requests
+from srt_bench.lora_adapters import random_peft_adapter
+from srt_bench.peers import machine_description, running_peer, srt_peer, wait_peer_ready
+from srt_bench.runner import run_benchmark, run_interleaved, warmup
 
 logger = logging.getLogger("bench_lora")
 
@@ -129,8 +129,9 @@ async def main_async(args) -> None:
         rounds: list[dict[str, dict[str, float]]] = []
         with ExitStack() as stack:
             for peer in (plain, lora):
-                server = stack.enter_context(RunningServer(peer, os.path.join(tmp, f"{peer.name}.log")))
-                logger.info("%s ready after %.1f s", peer.name, await server.wait_ready(count_tokens))
+                server = stack.enter_context(running_peer(peer, os.path.join(tmp, f"{peer.name}.log")))
+                ready_s = await wait_peer_ready(server, peer, count_tokens)
+                logger.info("%s ready after %.1f s", peer.name, ready_s)
             for _ in range(args.rounds):
                 if not args.paired:
                     rounds.append(

@@ -17,10 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,12 +26,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
+from srt_bench.server import running_server
+
 logger = logging.getLogger("bench_metrics_overhead")
 
 MODEL = "SmolLM2-135M-Instruct"
 READY_TIMEOUT_S = 300.0
-POLL_S = 0.5
-STOP_GRACE_S = 30.0
 # Scrape once a second during the metrics-on runs: 15x Prometheus's default rate, so the scrape cost is
 # included in the throughput comparison at a pessimistic but realistic level.
 SCRAPE_PERIOD_S = 1.0
@@ -45,12 +42,6 @@ TARGET_TRACE_RATIO = 0.98
 TARGET_P99_MS = 20.0
 # Tracing runs export every second (the SDK's default is 5 s): more exports, a pessimistic measurement.
 TRACE_EXPORT_DELAY_MS = 1000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OtlpSink:
@@ -87,43 +78,6 @@ class OtlpSink:
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
             "OTEL_BSP_SCHEDULE_DELAY": str(TRACE_EXPORT_DELAY_MS),
         }
-
-
-class Server:
-    def __init__(self, extra_args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), *extra_args]
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **(env or {})},
-            )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(POLL_S)
-        raise TimeoutError("server not ready")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 async def one_request(client: httpx.AsyncClient, i: int, max_tokens: int) -> int:
@@ -196,12 +150,9 @@ def main() -> None:
     for rnd in range(args.rounds):
         for metrics_on in (True, False):
             flags = extra if metrics_on else [*extra, "--disable-metrics"]
-            server = Server(flags, os.path.join(logdir, f"round{rnd}-{'on' if metrics_on else 'off'}.log"))
-            try:
-                server.wait_ready()
-                tps, lat = asyncio.run(run_workload(server.url, args, scrape=metrics_on))
-            finally:
-                server.stop()
+            log = os.path.join(logdir, f"round{rnd}-{'on' if metrics_on else 'off'}.log")
+            with running_server(*flags, log_path=log, timeout=READY_TIMEOUT_S) as server:
+                tps, lat = asyncio.run(run_workload(server.base_url, args, scrape=metrics_on))
             throughput[metrics_on].append(tps)
             scrapes.extend(lat)
             logger.info("round %d metrics %s: %.1f output tokens/s", rnd, "on" if metrics_on else "off", tps)
@@ -227,12 +178,9 @@ def trace_main(args, extra: list[str]) -> None:
         for trace_on in (True, False):
             flags = [*extra, *sink.server_args()] if trace_on else extra
             log = os.path.join(logdir, f"round{rnd}-{'trace' if trace_on else 'off'}.log")
-            server = Server(flags, log, sink.env() if trace_on else None)
-            try:
-                server.wait_ready()
-                tps, _ = asyncio.run(run_workload(server.url, args, scrape=False))
-            finally:
-                server.stop()
+            env = sink.env() if trace_on else None
+            with running_server(*flags, log_path=log, env=env, timeout=READY_TIMEOUT_S) as server:
+                tps, _ = asyncio.run(run_workload(server.base_url, args, scrape=False))
             throughput[trace_on].append(tps)
             logger.info(
                 "round %d tracing %s: %.1f output tokens/s", rnd, "level 1" if trace_on else "off", tps

@@ -30,9 +30,9 @@ import signal
 import sys
 import tempfile
 
-from srt.bench.dataset import load_tokenizer, random_requests
-from srt.bench.peers import (
-    RunningServer,
+from srt.model_source import DEFAULT_EMBEDDED_MODEL, EMBEDDED_MODELS, embedded_gguf_path, resolve_model_dir
+from srt_bench.dataset import load_tokenizer, random_requests
+from srt_bench.peers import (
     comparison_table,
     llama_cpp_peer,
     machine_description,
@@ -40,12 +40,14 @@ from srt.bench.peers import (
     rounds_table,
     srt_fp32_peer,
     srt_peer,
+    start_peer,
+    stop_peer,
     transformers_peer,
+    wait_peer_ready,
 )
-from srt.bench.plot import plot_sweep
-from srt.bench.report import format_server_comparison
-from srt.bench.runner import RunResult, run_benchmark, warmup
-from srt.model_source import DEFAULT_EMBEDDED_MODEL, EMBEDDED_MODELS, embedded_gguf_path, resolve_model_dir
+from srt_bench.plot import plot_sweep
+from srt_bench.report import format_server_comparison
+from srt_bench.runner import RunResult, run_benchmark, warmup
 
 logger = logging.getLogger("bench_peers")
 
@@ -99,35 +101,33 @@ async def bench_peer(
     """Start one server, warm it up with one full-size request, run every level into `runs`, stop it (its
     peak RSS goes into `peak_rss`, the largest of any round). Appending as it goes keeps the finished levels
     when interrupted."""
-    server = RunningServer(peer, log_path)
+    server = start_peer(peer, log_path)
     try:
         await _bench_levels(server, peer, levels, counts, dataset, count_tokens, show_progress, runs)
     finally:
-        server.stop()
-        peak_rss[peer.name] = max(peak_rss.get(peer.name, 0), server.peak_rss)
+        peak_rss[peer.name] = max(peak_rss.get(peer.name, 0), stop_peer(server))
 
 
 async def _bench_levels(server, peer, levels, counts, dataset, count_tokens, show_progress, runs) -> None:
-    with server:
-        ready_s = await server.wait_ready(count_tokens)
-        logger.info("%s ready after %.1f s", peer.name, ready_s)
-        warm = await warmup(peer.target, dataset[0], count_tokens)
-        if not warm.success:
-            raise RuntimeError(f"{peer.name} warm-up failed: {warm.error}")
-        offset = 1
-        for level, count in zip(levels, counts, strict=True):
-            requests = dataset[offset : offset + count]
-            offset += count
-            run = await run_benchmark(
-                peer.target, requests, count_tokens, max_concurrency=level, show_progress=show_progress
-            )
-            s = run.summary
-            logger.info(
-                "%s conc %d: %d ok, %d failed, %.1f output tok/s, TTFT p50 %.2f s, ITL p50 %.0f ms",
-                peer.name, level, s.completed, s.failed, s.output_throughput, s.ttft.median_ms / 1000,
-                s.itl.median_ms,
-            )  # fmt: skip
-            runs.append(run)
+    ready_s = await wait_peer_ready(server, peer, count_tokens)
+    logger.info("%s ready after %.1f s", peer.name, ready_s)
+    warm = await warmup(peer.target, dataset[0], count_tokens)
+    if not warm.success:
+        raise RuntimeError(f"{peer.name} warm-up failed: {warm.error}")
+    offset = 1
+    for level, count in zip(levels, counts, strict=True):
+        requests = dataset[offset : offset + count]
+        offset += count
+        run = await run_benchmark(
+            peer.target, requests, count_tokens, max_concurrency=level, show_progress=show_progress
+        )
+        s = run.summary
+        logger.info(
+            "%s conc %d: %d ok, %d failed, %.1f output tok/s, TTFT p50 %.2f s, ITL p50 %.0f ms",
+            peer.name, level, s.completed, s.failed, s.output_throughput, s.ttft.median_ms / 1000,
+            s.itl.median_ms,
+        )  # fmt: skip
+        runs.append(run)
 
 
 async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunResult]]], dict[str, int]]:

@@ -32,11 +32,19 @@ import sys
 import tempfile
 import time
 
-from srt.bench.dataset import random_requests
-from srt.bench.peers import RunningServer, llama_cpp_peer, machine_description, srt_peer
-from srt.bench.runner import run_benchmark
 from srt.model_source import CACHE_DIR_ENV
 from srt.tokenizer_loading import load_tokenizer
+from srt_bench.dataset import random_requests
+from srt_bench.peers import (
+    llama_cpp_peer,
+    machine_description,
+    srt_peer,
+    start_peer,
+    stop_peer,
+    wait_peer_ready,
+)
+from srt_bench.runner import run_benchmark
+from srt_bench.server import ServerHandle
 
 logger = logging.getLogger("bench_scale")
 
@@ -95,14 +103,10 @@ def make_peer(server: str, port: int, path: str, cache_dir: str):
     return peer
 
 
-async def start_and_time(peer, log_path: str, count_tokens) -> tuple[RunningServer, float]:
-    server = RunningServer(peer, log_path)
-    server.__enter__()
-    try:
-        return server, await server.wait_ready(count_tokens)
-    except BaseException:
-        server.stop()
-        raise
+async def start_and_time(peer, log_path: str, count_tokens) -> tuple[ServerHandle, float]:
+    """A started peer and its seconds to ready (it is killed if it fails to get there)."""
+    server = start_peer(peer, log_path)
+    return server, await wait_peer_ready(server, peer, count_tokens)
 
 
 async def bench_one(path: str, server_name: str, args, tokenizer, log_dir: str) -> Row:
@@ -132,14 +136,12 @@ async def bench_one(path: str, server_name: str, args, tokenizer, log_dir: str) 
             )
             row.conc_tok_s = run.summary.output_throughput
         finally:
-            server.stop()
-        row.peak_rss_gib = server.peak_rss / GIB
+            row.peak_rss_gib = stop_peer(server) / GIB
         row.disk_mib = disk_bytes(cache_dir) / 2**20
         server, row.warm_s = await start_and_time(
             peer, os.path.join(log_dir, f"{server_name}-warm.log"), count_tokens
         )
-        server.stop()
-        row.peak_rss_gib = max(row.peak_rss_gib, server.peak_rss / GIB)
+        row.peak_rss_gib = max(row.peak_rss_gib, stop_peer(server) / GIB)
     except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
         row.error = f"{type(e).__name__}: {e}"
     finally:

@@ -20,14 +20,14 @@ import argparse
 import statistics
 import time
 
-from srt.bench.dataset import load_tokenizer
-from srt.bench.grounded import load_records
 from srt.io_struct import TokenizedGenerateReqInput
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_source import resolve_model_dir
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
+from srt_bench.dataset import load_tokenizer
+from srt_bench.grounded import load_records
 
 WORKLOAD = "scripts/data/grounded_prompts.jsonl"
 KV_TOKENS = 8192

@@ -18,11 +18,11 @@ import logging
 import math
 import sys
 
-from srt.bench.backends import BACKENDS, ENDPOINTS, FIXED_OUTPUT_MODES, Target
-from srt.bench.dataset import load_tokenizer, random_requests
-from srt.bench.plot import plot_cdfs, plot_sweep
-from srt.bench.report import format_server_comparison, format_summary, format_sweep
-from srt.bench.runner import RunResult, run_benchmark, warmup
+from srt_bench.backends import BACKENDS, ENDPOINTS, FIXED_OUTPUT_MODES, Target
+from srt_bench.dataset import load_tokenizer, random_requests
+from srt_bench.plot import plot_cdfs, plot_sweep
+from srt_bench.report import format_server_comparison, format_summary, format_sweep
+from srt_bench.runner import RunResult, run_benchmark, warmup
 
 logger = logging.getLogger("bench_serving")
 

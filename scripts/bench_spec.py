@@ -39,8 +39,9 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 
-from srt.bench.dataset import load_tokenizer, random_requests
-from srt.bench.grounded import (
+from srt.model_source import DEFAULT_EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
+from srt_bench.dataset import load_tokenizer, random_requests
+from srt_bench.grounded import (
     SpecFigures,
     grounded_requests,
     identical_outputs,
@@ -49,9 +50,8 @@ from srt.bench.grounded import (
     run_one_by_one,
     run_paired,
 )
-from srt.bench.peers import RunningServer, llama_cpp_peer, machine_description, srt_peer
-from srt.bench.runner import METRICS_SETTLE_S, RunResult, new_session, run_benchmark, scrape_metrics, warmup
-from srt.model_source import DEFAULT_EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
+from srt_bench.peers import llama_cpp_peer, machine_description, running_peer, srt_peer, wait_peer_ready
+from srt_bench.runner import METRICS_SETTLE_S, RunResult, new_session, run_benchmark, scrape_metrics, warmup
 
 logger = logging.getLogger("bench_spec")
 
@@ -223,8 +223,8 @@ async def measure_alone(name, peer, workload, level, requests, count_tokens, sho
 
 async def start(name, peer, log_path, warm_request, count_tokens, stack: contextlib.ExitStack) -> None:
     """Start one server (stopped when `stack` closes) and warm it up."""
-    server = stack.enter_context(RunningServer(peer, log_path))
-    logger.info("%s ready after %.1f s", name, await server.wait_ready(count_tokens))
+    server = stack.enter_context(running_peer(peer, log_path))
+    logger.info("%s ready after %.1f s", name, await wait_peer_ready(server, peer, count_tokens))
     warm = await warmup(peer.target, warm_request, count_tokens)
     if not warm.success:
         raise RuntimeError(f"{name} warm-up failed: {warm.error}")

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from srt.bench.dataset import load_tokenizer
-from srt.bench.grounded import OPEN_QUESTIONS, load_records
 from srt.model_source import resolve_model_dir
 from srt.speculative.lookup import EVERY_MATCH_DRAFTS_K, DraftLength, LookupProposer
 from srt.speculative.ngram import NgramProposer
 from srt.speculative.prediction import PredictionProposer
+from srt_bench.dataset import load_tokenizer
+from srt_bench.grounded import OPEN_QUESTIONS, load_records
 
 DEFAULT_WORKLOAD = "scripts/data/grounded_prompts.jsonl"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ import pytest
 
 from srt.metrics.text_format import Sample, parse_metrics_text, select, total
 from srt.sockets import find_free_port
+from srt_bench.server import health_probe, start_server
 from test.integration.conftest import ServerHandle, launch_server
 from test.unit.test_metrics_collectors import promtool_problems
 
@@ -26,6 +26,7 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT = 300.0
 STOP_TIMEOUT = 30.0
 IDLE_TIMEOUT = 60.0
+PROMETHEUS_READY_SECONDS = 60.0
 REQUEST_TIMEOUT = 120.0
 DECODE_LOG_INTERVAL = 4
 SERVER_ARGS = ["--decode-log-interval", str(DECODE_LOG_INTERVAL), "--log-stats-interval", "1",
@@ -204,23 +205,12 @@ def prometheus(server, tmp_path_factory):
         "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: srt\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{server.port}']\n"
     )
-    log = open(d / "prometheus.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, (d / "prometheus.log").read_text()
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(20)
-    log.close()
+    command = ["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+               f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+    handle = start_server(command, port, name="prometheus", log_path=d / "prometheus.log")
+    handle.wait_ready(health_probe(handle, "/-/ready"), PROMETHEUS_READY_SECONDS)
+    yield handle.base_url
+    handle.stop()
 
 
 @pytest.fixture(scope="module")

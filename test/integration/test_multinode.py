@@ -14,17 +14,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from srt.metrics.text_format import parse_metrics_text, select
-from test.integration.conftest import REPO_ROOT, ServerHandle, running_server
+from srt_bench.server import srt_command, start_server
+from test.integration.conftest import ServerHandle, running_server
 from test.integration.netns import Host, netns_unavailable, two_hosts
 
 pytestmark = pytest.mark.slow
@@ -77,19 +75,9 @@ def start_node(
     """`python -m srt.launch_server` of one node, inside `host`'s namespace, in a session of its own."""
     flags = [*extra, "--model-path", model_dir, "--quantization", "none", "--tp-size", "2", "--nnodes", "2"]
     flags += ["--node-rank", str(node_rank), "--dist-init-addr", rendezvous]
-    flags += ["--dist-timeout", str(dist_timeout), "--host", host.address, "--port", str(HTTP_PORT)]
-    log = Path(tempfile.mkstemp(prefix=f"srt-node{node_rank}-", suffix=".log")[1])
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            host.command(sys.executable, "-m", "srt.launch_server", *flags),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            env=env,
-            start_new_session=True,
-        )
-    return ServerHandle(proc, HTTP_PORT, log, flags=tuple(flags))
+    flags += ["--dist-timeout", str(dist_timeout), "--host", host.address]
+    command = host.command(*srt_command(HTTP_PORT, *flags))
+    return start_server(command, HTTP_PORT, name=f"srt-node{node_rank}", flags=flags)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from srt.bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
+from srt_bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from test.conftest import save_random_model
 from test.integration.conftest import running_server
 from test.model_families import COMMON

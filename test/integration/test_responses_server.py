@@ -16,8 +16,8 @@ import openai
 import pytest
 from openai.resources.responses import Responses as ResponsesResource
 
-from srt.bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from srt.http_server.openai.responses_protocol import ResponsesRequest
+from srt_bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from test.integration.conftest import REPO_ROOT, running_server
 
 pytestmark = pytest.mark.slow

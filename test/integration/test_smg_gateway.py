@@ -22,7 +22,8 @@ import httpx
 import openai
 import pytest
 
-from srt.bench.gateway import (
+from srt.metrics.text_format import parse_metrics_text, select, total
+from srt_bench.gateway import (
     CACHE_AWARE,
     ROUND_ROBIN,
     prefix_counters,
@@ -31,8 +32,7 @@ from srt.bench.gateway import (
     shared_prefix_prompts,
     smg_problem,
 )
-from srt.metrics.text_format import parse_metrics_text, select, total
-from test.integration.conftest import ServerHandle, launch_server, wait_healthy
+from srt_bench.server import ServerHandle, launch_server, wait_healthy
 
 pytestmark = [
     pytest.mark.slow,

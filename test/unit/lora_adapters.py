@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from srt.bench.lora_adapters import random_peft_adapter
 from srt.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from srt.lora.config import LORA_TARGET_MODULES
+from srt_bench.lora_adapters import random_peft_adapter
 
 # Standard deviation of the random A and B: an adapter's delta then moves the tiny model's projections by about
 # as much as their base outputs, so a missing, misplaced or mis-scaled delta is far outside any tolerance.

@@ -9,10 +9,10 @@ import statistics
 import pytest
 from aiohttp import web
 
-from srt.bench.backends import Target, build_request
-from srt.bench.dataset import BenchRequest
-from srt.bench.report import format_server_comparison, format_summary, format_sweep
-from srt.bench.runner import arrival_gaps, run_benchmark
+from srt_bench.backends import Target, build_request
+from srt_bench.dataset import BenchRequest
+from srt_bench.report import format_server_comparison, format_summary, format_sweep
+from srt_bench.runner import arrival_gaps, run_benchmark
 
 FIRST_TOKEN_DELAY = 0.05
 TOKEN_GAP = 0.02

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from srt.bench.dataset import random_requests, sample_lengths
+from srt_bench.dataset import random_requests, sample_lengths
 
 
 def test_range_ratio_one_gives_fixed_lengths():
@@ -28,7 +28,7 @@ def test_ratio_outside_zero_one_is_rejected():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from srt.bench.dataset import load_tokenizer
+    from srt_bench.dataset import load_tokenizer
 
     return load_tokenizer(None)
 

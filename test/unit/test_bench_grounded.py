@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from srt.bench import grounded, runner
-from srt.bench.backends import Target
-from srt.bench.grounded import (
+from srt_bench import grounded, runner
+from srt_bench.backends import Target
+from srt_bench.grounded import (
     ACCEPTED_METRIC,
     DRAFTS_METRIC,
     KINDS,
@@ -28,8 +28,8 @@ from srt.bench.grounded import (
     identical_outputs,
     load_records,
 )
-from srt.bench.runner import RunResult
-from srt.bench.stats import RequestResult, summarize
+from srt_bench.runner import RunResult
+from srt_bench.stats import RequestResult, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOAD = ROOT / "scripts" / "data" / "grounded_prompts.jsonl"
@@ -79,8 +79,8 @@ def test_every_function_to_edit_is_valid_python_of_ten_to_thirty_lines(records):
 
 @pytest.mark.slow
 def test_prompts_fit_the_token_budget_under_the_embedded_tokenizer(records):
-    from srt.bench.dataset import load_tokenizer
-    from srt.bench.grounded import grounded_requests
+    from srt_bench.dataset import load_tokenizer
+    from srt_bench.grounded import grounded_requests
 
     requests = grounded_requests(records, load_tokenizer(None), max_tokens=256)
     lengths = [r.prompt_len for r in requests]

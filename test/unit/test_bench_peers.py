@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from srt.bench.peers import (
+from srt_bench.peers import (
     comparison_table,
     llama_cpp_peer,
     median_runs,
@@ -12,8 +12,8 @@ from srt.bench.peers import (
     srt_peer,
     transformers_peer,
 )
-from srt.bench.runner import RunResult
-from srt.bench.stats import RequestResult, summarize
+from srt_bench.runner import RunResult
+from srt_bench.stats import RequestResult, summarize
 
 
 def run_at(concurrency, output_tokens, ttft):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from srt.bench.prom import ServerView, delta, histogram_mean, parse_metrics
+from srt_bench.prom import ServerView, delta, histogram_mean, parse_metrics
 
 
 def exposition(ttft_sum, ttft_count, prompt_tokens, queue_count=0, extra=""):

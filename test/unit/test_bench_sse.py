@@ -2,7 +2,7 @@
 
 import json
 
-from srt.bench.sse import GenerateStreamParser, SSEDecoder, parse_openai_payload
+from srt_bench.sse import GenerateStreamParser, SSEDecoder, parse_openai_payload
 
 
 def test_events_split_across_reads_come_out_whole_and_once():

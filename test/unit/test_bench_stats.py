@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from srt.bench.stats import RequestResult, percentile, stream_timings, summarize
+from srt_bench.stats import RequestResult, percentile, stream_timings, summarize
 
 
 @pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])

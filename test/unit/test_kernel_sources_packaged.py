@@ -69,6 +69,15 @@ def test_the_wheel_carries_the_runtime_data_files(wheel_names):
     assert "srt/model_executor/calibration_text.txt" in wheel_names
 
 
+@pytest.mark.slow
+def test_the_wheel_holds_the_runtime_alone(wheel_names):
+    """The benchmarks' and tests' tooling (scripts/srt_bench: load generator, peers, server launcher) is no
+    part of the product: the wheel holds srt and its metadata, and no benchmark module."""
+    tops = {name.split("/", 1)[0] for name in wheel_names}
+    assert all(top == "srt" or top.endswith(".dist-info") for top in tops), sorted(tops)
+    assert not [name for name in wheel_names if "bench" in name]
+
+
 def test_a_missing_required_source_is_an_error_naming_it(monkeypatch):
     monkeypatch.setattr(
         cpu_kernel_build,

@@ -1,35 +1,31 @@
 """The servers a user could run instead of srt, how to start each on the embedded SmolLM2 weights, and the
 comparison table.
 
-Every server is started as its own process group so that stopping it also stops its children (srt's
-scheduler and detokenizer), and is ready when a real one-token request succeeds: `/health` means different
-things on each server, and `transformers serve` fails `/v1/models` offline.
+Every server is started by the one launcher (`srt_bench.server`: its own session, so that stopping it also
+stops its children, srt's scheduler and detokenizer), and is ready when a real one-token request succeeds:
+`/health` means different things on each server, and `transformers serve` fails `/v1/models` offline.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import importlib.util
 import logging
 import math
 import os
 import platform
-import signal
-import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from srt.bench.backends import Target
-from srt.bench.dataset import BenchRequest
-from srt.bench.runner import RunResult, warmup
+from srt_bench.backends import Target
+from srt_bench.dataset import BenchRequest
+from srt_bench.runner import RunResult, warmup
+from srt_bench.server import HOST, ServerHandle, srt_command, start_server
 
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 READY_TIMEOUT_S = 900.0
-READY_POLL_S = 2.0
-STOP_GRACE_S = 20.0
 LLAMA_CPP_CONTEXT = 2048
 PROBE_REQUEST = BenchRequest(prompt="Hello", prompt_len=1, output_len=1)
 
@@ -39,6 +35,7 @@ class Peer:
     """One server under test: how to start it and how to talk to it."""
 
     name: str
+    port: int
     command: list[str]
     target: Target
     missing: str | None = None  # why it cannot run here (not installed), or None
@@ -50,10 +47,9 @@ def _missing_modules(*modules: str) -> list[str]:
 
 
 def srt_peer(port: int, model_dir: str, *flags: str, name: str = "srt") -> Peer:
-    cmd = [sys.executable, "-m", "srt.launch_server", "--model-path", model_dir]
-    cmd += ["--host", HOST, "--port", str(port), *flags]
+    cmd = srt_command(port, "--model-path", model_dir, "--host", HOST, *flags)
     target = Target(f"http://{HOST}:{port}", backend="openai", endpoint="chat", fixed_output="ignore_eos")
-    return Peer(name, cmd, target)
+    return Peer(name, port, cmd, target)
 
 
 def srt_fp32_peer(port: int, model_dir: str) -> Peer:
@@ -93,7 +89,7 @@ def transformers_peer(port: int, model_dir: str) -> Peer:
     missing = None
     if gone or not os.path.exists(cli):
         missing = "transformers serve is not installed: pip install 'transformers[serving]' (or '.[peers]')"
-    return Peer("transformers", cmd, target, missing)
+    return Peer("transformers", port, cmd, target, missing)
 
 
 def llama_cpp_peer(port: int, gguf_path: str) -> Peer:
@@ -122,58 +118,40 @@ def llama_cpp_peer(port: int, gguf_path: str) -> Peer:
             "with AMX, whose native kernels crash, use CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
             "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON' instead)"
         )
-    return Peer("llama.cpp", cmd, target, missing)
+    return Peer("llama.cpp", port, cmd, target, missing)
 
 
-class RunningServer:
-    """A started peer; use as a context manager so it is always stopped, even when the benchmark fails."""
+def start_peer(peer: Peer, log_path: str) -> ServerHandle:
+    """Start `peer` with the one launcher (`srt_bench.server`): its own session, its log in `log_path`."""
+    return start_server(peer.command, peer.port, name=peer.name, log_path=log_path, env=peer.env)
 
-    def __init__(self, peer: Peer, log_path: str):
-        self.peer = peer
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.peak_rss = 0
 
-    def __enter__(self) -> RunningServer:
-        log = open(self.log_path, "w")
-        env = {**os.environ, **self.peer.env}
-        logger.info("starting %s: %s (log: %s)", self.peer.name, " ".join(self.peer.command), self.log_path)
-        self.proc = subprocess.Popen(
-            self.peer.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
-        return self
+@contextlib.contextmanager
+def running_peer(peer: Peer, log_path: str) -> Iterator[ServerHandle]:
+    """`start_peer` for a `with` block (or an ExitStack): stopped at its end."""
+    server = start_peer(peer, log_path)
+    try:
+        yield server
+    finally:
+        server.stop()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.peak_rss = peak_rss_bytes(self.proc.pid)  # before the processes (and their counters) go
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %.0f s; killing it", self.peer.name, STOP_GRACE_S)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def stop_peer(server: ServerHandle) -> int:
+    """Stop a peer; returns its peak RSS in bytes (`peak_rss_bytes`, read before its processes go)."""
+    rss = peak_rss_bytes(server.proc.pid)
+    server.stop()
+    return rss
 
-    async def wait_ready(self, count_tokens) -> float:
-        """Seconds until a one-token request succeeds; raises if the process exits or time runs out."""
-        start = time.monotonic()
-        last_error = ""
-        while time.monotonic() - start < READY_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.peer.name} exited with {self.proc.returncode}; see {self.log_path}"
-                )
-            result = await warmup(self.peer.target, PROBE_REQUEST, count_tokens)
-            if result.success:
-                return time.monotonic() - start
-            last_error = result.error
-            await asyncio.sleep(READY_POLL_S)
-        raise TimeoutError(f"{self.peer.name} not ready after {READY_TIMEOUT_S:.0f} s: {last_error}")
+
+async def wait_peer_ready(server: ServerHandle, peer: Peer, count_tokens) -> float:
+    """Seconds until a one-token request through the benchmark's own client succeeds; raises (the server
+    killed) if it exits or time runs out."""
+
+    async def one_token() -> str | None:
+        result = await warmup(peer.target, PROBE_REQUEST, count_tokens)
+        return None if result.success else result.error
+
+    return await server.wait_ready_async(one_token, READY_TIMEOUT_S)
 
 
 def machine_description() -> str:

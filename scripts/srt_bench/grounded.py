@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from srt.bench.backends import Target, send_request
-from srt.bench.dataset import BenchRequest, prompt_token_count
-from srt.bench.prom import Snapshot
-from srt.bench.runner import RunResult, new_session, run_interleaved
-from srt.bench.stats import summarize
+from srt_bench.backends import Target, send_request
+from srt_bench.dataset import BenchRequest, prompt_token_count
+from srt_bench.prom import Snapshot
+from srt_bench.runner import RunResult, new_session, run_interleaved
+from srt_bench.stats import summarize
 
 KINDS = ("edit_function", "rewrite_paragraph", "quote_passage")
 OPEN_KIND = "open"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from srt.bench.prom import ServerView
-from srt.bench.runner import RunResult
-from srt.bench.stats import MS_PER_S, BenchmarkSummary, LatencyStats, mean
+from srt_bench.prom import ServerView
+from srt_bench.runner import RunResult
+from srt_bench.stats import MS_PER_S, BenchmarkSummary, LatencyStats, mean
 
 WIDTH = 50
 LABEL_WIDTH = 40

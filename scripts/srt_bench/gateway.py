@@ -12,26 +12,21 @@ prefix-cache counters (`prefix_hit_rate`).
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from srt.metrics.text_format import parse_metrics_text, total
 from srt.sockets import find_free_port
+from srt_bench.server import PROBE_TIMEOUT_SECONDS, ServerHandle, start_server
 
 CACHE_AWARE, ROUND_ROBIN = "cache_aware", "round_robin"
 # A gateway that has not seen every worker healthy in this long failed to start (it probes each at once).
 GATEWAY_READY_TIMEOUT_SECONDS = 60.0
-READY_POLL_SECONDS = 0.2
 # How often the gateway checks a worker's /health, and after how many failures it stops routing there: a
 # dead worker is noticed within about a second (its default, 60 s, is for production).
 HEALTH_CHECK_INTERVAL_SECONDS = 1
@@ -60,30 +55,7 @@ def smg_problem() -> str | None:
     return None
 
 
-@dataclass
-class Gateway:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def start_gateway(worker_urls: list[str], policy: str, log_level: str = "info") -> Gateway:
+def start_gateway(worker_urls: list[str], policy: str, log_level: str = "info") -> ServerHandle:
     """`smg launch` over `worker_urls` on a free port; returns once it reports every worker healthy (raises
     with its log otherwise). Its own Prometheus listener goes to another free port on loopback (its default,
     0.0.0.0:29000, would collide between two gateways)."""
@@ -96,25 +68,22 @@ def start_gateway(worker_urls: list[str], policy: str, log_level: str = "info") 
         "--health-failure-threshold", str(HEALTH_FAILURE_THRESHOLD),
         "--load-monitor-interval", str(LOAD_MONITOR_INTERVAL_SECONDS), "--log-level", log_level,
     ]  # fmt: skip
-    fd, log = tempfile.mkstemp(prefix=f"smg-{port}-", suffix=".log")
-    with os.fdopen(fd, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    gateway = Gateway(proc, port, Path(log))
-    deadline = time.monotonic() + GATEWAY_READY_TIMEOUT_SECONDS
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"smg exited with {proc.returncode}:\n{gateway.logs()}")
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            ready = httpx.get(f"{gateway.base_url}/readiness", timeout=2).json()
-            if ready.get("healthy_workers") == len(worker_urls):
-                return gateway
-        time.sleep(READY_POLL_SECONDS)
-    gateway.stop()
-    raise TimeoutError(f"smg did not see {len(worker_urls)} healthy workers:\n{gateway.logs()}")
+    gateway = start_server(cmd, port, name="smg")
+
+    def every_worker_healthy() -> str | None:
+        try:
+            healthy = httpx.get(f"{gateway.base_url}/readiness", timeout=PROBE_TIMEOUT_SECONDS).json()
+        except (httpx.HTTPError, ValueError) as e:
+            return f"/readiness: {type(e).__name__}"
+        seen = healthy.get("healthy_workers")
+        return None if seen == len(worker_urls) else f"{seen} of {len(worker_urls)} workers healthy"
+
+    gateway.wait_ready(every_worker_healthy, GATEWAY_READY_TIMEOUT_SECONDS)
+    return gateway
 
 
 @contextlib.contextmanager
-def running_gateway(worker_urls: list[str], policy: str, log_level: str = "info") -> Iterator[Gateway]:
+def running_gateway(worker_urls: list[str], policy: str, log_level: str = "info") -> Iterator[ServerHandle]:
     gateway = start_gateway(worker_urls, policy, log_level)
     try:
         yield gateway

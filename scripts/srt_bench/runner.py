@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
-from srt.bench.backends import Target, send_request
-from srt.bench.dataset import BenchRequest
-from srt.bench.prom import ServerView, Snapshot, delta, parse_metrics
-from srt.bench.stats import BenchmarkSummary, RequestResult, summarize
+from srt_bench.backends import Target, send_request
+from srt_bench.dataset import BenchRequest
+from srt_bench.prom import ServerView, Snapshot, delta, parse_metrics
+from srt_bench.stats import BenchmarkSummary, RequestResult, summarize
 
 logger = logging.getLogger(__name__)
 

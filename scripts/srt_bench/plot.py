@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
-from srt.bench.runner import RunResult
-from srt.bench.stats import MS_PER_S
+from srt_bench.runner import RunResult
+from srt_bench.stats import MS_PER_S
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from srt.bench.dataset import BenchRequest
-from srt.bench.sse import GenerateStreamParser, SSEDecoder, StreamDelta, parse_openai_payload
-from srt.bench.stats import RequestResult, stream_timings
+from srt_bench.dataset import BenchRequest
+from srt_bench.sse import GenerateStreamParser, SSEDecoder, StreamDelta, parse_openai_payload
+from srt_bench.stats import RequestResult, stream_timings
 
 BACKENDS = ("srt", "openai")
 ENDPOINTS = ("chat", "completions")

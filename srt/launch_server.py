@@ -182,7 +182,11 @@ class Launcher:
             ) from e
 
     def _run(self) -> int:
-        self._start_children(self._model_dir())
+        model = self._model_dir()
+        from srt.model_executor.layers.cpu_kernel_build import build_in_background
+
+        build_in_background(self.args.device)
+        self._start_children(model)
 
         from srt.http_server.app import create_app
         from srt.http_server.uvicorn_server import make_server

@@ -5,7 +5,11 @@ batch, and their absence (no compiler) only means PyTorch ops."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import threading
+import time
 
 import pytest
 import torch
@@ -450,3 +454,42 @@ def test_the_lora_expand_gives_the_portable_loops_bits_over_whole_and_partial_co
     untouched = torch.randn(6, 392, generator=torch.Generator().manual_seed(3))
     assert not torch.equal(outs[0], untouched)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_the_launcher_starts_the_build_and_the_scheduler_finds_it(monkeypatch, tmp_path):
+    """`build_in_background` (the launcher's, before its children start) compiles while the scheduler starts:
+    the scheduler's own build() waits on the lock and finds that library, compiled once. No thread for a GPU
+    device (or `auto` where an NVIDIA driver is loaded); a failed compile is left to the scheduler's build(),
+    which raises it."""
+    monkeypatch.setenv("SRT_CACHE_DIR", str(tmp_path))
+    compiled, started = [], threading.Event()
+
+    def slow_compile(cc, flags, path):
+        started.set()
+        time.sleep(0.5)
+        compiled.append(path)
+        with open(path, "wb") as f:
+            f.write(b"library")
+
+    monkeypatch.setattr(cpu_kernel_build, "_compile", slow_compile)
+    thread = cpu_kernel_build.build_in_background("cpu")
+    assert thread is not None and started.wait(10)
+    path = cpu_kernel_build.build()  # the scheduler's call, while the launcher's compile runs
+    assert compiled == [path] and os.path.isfile(path)
+    thread.join(10)
+
+    assert cpu_kernel_build.build_in_background("cuda") is None
+    monkeypatch.setattr(cpu_kernel_build, "NVIDIA_CONTROL_DEVICE", str(tmp_path))  # exists: a driver
+    assert cpu_kernel_build.build_in_background("auto") is None
+
+    monkeypatch.setenv("SRT_CACHE_DIR", str(tmp_path / "second"))
+
+    def failing_compile(cc, flags, path):
+        raise subprocess.CalledProcessError(1, [cc], stderr="error: no such instruction")
+
+    monkeypatch.setattr(cpu_kernel_build, "_compile", failing_compile)
+    thread = cpu_kernel_build.build_in_background("cpu")
+    thread.join(10)
+    assert not thread.is_alive()  # it ended quietly ...
+    with pytest.raises(subprocess.CalledProcessError):
+        cpu_kernel_build.build()  # ... and the scheduler's build reports the error

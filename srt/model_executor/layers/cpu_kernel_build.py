@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 import time
 
 from srt.model_executor.layers.c_abi import Prototype, parse_prototypes
@@ -64,6 +65,8 @@ DEFAULT_COMPILER = "cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 LOCK_SUFFIX = ".lock"
+# present where an NVIDIA driver is loaded: `--device auto` then means CUDA, and the CPU kernels wait
+NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 
 
 @functools.cache
@@ -156,3 +159,24 @@ def _compile(cc: str, flags: tuple[str, ...], path: str) -> None:
             check=True,
         )
         os.replace(library, path)
+
+
+def build_in_background(device: str) -> threading.Thread | None:
+    """Start the build in a thread of the launcher, before its children start: the compilers then run while
+    the scheduler imports torch and opens the model, and the scheduler's own `build()` finds the library
+    (or waits on the lock for the rest of it). A cold start's compile was most of its excess over a restart.
+    Errors are left to the scheduler, which reports them. None where the CPU kernels are not wanted (a GPU
+    device, or `auto` on a machine with an NVIDIA driver, or not x86-64)."""
+    wanted = device == "cpu" or (device == "auto" and not os.path.exists(NVIDIA_CONTROL_DEVICE))
+    if not wanted or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+
+    def run() -> None:
+        try:
+            build()
+        except (OSError, subprocess.SubprocessError, RuntimeError):
+            pass  # the scheduler's build() meets the same error and reports it
+
+    thread = threading.Thread(target=run, name="kernel-build", daemon=True)
+    thread.start()
+    return thread

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from srt.bench.lora_adapters import random_peft_adapter
-from srt.lora.config import LoRAConfig
+from srt.lora.manager import LoRAConfig
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_source import resolve_model_dir
+from srt_bench.lora_adapters import random_peft_adapter
 
 CACHED = 200  # tokens each sequence holds before the timed steps
 MIXED_BATCH = 16

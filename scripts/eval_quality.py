@@ -69,7 +69,7 @@ def srt_windows(
 ):
     """srt's logits over the windows; with `adapter` (a PEFT directory), through that LoRA adapter."""
     from srt.lora.adapter import adapter_rank
-    from srt.lora.config import LoRAConfig
+    from srt.lora.manager import LoRAConfig
     from srt.model_executor.model_runner import ModelRunner
 
     lora = (
@@ -147,7 +147,7 @@ def main() -> None:
 
     adapter = args.lora_path
     if args.random_lora_rank is not None:
-        from srt.bench.lora_adapters import random_peft_adapter
+        from srt_bench.lora_adapters import random_peft_adapter
 
         adapter = random_peft_adapter(
             model_dir,

@@ -1,11 +1,12 @@
 """Multi-LoRA serving on the model-executor side: many PEFT adapters over one base model, in one batch.
 
-`config.py` is torch-free (flags and the HTTP process may import it); the rest runs in the scheduler. The
-contract, for the scheduler:
+`config.py` is torch-free (flags and the HTTP process may import it); the rest runs in the scheduler. This
+package sits above `srt.model_executor` (it wraps the layers' linear methods) and the runner never imports it:
+it builds the pool through `srt.model_executor.adapters.AdapterPoolConfig`. The contract, for the scheduler:
 
 - `ModelRunner(..., lora=LoRAConfig(max_loras_per_batch, max_loaded_loras, max_lora_rank, target_modules))`
-  (`config.py`) builds `runner.lora`, a `manager.LoRAManager`, and wraps the adaptable layers' linear
-  methods (None: no LoRA).
+  (`manager.py`) builds `runner.lora`, a `manager.LoRAManager` (`LoRAConfig.build`), and wraps the adaptable
+  layers' linear methods (None: no LoRA).
 - `runner.lora.load(name, path, pinned=False)` reads, checks and adds an adapter; it raises
   `adapter.AdapterError` (a ValueError whose message is one line naming the adapter and the problem: a
   400, or a start-up error).

@@ -1,6 +1,6 @@
 """The runner's LoRA side: the loaded adapters, the weight pool, and the per-step slot assignment.
 
-Built by `ModelRunner` from a `LoRAConfig` once the model's weights are loaded (before any int8
+Built by `ModelRunner` from a `LoRAConfig` (`LoRAConfig.build`) once the model's weights are loaded (before any int8
 quantization, whose methods it wraps): it finds the model's adaptable layers by their checkpoint module
 names (the model's declarative `STACKED_PARAMS` says which sub-modules a fused layer stacks), gives each a
 `LoRALinearMethod` around its own method and its slots in the pool, and from then on changes only weights.
@@ -18,7 +18,12 @@ from torch import nn
 
 from srt.lora.adapter import AdapterError, LoRAAdapter, read_adapter
 from srt.lora.batch_info import LoRABatchInfo, LoRAStep
-from srt.lora.config import LORA_TARGET_MODULES, LoRAConfig
+from srt.lora.config import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS_PER_BATCH,
+    LORA_BACKENDS,
+    LORA_TARGET_MODULES,
+)
 from srt.lora.lora_linear import LayerLoRAWeights, LoRALinearMethod, SubModule
 from srt.lora.slots import SlotTable
 from srt.model_executor.attention.registry import triton_usable
@@ -31,6 +36,39 @@ logger = logging.getLogger(__name__)
 
 # A decoder layer's module path, as PEFT names it too (model.layers.3.self_attn.qkv_proj)
 DECODER_MODULE = re.compile(r"^model\.layers\.\d+\.\w+\.(?P<leaf>\w+)$")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """`max_loras_per_batch`: pool slots, the most distinct adapters one step serves. `max_loaded_loras`: the
+    most adapters held in host memory at once (None: no limit); loading one more is refused rather than
+    silently dropping one a client may still name. `max_lora_rank`: the largest rank the pool takes.
+    `target_modules`: the modules adapters may adapt (a subset of LORA_TARGET_MODULES). `backend`: one of
+    LORA_BACKENDS."""
+
+    max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
+    max_loaded_loras: int | None = None
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+    backend: str = LORA_BACKENDS[0]
+
+    def __post_init__(self):
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGET_MODULES))
+        if unknown:
+            raise ValueError(f"LoRA target modules {unknown} are not among {list(LORA_TARGET_MODULES)}")
+        if self.max_loras_per_batch < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras_per_batch and max_lora_rank must be at least 1")
+        if self.backend not in LORA_BACKENDS:
+            raise ValueError(f"LoRA backend {self.backend!r} is not among {list(LORA_BACKENDS)}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
+            raise ValueError("max_loaded_loras must be at least 1 (or None: no limit)")
+
+    def build(
+        self, model: nn.Module, tp: TensorParallelGroup, dtype: torch.dtype, device: str
+    ) -> LoRAManager:
+        """The pool over `model`'s adaptable layers (`AdapterPoolConfig`, the seam through which the runner
+        builds it without importing srt.lora)."""
+        return LoRAManager(model, self, tp, dtype, device)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from dataclasses import replace
 import torch
 
 from srt.engine_options import MIN_KV_TOKENS
-from srt.lora.manager import LoRAManager
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
@@ -139,7 +138,7 @@ class ModelRunner:
         self.load_weights_seconds = time.monotonic() - start
         # wraps the layers' methods before int8 installs its weights through them
         lora = self.config.lora
-        self.lora = None if lora is None else LoRAManager(self.model, lora, self.tp, self.dtype, self.device)
+        self.lora = None if lora is None else lora.build(self.model, self.tp, self.dtype, self.device)
         return int8
 
     def _allocate_pools(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from srt.engine_options import DIST_TIMEOUT_SECONDS
-from srt.lora.config import LoRAConfig
+from srt.model_executor.adapters import AdapterPoolConfig
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,10 @@ class RunnerConfig:
     `max_running_requests` (None: from the capacity), `context_length` (None: the model's), `attention_backend`
     (None: the device's default). `quantization`: a linear method's name, None for the device's default.
     `cuda_graph_max_bs`: record decode CUDA graphs up to this batch size (0: none; CUDA only, with a backend
-    whose decode is graph-safe, without tensor parallelism). `lora`: serve LoRA adapters (None: the base model
-    alone). `tp_rank` of `tp_size` ranks over `nnodes` machines, each hosting tp_size / nnodes consecutive
-    ranks, meeting at `dist_init_method`; `dist_timeout` bounds the rendezvous and every collective.
+    whose decode is graph-safe, without tensor parallelism). `lora`: serve LoRA adapters (a `LoRAConfig`;
+    None: the base model alone). `tp_rank` of `tp_size` ranks over `nnodes` machines, each hosting
+    tp_size / nnodes consecutive ranks, meeting at `dist_init_method`; `dist_timeout` bounds the rendezvous
+    and every collective.
     `dp_rank`: the data-parallel replica, which picks the GPU."""
 
     model_dir: str
@@ -43,7 +44,7 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"
     cuda_graph_max_bs: int = 0
     dp_rank: int = 0
-    lora: LoRAConfig | None = None
+    lora: AdapterPoolConfig | None = None
     nnodes: int = 1
     dist_timeout: float = DIST_TIMEOUT_SECONDS
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from srt.lora.adapter import adapter_rank
-from srt.lora.config import DEFAULT_MAX_LORA_RANK, LoRAConfig
+from srt.lora.config import DEFAULT_MAX_LORA_RANK
+from srt.lora.manager import LoRAConfig
 from srt.lora.specs import lora_enabled, slots_per_batch, startup_adapters, target_modules
 from srt.model_executor.runner_config import RunnerConfig
 from srt.server_args import ServerArgs

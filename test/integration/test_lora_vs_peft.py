@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.lora.config import LoRAConfig
+from srt.lora.manager import LoRAConfig
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.lora_adapters import base_model, save_peft_adapter
 from test.unit.model_driver import PagedDriver, same_or_diverged_at_a_near_tie

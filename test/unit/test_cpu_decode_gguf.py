@@ -96,7 +96,7 @@ def test_a_verify_step_runs_fused_with_the_module_paths_bits(runner):
 def test_adapter_rows_on_the_blocks_get_the_module_paths_bits(tmp_path):
     """A step of the base and two adapters on a K-quant file: the C loop adds each layer's adapter products
     after srt_gguf_linear (and its bias) as LoRA's method adds them after the GGUF method's product."""
-    from srt.lora.config import LoRAConfig
+    from srt.lora.manager import LoRAConfig
     from srt.model_executor.gguf_convert import convert
     from test.unit.lora_adapters import save_peft_adapter
     from test.unit.test_lora_int8 import decode_and_verify, fused_step_calls

@@ -248,7 +248,7 @@ def test_adapters_on_the_blocks_match_peft_on_the_dequantized_weights(tmp_path):
     """LoRA wraps the GGUF method like the others (it reads each layer's shape, not a dense weight the blocks
     never had): an adapted sequence stays as close to transformers + PEFT on the converter's fp32 weights as
     the base does, while the adapter moves the logits far more than that."""
-    from srt.lora.config import LoRAConfig
+    from srt.lora.manager import LoRAConfig
     from srt.model_executor.gguf_convert import convert
     from srt.model_executor.model_runner import ModelRunner
     from test.unit.lora_adapters import peft_logits, save_peft_adapter

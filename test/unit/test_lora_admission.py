@@ -18,8 +18,7 @@ from torch import nn
 
 from srt.io_struct import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from srt.lora.adapter import LoRAAdapter
-from srt.lora.config import LoRAConfig
-from srt.lora.manager import LoRAManager
+from srt.lora.manager import LoRAConfig, LoRAManager
 from srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.parallel_state import TensorParallelGroup
 from srt.scheduler.scheduler import Scheduler

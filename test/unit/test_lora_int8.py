@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from srt.lora.adapter import AdapterError
-from srt.lora.config import LoRAConfig
 from srt.lora.lora_linear import KERNEL_POOL_DTYPE
+from srt.lora.manager import LoRAConfig
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.models.cpu_decode import CpuDecodeStep

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from srt.lora.adapter import lora_scaling
-from srt.lora.config import LoRAConfig
+from srt.lora.manager import LoRAConfig
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from test.model_families import gemma2

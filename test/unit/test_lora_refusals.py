@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from srt.lora.adapter import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterError
-from srt.lora.config import LoRAConfig
+from srt.lora.manager import LoRAConfig
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.lora_adapters import write_adapter
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from srt.lora.adapter import AdapterError
-from srt.lora.config import LoRAConfig
+from srt.lora.manager import LoRAConfig
 from srt.lora.slots import SlotTable
 from srt.model_executor.forward_batch_info import NO_ADAPTER
 from srt.model_executor.model_runner import ModelRunner

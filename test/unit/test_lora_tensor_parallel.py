@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.lora.config import LoRAConfig
+from srt.lora.manager import LoRAConfig
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.lora_adapters import peft_logits, save_peft_adapter
 from test.unit.model_driver import PagedDriver

@@ -21,8 +21,8 @@ from test.unit.triton_interpreter import (
 with interpreted_imports():
     from srt.lora import triton_lora
     from srt.lora.batch_info import LoRABatchInfo, Segment
-    from srt.lora.config import LoRAConfig
     from srt.lora.lora_linear import LayerLoRAWeights, SubModule
+    from srt.lora.manager import LoRAConfig
     from srt.model_executor.model_runner import ModelRunner
     from test.unit.lora_adapters import save_peft_adapter
     from test.unit.model_driver import PagedDriver

@@ -8,8 +8,9 @@ token); top-1 agreement is the share of positions where the model's most likely 
 
 The gate: int8 may be the CPU default only if its perplexity is within 2 % of fp32, no worse than
 llama.cpp's, and its top-1 agreement is at least 90 % (docs/cpu_execution.md, "The quality gate"). For a
-GGUF, srt also runs the file's own blocks (`--quantization gguf`, the CPU default for a GGUF): their
-perplexity must be no more than 0.5 % above llama.cpp's on the same file (both compute with the same
+GGUF, srt also runs the file's own blocks (`--quantization gguf`) and int8 weights made from them at load
+(`gguf_int8`; which is a GGUF's CPU default depends on its size): each one's perplexity must be no more
+than 0.5 % above llama.cpp's on the same file (both compute with the same
 blocks and quantize activations per block; lower is no failure: on Gemma 3 270M srt's blocks came within
 0.12 % of the dequantized fp32 weights' perplexity and llama.cpp 0.9 % above it).
 
@@ -42,8 +43,9 @@ ADAPTER_NAME = "eval"  # the --lora-path adapter's name in the runners
 # --random-lora-rank's weights: the spread the SmolLM2 tests use, which moves its outputs substantially
 RANDOM_LORA_STD = 0.02
 MIN_TOP1_AGREEMENT = 0.90
-# srt on a GGUF's blocks against llama.cpp on the same file
+# srt on a GGUF's blocks, and on int8 made from them, against llama.cpp on the same file
 MAX_GGUF_PPL_GAP = 0.005
+GGUF_METHODS = {"gguf": "srt gguf (blocks)", "gguf_int8": "srt gguf_int8"}
 
 
 def score(windows) -> tuple[float, torch.Tensor, int]:
@@ -169,10 +171,10 @@ def main() -> None:
         "top1_agreement": (top == top_fp32).float().mean().item(),
         "seconds": time.monotonic() - t0,
     }
-    if gguf is not None and adapter is None:
+    for method in GGUF_METHODS if gguf is not None and adapter is None else ():
         t0 = time.monotonic()
-        ppl_g, top_g, _ = score(srt_windows(gguf, ids, args.window, "gguf"))
-        results["srt gguf (blocks)"] = {
+        ppl_g, top_g, _ = score(srt_windows(gguf, ids, args.window, method))
+        results[GGUF_METHODS[method]] = {
             "perplexity": ppl_g,
             "top1_agreement": (top_g == top_fp32).float().mean().item(),
             "seconds": time.monotonic() - t0,
@@ -204,11 +206,12 @@ def main() -> None:
         checks["perplexity no worse than llama.cpp's"] = (
             int8["perplexity"] <= results["llama.cpp (GGUF)"]["perplexity"]
         )
-        if "srt gguf (blocks)" in results:
-            gap = results["srt gguf (blocks)"]["perplexity"] / results["llama.cpp (GGUF)"]["perplexity"] - 1
-            checks[f"gguf blocks' perplexity at most 0.5 % above llama.cpp's ({gap * 100:+.2f} %)"] = (
-                gap <= MAX_GGUF_PPL_GAP
-            )
+        for method, name in GGUF_METHODS.items():
+            if name in results:
+                gap = results[name]["perplexity"] / results["llama.cpp (GGUF)"]["perplexity"] - 1
+                checks[f"{method}'s perplexity at most 0.5 % above llama.cpp's ({gap * 100:+.2f} %)"] = (
+                    gap <= MAX_GGUF_PPL_GAP
+                )
     elif adapter is not None:
         print("\n(through a LoRA adapter: llama.cpp is not compared)")
     else:

@@ -15,8 +15,9 @@ AUTO = "auto"
 # --kv-cache-dtype: "auto" is float16 for the int8 model on srt's CPU kernels, else the model's dtype
 KV_CACHE_DTYPES = (AUTO, "float32", "float16")
 # --quantization: "none" serves the checkpoint's weights; w8a8_int8 is the CPU default for a Hugging Face
-# checkpoint, gguf (a .gguf file's own blocks) for a GGUF (quantization.py)
-QUANTIZATIONS = ("none", "w8a8_int8", "gguf")
+# checkpoint; a GGUF runs gguf (the file's own blocks) or gguf_int8 (int8 weights made from its blocks at
+# load), chosen by the file's size unless given (quantization.py, gguf_int8.py)
+QUANTIZATIONS = ("none", "w8a8_int8", "gguf", "gguf_int8")
 # --attention-backend: each name's class is in srt/model_executor/attention/registry.py
 ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 # The smallest KV pool (tokens) a server can run with: --max-total-tokens below it is a flag error

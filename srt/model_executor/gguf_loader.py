@@ -31,10 +31,11 @@ from torch import nn
 
 from srt.gguf_metadata import GGUF_ARCHITECTURES, gguf_chat_conventions
 from srt.model_executor.gguf_file import GGUFError, GGUFFile
+from srt.model_executor.gguf_int8 import BlockInstaller, gguf_method
 from srt.model_executor.layers.block_embedding import BlockEmbedding
 from srt.model_executor.layers.gguf_linear import SUPPORTED_TYPES, BlockMatrix
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-from srt.model_executor.layers.linear_method import WEIGHT, LayerMethods
+from srt.model_executor.layers.linear_method import LayerMethods
 from srt.model_executor.layers.rotary_embedding import ROPE_FREQ_FACTORS
 from srt.model_executor.meta_build import on_meta_device
 from srt.model_executor.models.registry import get_model_class
@@ -243,13 +244,14 @@ def unsupported_tensor(gguf: GGUFFile) -> str | None:
 
 class GGUFCheckpoint:
     """A GGUF file as the model runner reads a checkpoint: its config, EOS ids and a model built on its
-    blocks (`model_loader.HFCheckpoint` is the same for a Hugging Face directory)."""
+    blocks (`model_loader.HFCheckpoint` is the same for a Hugging Face directory). `quantization`: `gguf`
+    (the blocks themselves) or `gguf_int8` (int8 made from them); None: the measured rule's choice for
+    this file (`gguf_int8.gguf_method`)."""
 
-    quantization = "gguf"
-
-    def __init__(self, path: str):
+    def __init__(self, path: str, quantization: str | None = None):
         self.path = path
         self.file = GGUFFile.open(path)
+        self.quantization = quantization or gguf_method(self.file)
         self.hf_config = gguf_config(self.file)
         self.eos_token_ids = eos_token_ids(self.file)
         # why its blocks cannot run here (None: they can), said before anything is built
@@ -268,11 +270,11 @@ class GGUFCheckpoint:
         replaced later)."""
         if methods.quantization != self.quantization:
             raise ValueError(
-                f"a GGUF file runs with --quantization gguf, not {methods.quantization} (the dense methods "
-                "read the converted checkpoint)"
+                f"this GGUF file runs with --quantization {self.quantization}, not {methods.quantization} "
+                "(the dense methods read the converted checkpoint)"
             )
         if device != "cpu":
-            raise ValueError("--quantization gguf runs on the CPU only; use --device cpu")
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only; use --device cpu")
         if self.refusal is not None:
             raise GGUFError(self.refusal)
         return build_model(self.file, self.hf_config, max_positions, dtype, device, tp, methods)
@@ -293,7 +295,9 @@ def build_model(
         model = model_class(hf_config, arch_name, max_positions, dtype, device, tp, methods)
     embedding = _matrix(gguf, EMBEDDING)
     model.model.embed_tokens = BlockEmbedding(embedding)
-    _install_linear_layers(model, gguf, arch, hf_config, tp, embedding)
+    installer = BlockInstaller()
+    _install_linear_layers(model, gguf, arch, hf_config, tp, embedding, installer.install)
+    installer.log(gguf.path)
     model = model.to_empty(device=device)  # the norms and biases: every weight matrix is the file's
     _copy_vectors(model, gguf, family, arch in PERMUTED_QK_ARCHS, hf_config)
     model.eval().requires_grad_(False)
@@ -309,9 +313,16 @@ def _matrix(gguf: GGUFFile, name: str) -> BlockMatrix:
 
 
 def _install_linear_layers(
-    model: nn.Module, gguf: GGUFFile, arch: str, config, tp: TensorParallelGroup, embedding: BlockMatrix
+    model: nn.Module,
+    gguf: GGUFFile,
+    arch: str,
+    config,
+    tp: TensorParallelGroup,
+    embedding: BlockMatrix,
+    install: Callable[[nn.Module, list[BlockMatrix]], None],
 ) -> None:
-    """Hand every linear layer its blocks (this rank's rows, or columns, of each part), then the head."""
+    """Hand every linear layer its blocks (this rank's rows, or columns, of each part), then the head,
+    through `install` (`gguf_int8.BlockInstaller.install`: the blocks, or int8 made from them)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     parts: dict[str, dict[str | None, BlockMatrix]] = {}
@@ -331,16 +342,16 @@ def _install_linear_layers(
             if missing:
                 raise GGUFError(f"the file lacks the {'/'.join(missing)} part(s) of {name}")
             shards = [_rows(got[s], layer, s) for s in layer.shard_offsets]
-            layer.method.install(layer, {WEIGHT: shards})
+            install(layer, shards)
         elif isinstance(layer, RowParallelLinear):
             got = parts.pop(name, {})
             if None not in got:
                 raise GGUFError(f"the file has no weight for {name}")
-            layer.method.install(layer, {WEIGHT: [_columns(got[None], layer.tp.rank, layer.in_local)]})
+            install(layer, [_columns(got[None], layer.tp.rank, layer.in_local)])
     if parts:
         raise GGUFError(f"tensors with no layer to go to: {sorted(parts)[:4]}")
     head = embedding if model.tie_word_embeddings else _matrix(gguf, HEAD)
-    model.lm_head.method.install(model.lm_head, {WEIGHT: [head]})
+    install(model.lm_head, [head])
 
 
 def unpermute_index(rows: int, heads: int) -> torch.Tensor:

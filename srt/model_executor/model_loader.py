@@ -31,7 +31,7 @@ from srt.model_executor.layers.linear_method import UNQUANTIZED, LayerMethods
 from srt.model_executor.meta_build import on_meta_device
 from srt.model_executor.models.registry import get_model_class
 from srt.model_executor.parallel_state import TensorParallelGroup
-from srt.model_executor.quantization import GGUF_QUANTIZATION, resolve_quantization
+from srt.model_executor.quantization import GGUF_FILE_QUANTIZATIONS, resolve_quantization
 from srt.model_source import is_gguf_file, resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -219,8 +219,9 @@ class HFCheckpoint:
 
 def open_checkpoint(path: str, requested: str | None, device: str):
     """(the checkpoint a runner loads from `path`, a directory or a .gguf file, and the quantization it runs
-    with): a GGUF's own blocks under `gguf` (a GGUF's CPU default), else the dense weights (a GGUF converted
-    once, `model_source.resolve_model_dir`). The one place that tells the two apart.
+    with): a GGUF's own blocks under `gguf`, or int8 made from them under `gguf_int8` (on the CPU, unasked,
+    whichever the measured rule picks for the file's size), else the dense weights (a GGUF converted once,
+    `model_source.resolve_model_dir`). The one place that tells the two apart.
 
     A GGUF holding a block type the kernels cannot run is refused in one line naming the tensor and the type
     (a start-up configuration error, exit 2), never served some other way behind the user's back: the user
@@ -228,13 +229,14 @@ def open_checkpoint(path: str, requested: str | None, device: str):
     if not is_gguf_file(path):
         return HFCheckpoint(path), resolve_quantization(requested, device)
     quantization = resolve_quantization(requested, device, gguf=True)
-    if quantization == GGUF_QUANTIZATION:
+    if quantization in GGUF_FILE_QUANTIZATIONS:
         from srt.model_executor.gguf_file import GGUFError
         from srt.model_executor.gguf_loader import GGUFCheckpoint
 
-        checkpoint = GGUFCheckpoint(path)
+        # unasked, the file's blocks or int8 made from them, by the file's size (gguf_int8.gguf_method)
+        checkpoint = GGUFCheckpoint(path, requested)
         if checkpoint.refusal is None:
-            return checkpoint, quantization
+            return checkpoint, checkpoint.quantization
         raise GGUFError(
             f"{checkpoint.refusal} (--quantization w8a8_int8 or none serves its converted weights)"
         )

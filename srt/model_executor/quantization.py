@@ -49,8 +49,11 @@ QUANTIZATION_METHODS = QUANTIZATIONS
 # What `--quantization` means when unset on the CPU: the one that passed the quality gate of
 # scripts/eval_quality.py (docs/cpu_execution.md, "The quality gate"), and fp32 until one does.
 DEFAULT_CPU_QUANTIZATION = "w8a8_int8"
-# What a GGUF runs on the CPU unless told otherwise: its own blocks (layers/gguf_linear.py)
+# What a GGUF runs on the CPU: its own blocks (layers/gguf_linear.py), or int8 weights made from them at load
+# (gguf_int8.py; unless told, which of the two is `gguf_int8.gguf_method`'s measured rule)
 GGUF_QUANTIZATION = "gguf"
+GGUF_INT8_QUANTIZATION = "gguf_int8"
+GGUF_FILE_QUANTIZATIONS = (GGUF_QUANTIZATION, GGUF_INT8_QUANTIZATION)
 CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "calibration_text.txt")
 # Calibration runs the text as independent sequences of this many tokens (bounded logits memory).
 CALIBRATION_WINDOW = 512
@@ -59,18 +62,21 @@ CACHE_FORMAT = 2  # 1: SmoothQuant-scaled weights (with a smooth vector per laye
 
 def resolve_quantization(requested: str | None, device: str, gguf: bool = False) -> str:
     """The method a runner uses: the flag when given, else on the CPU a GGUF's own blocks (`gguf`: nothing
-    converted or calibrated) and a Hugging Face checkpoint's int8 (which passed the gate), and none on a GPU
-    (a GGUF is then converted to its dense weights)."""
+    converted or calibrated; `model_loader.open_checkpoint` then picks `gguf_int8` instead where the file
+    is small enough for it to be faster, `gguf_int8.gguf_method`) and a Hugging Face checkpoint's int8
+    (which passed the gate), and none on a GPU (a GGUF is then converted to its dense weights)."""
     if requested is None:
         if device != "cpu":
             return "none"
         return GGUF_QUANTIZATION if gguf else DEFAULT_CPU_QUANTIZATION
     if requested not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {requested!r}; choose one of {QUANTIZATION_METHODS}")
-    if requested in (GGUF_QUANTIZATION, "w8a8_int8") and device != "cpu":
+    if requested in (*GGUF_FILE_QUANTIZATIONS, "w8a8_int8") and device != "cpu":
         raise ValueError(f"--quantization {requested} runs on the CPU only; use --quantization none on a GPU")
-    if requested == GGUF_QUANTIZATION and not gguf:
-        raise ValueError("--quantization gguf runs a .gguf file's blocks; this --model-path is a directory")
+    if requested in GGUF_FILE_QUANTIZATIONS and not gguf:
+        raise ValueError(
+            f"--quantization {requested} runs a .gguf file's blocks; this --model-path is a directory"
+        )
     return requested
 
 

@@ -132,8 +132,11 @@ class GGUFLinearMethod(LinearMethod):
 
 
 LINEAR_METHODS = {m.name: m for m in (LinearMethod, W8A8Int8LinearMethod, GGUFLinearMethod)}
+# `--quantization gguf_int8`: a GGUF's weights as int8, made from its blocks at load (gguf_int8.py), then
+# multiplied as any int8 weight
+LINEAR_METHODS["gguf_int8"] = W8A8Int8LinearMethod
 # The methods whose layers run srt's C kernels on the CPU, the fused norm/rope/attention ones with them
-CPU_KERNEL_QUANTIZATIONS = ("w8a8_int8", "gguf")
+CPU_KERNEL_QUANTIZATIONS = ("w8a8_int8", "gguf", "gguf_int8")
 
 
 @dataclass(frozen=True)

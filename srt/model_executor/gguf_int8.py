@@ -1,0 +1,111 @@
+"""`--quantization gguf_int8`: a GGUF's linear weights as srt's int8 weights, made from the file's blocks at
+load, for the models on which srt's int8 kernels beat the blocks' (`INT8_FROM_BLOCKS_MAX_PARAMS`).
+
+On a small model a decode step's cost is less the bytes it reads than the work per weight, and there srt's
+int8 kernels (one scale per output row) outrun the block kernels (a scale per 32 products): the fused
+decode step of the embedded SmolLM2 runs about twice as fast on int8 as on its Q4_1 blocks. The old way to
+int8 converted the file to an fp32 checkpoint and calibrated it (minutes); here each weight is dequantized
+from the file's map a few rows at a time (`dequantize_rows`, exactly as gguf-py dequantizes) and each row
+rounded to its nearest int8 level at the row's own scale (`quantize_per_channel`, the round-to-nearest of
+`w8a8_int8` without GPTQ): no fp32 copy of a weight, let alone of the model, is ever held, nothing is
+calibrated or cached. The file's rounding stays; this adds one more, at most half an int8 level of the row
+(1/254 of its absmax), under the 1/15 (Q4) to 1/63 (Q6) of the blocks' own.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from srt.model_executor.gguf_file import GGUFFile
+from srt.model_executor.layers.gguf_linear import QUANTIZED_TYPES, BlockMatrix, dequantize_rows
+from srt.model_executor.layers.int8_math import INT8_MAX, Int8Weight, channel_scales
+from srt.model_executor.layers.linear_method import WEIGHT, GGUFLinearMethod, W8A8Int8LinearMethod
+from srt.model_executor.quantization import GGUF_INT8_QUANTIZATION, GGUF_QUANTIZATION
+
+logger = logging.getLogger(__name__)
+
+# The measured rule: a GGUF of at most this many parameters runs as int8 made from its blocks, a larger one
+# its blocks. TODO(figures)
+INT8_FROM_BLOCKS_MAX_PARAMS = 500_000_000
+# fp32 values dequantized at a time (16 MiB): the only float copy of a weight there ever is
+DEQUANTIZE_CHUNK_VALUES = 1 << 22
+
+
+def parameters(gguf: GGUFFile) -> int:
+    """The file's parameters (every tensor's values: the weight matrices, then norms and biases)."""
+    return sum(math.prod(t.shape) for t in gguf.tensors.values())
+
+
+def gguf_method(gguf: GGUFFile) -> str:
+    """What a GGUF runs on the CPU when --quantization does not say: int8 made from its blocks up to
+    INT8_FROM_BLOCKS_MAX_PARAMS parameters, its blocks above. A file with a float weight matrix (F32, F16,
+    BF16) keeps its blocks at any size: there the blocks multiply exactly, and int8 would be the only
+    rounding, not one more."""
+    quantized = all(t.ggml_type in QUANTIZED_TYPES for t in gguf.tensors.values() if len(t.shape) == 2)
+    small = parameters(gguf) <= INT8_FROM_BLOCKS_MAX_PARAMS
+    return GGUF_INT8_QUANTIZATION if quantized and small else GGUF_QUANTIZATION
+
+
+def int8_from_blocks(parts: Sequence[BlockMatrix]) -> Int8Weight:
+    """The block matrices stacked along the output (a fused layer's parts in shard order) as one int8 weight
+    [rows, cols] with a scale per row: to the bit `int8_math.quantize_per_channel` of the dequantized
+    values, computed DEQUANTIZE_CHUNK_VALUES at a time, in place (the chunk is the only float copy)."""
+    cols = parts[0].cols
+    if any(p.cols != cols for p in parts):
+        raise ValueError(f"fused block matrices disagree on their input size ({[p.cols for p in parts]})")
+    rows = sum(p.rows for p in parts)
+    weight = torch.empty((rows, cols), dtype=torch.int8)
+    scale = torch.empty(rows, dtype=torch.float32)
+    step = max(1, DEQUANTIZE_CHUNK_VALUES // cols)
+    first = 0
+    for part in parts:
+        for start in range(0, part.rows, step):
+            n = min(step, part.rows - start)
+            w = dequantize_rows(part, torch.arange(start, start + n))
+            rows_scale = scale[first + start : first + start + n]
+            rows_scale.copy_(channel_scales(w))
+            levels = w.div_(rows_scale.unsqueeze(1)).round_().clamp_(-INT8_MAX, INT8_MAX)
+            weight[first + start : first + start + n].copy_(levels)
+        first += part.rows
+    return Int8Weight(weight, scale)
+
+
+class BlockInstaller:
+    """Hands a layer the blocks of its weight as its method takes them: the blocks themselves (`gguf`), or
+    int8 made from them (`gguf_int8`). Counts what it made, for the load's log line.
+
+    The int8 weights stay plain, not packed for oneDNN as calibrated ones are (`int8_linear.pack_weight`):
+    packing measured ~40 ms a weight on the 2-core Xeon (SmolLM2's 121: 5 s idle, 15 s under load), more
+    than the rest of the start. Plain weights go through srt's int8 C kernel up to 128 tokens a call and
+    `torch._int_mm` above (cpu_kernels.max_fused_tokens): a decode step reads them as it reads packed
+    ones; only long prefills lose oneDNN's packed kernel."""
+
+    def __init__(self):
+        self.int8_weights = 0
+        self.int8_seconds = 0.0
+
+    def install(self, layer, parts: list[BlockMatrix]) -> None:
+        method = layer.method
+        if isinstance(method, GGUFLinearMethod):
+            method.install(layer, {WEIGHT: parts})
+        elif isinstance(method, W8A8Int8LinearMethod):
+            start = time.monotonic()
+            method.install(layer, {WEIGHT: int8_from_blocks(parts)})
+            self.int8_weights += 1
+            self.int8_seconds += time.monotonic() - start
+        else:
+            raise TypeError(f"a GGUF's blocks cannot go to a {type(method).__name__}")
+
+    def log(self, path: str) -> None:
+        if self.int8_weights:
+            logger.info(
+                "gguf_int8: %d weights of %s made int8 from its blocks in %.2f s",
+                self.int8_weights,
+                path,
+                self.int8_seconds,
+            )

@@ -197,6 +197,7 @@ def main() -> None:
     all_methods = ("gguf-q8", "gguf-f32", "int8", "fp32", "base-q8", "new-q8")
     p.add_argument("--methods", nargs="+", choices=all_methods, default=None, help="default: all that apply")
     p.add_argument("--baseline", help="another version of cpu_gguf_kernels.c to compare (base-q8, new-q8)")
+    p.add_argument("--candidate", default=SOURCE, help="the version new-q8 runs (default: this checkout's)")
     p.add_argument(
         "--cpu-time",
         action="store_true",
@@ -215,7 +216,7 @@ def main() -> None:
         if args.baseline:
             builds = {
                 "base": StandaloneLinear(args.baseline, workdir, "base"),
-                "new": StandaloneLinear(SOURCE, workdir, "new"),
+                "new": StandaloneLinear(args.candidate, workdir, "new"),
             }
         wanted = set(args.methods or [m for m in all_methods if m not in ("base-q8", "new-q8") or builds])
         print(

@@ -100,9 +100,9 @@ static int64_t type_elements(int qtype) {
 int64_t srt_gguf_type_bytes(int qtype) { return type_bytes(qtype); }
 int64_t srt_gguf_type_elements(int qtype) { return type_elements(qtype); }
 /* Bytes of one token's quantized activations (srt_gguf_quantize_rows): a + 128 [cols] uint8, d4 [cols/4] and
- * m16 [cols/16] float, then for the single-token path a [cols] int8 and n4 [cols/4] int32 (-128 times the sum
- * of each lane's four a). */
-int64_t srt_gguf_act_row_bytes(int64_t cols) { return cols + cols + cols / 4 + cols + cols; }
+ * m16 [cols/16] float, then for the single-token path a [cols] int8, n4 [cols/4] int32 (-128 times the sum
+ * of each lane's four a) and d32 [cols/32] float (each block's d once). */
+int64_t srt_gguf_act_row_bytes(int64_t cols) { return cols + cols + cols / 4 + cols + cols + cols / 8; }
 
 static inline float fp16(const uint8_t *p) {
     uint16_t h;
@@ -315,6 +315,7 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
         float *d4 = (float *)(void *)(au + cols), *m16 = d4 + cols / LANE;
         int8_t *as = (int8_t *)(void *)(m16 + cols / GROUP);
         int32_t *n4 = (int32_t *)(void *)(as + cols);
+        float *d32 = (float *)(void *)(n4 + cols / LANE);
         for (int64_t c = 0; c < cols; c += QK) {
             float amax = 0.0f;
             int finite = 1;
@@ -334,6 +335,7 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
             }
             for (int l = 0; l < QK / LANE; l++) n4[c / LANE + l] = -128 * lane[l];
             fill(d4 + c / LANE, QK / LANE, d);
+            d32[c / QK] = d;
             for (int g = 0; g < QK / GROUP; g++) m16[c / GROUP + g] = d * (float)sum[g];
         }
     }
@@ -346,6 +348,7 @@ typedef struct {
     const float *m16;
     const int8_t *as;
     const int32_t *n4;
+    const float *d32;
 } ActChunk;
 
 static inline ActChunk act_chunk(const uint8_t *act_row, int64_t cols, int64_t c0) {
@@ -357,6 +360,7 @@ static inline ActChunk act_chunk(const uint8_t *act_row, int64_t cols, int64_t c
     c.m16 = d4 + cols / LANE + c0 / GROUP;
     c.as = as + c0;
     c.n4 = (const int32_t *)(const void *)(as + cols) + c0 / LANE;
+    c.d32 = (const float *)(const void *)(c.n4 - c0 / LANE + cols / LANE) + c0 / QK;
     return c;
 }
 
@@ -514,14 +518,14 @@ ALWAYS_INLINE void dot_tokens(const int8_t *w, const float *sc16, const float *m
  * medians: Q4_K 1.48 -> 1.19 ms, Q6_K 1.63 -> 1.52 ms). */
 
 /* One step of 64 elements of one token: wu the weights as unsigned bytes (w, or w + 128 unless ZERO_START),
- * sv their lanes' scales; MASKED as in fused_step. */
-ALWAYS_INLINE void token_step(__m512i wu, __m512 sv, const ActChunk *ac, int64_t i, const int ZERO_START,
+ * scale their lanes' weight scale times activation scale (fused_step's sv * d4, multiplied once a block
+ * where a block's lanes share them: the same products); MASKED as in fused_step. */
+ALWAYS_INLINE void token_step(__m512i wu, __m512 scale, const ActChunk *ac, int64_t i, const int ZERO_START,
                               const int MASKED, __m512 *v) {
     const __mmask64 mb = MASKED ? (__mmask64)0xffffffffu : ~(__mmask64)0;
     const __mmask16 ml = MASKED ? (__mmask16)0xff : (__mmask16)0xffff;
     const __m512i start = ZERO_START ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi32(ml, ac->n4 + i / LANE);
     const __m512i dot = _mm512_dpbusd_epi32(start, wu, _mm512_maskz_loadu_epi8(mb, ac->as + i));
-    const __m512 scale = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(ml, ac->d4 + i / LANE));
     *v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *v);
 }
 
@@ -574,9 +578,9 @@ ALWAYS_INLINE void fused_blocks32(const int QTYPE, const uint8_t *b, int64_t nb,
         const uint8_t *x = b + k * bytes, *y = pair ? x + bytes : x;
         const __m512i wu = weights_of_two_blocks(QTYPE, x, y);
         if (pair)
-            token_step(wu, two_scales(fp16(x), fp16(y)), ac, k * QK, MIN, 0, v);
+            token_step(wu, two_scales(fp16(x) * ac->d32[k], fp16(y) * ac->d32[k + 1]), ac, k * QK, MIN, 0, v);
         else
-            token_step(wu, two_scales(fp16(x), 0.0f), ac, k * QK, MIN, 1, v);
+            token_step(wu, two_scales(fp16(x) * ac->d32[k], 0.0f), ac, k * QK, MIN, 1, v);
         if (MIN) {
             const int at = 2 * (int)(k % 8);
             offsets[at] = offsets[at + 1] = fp16(x + 2);
@@ -602,7 +606,9 @@ ALWAYS_INLINE void fused_k(const int QTYPE, const uint8_t *b0, int64_t nb, const
             const uint8_t *ql = b, *qh = b + QK_K / 2;
             const float d = fp16(b + QK_K / 2 + QK_K / 4 + QK_K / 16);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + QK_K / 2 + QK_K / 4)));
-            const __m512 scales = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sc));
+            const __m512 d16 = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                                     _mm512_castps256_ps512(_mm256_loadu_ps(ac->d32 + k * (QK_K / QK))));
+            const __m512 scales = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sc)), d16);
             for (int h = 0; h < 2; h++) {
                 const __m512i lv = _mm512_loadu_si512((const void *)(ql + 64 * h));
                 const __m512i hv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
@@ -627,7 +633,7 @@ ALWAYS_INLINE void fused_k(const int QTYPE, const uint8_t *b0, int64_t nb, const
             /* -(dmin * m), as decode_k45 computes it */
             const __m256 mnf = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_mul_ps(_mm256_set1_ps(dmin),
                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)))));
-            const __m512 scales = _mm512_castps256_ps512(scf);
+            const __m512 scales = _mm512_castps256_ps512(_mm256_mul_ps(scf, _mm256_loadu_ps(ac->d32 + k * (QK_K / QK))));
             const __m512 offsets = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
                                                          _mm512_castps256_ps512(mnf));
             const uint8_t *qh = b + 16, *qs = b + 16 + (HIGH ? QK_K / 8 : 0); /* qh: Q5_K only */

@@ -639,7 +639,10 @@ ALWAYS_INLINE void fused_k(const int QTYPE, const uint8_t *b0, int64_t nb, const
             const uint8_t *qh = b + 16, *qs = b + 16 + (HIGH ? QK_K / 8 : 0); /* qh: Q5_K only */
             const __m256i h = HIGH ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
             for (int g = 0; g < 4; g++) {
-                __m512i wv = nibbles64(_mm256_loadu_si256((const __m256i *)(qs + 32 * g)));
+                /* nibbles64 without its lane crossing: the 32 bytes broadcast to both halves from memory, the
+                 * upper half shifted down a nibble */
+                const __m512i q2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * g)));
+                __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(q2, (__mmask32)0xffff0000u, q2, 4), _mm512_set1_epi8(0x0f));
                 if (HIGH) {
                     const __m256i one = _mm256_set1_epi8(1);
                     const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(h, 2 * g), one);

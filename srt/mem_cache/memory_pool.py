@@ -22,7 +22,8 @@ INDEX_DTYPE = torch.int64
 class ReqToTokenPool:
     """Maps a request slot (row) to the KV slot index of each of its tokens (columns).
 
-    The scheduler owns the row contents; this pool only hands out and takes back rows.
+    The scheduler owns the row contents; this pool hands out and takes back rows, and `write` is the table's
+    one store (who calls it, and when: docs/architecture.md, "Step layout and the request-to-token table").
     """
 
     def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
@@ -48,6 +49,12 @@ class ReqToTokenPool:
 
     def available_size(self) -> int:
         return len(self._free_slots)
+
+    def write(self, index: tuple, slots: torch.Tensor) -> None:
+        """From now on the entries `index` selects (a row and a column slice, or a row and a column tensor
+        per slot) hold `slots`. Nothing else stores into `req_to_token` (test/unit/test_step_layout.py), so
+        the table has one writer to read when a row holds the wrong slots."""
+        self.req_to_token[index] = slots
 
     def clear(self) -> None:
         self._free_slots = list(range(self.size))

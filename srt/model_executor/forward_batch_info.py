@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from itertools import chain, repeat
+from typing import Protocol
 
 import torch
+
+from srt.mem_cache.memory_pool import INDEX_DTYPE, ReqToTokenPool
 
 # A sequence's entry in `ForwardBatch.lora_slots` when it runs on the base model alone.
 NO_ADAPTER = -1
@@ -79,6 +84,69 @@ class ForwardBatch:
             return [1] * self.batch_size
         assert self.extend_seq_lens_cpu is not None, "extend batches must carry extend_seq_lens_cpu"
         return self.extend_seq_lens_cpu
+
+
+class IndexUpload(Protocol):
+    """Host index lists -> int64 tensors on the pools' device (the scheduler's `IndexUploader` stages them
+    through reused pinned buffers; `FreshTensors` builds new ones)."""
+
+    def upload(self, name: str, values: list[int]) -> torch.Tensor: ...
+
+
+class FreshTensors:
+    """`IndexUpload` for steps outside the scheduler's loop (a draft model's, a calibration window, a test):
+    each list a new tensor on `device`."""
+
+    def __init__(self, device: str | torch.device):
+        self.device = device
+
+    def upload(self, name: str, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=INDEX_DTYPE, device=self.device)
+
+
+def lay_out(
+    mode: ForwardMode,
+    pool: ReqToTokenPool,
+    rows: Sequence[int],
+    prefix_lens: Sequence[int],
+    fed: list[int],
+    fed_lens: Sequence[int],
+    out_cache_loc: torch.Tensor,
+    upload: IndexUpload,
+    **fields,
+) -> ForwardBatch:
+    """The one layout of a step, whoever runs it (the scheduler's extend, mixed, decode and verify steps, a
+    draft model's, a calibration window): sequence i, whose `req_to_token` row `rows[i]` holds the slots of
+    its first `prefix_lens[i]` tokens, is fed the next `fed_lens[i]` tokens of `fed` (all sequences' fed
+    tokens, concatenated) at positions prefix_len.., their K/V going to the caller's freshly allocated
+    `out_cache_loc` (one slot per fed token, in order). Writes those slots into the rows (the invariant
+    `ForwardBatch` states) and returns the batch; `fields` are its optional fields (`num_decode`,
+    `logit_rows`, `lora_slots`, prompt logprobs).
+
+    DECODE: every sequence is fed one token, so its length is its position + 1, computed on the device. A
+    row may appear more than once (a verify step laid out as decode rows: one sequence per fed token)."""
+    seq_lens = list(map(operator.add, prefix_lens, fed_lens))
+    positions = upload.upload("positions", list(chain.from_iterable(map(range, prefix_lens, seq_lens))))
+    req_pool_indices = upload.upload("req_pool_indices", list(rows))
+    if all(n == 1 for n in fed_lens):
+        token_rows = req_pool_indices
+    else:
+        token_rows = upload.upload("token_rows", list(chain.from_iterable(map(repeat, rows, fed_lens))))
+    pool.write((token_rows, positions), out_cache_loc)
+    decode = mode is ForwardMode.DECODE
+    return ForwardBatch(
+        mode=mode,
+        batch_size=len(rows),
+        input_ids=upload.upload("input_ids", fed),
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_pool_indices=req_pool_indices,
+        seq_lens=positions + 1 if decode else upload.upload("seq_lens", seq_lens),
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=None if decode else list(prefix_lens),
+        extend_seq_lens_cpu=None if decode else list(fed_lens),
+        **fields,
+    )
 
 
 def last_token_rows(new_token_counts: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -25,7 +25,14 @@ from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToK
 from srt.model_executor.attention.base import KVLayout
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, PromptLogprobs, last_token_rows
+from srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    FreshTensors,
+    PromptLogprobs,
+    last_token_rows,
+    lay_out,
+)
 from srt.model_executor.int8_startup import Int8Startup
 from srt.model_executor.layers.linear_method import CPU_KERNEL_QUANTIZATIONS, LayerMethods
 from srt.model_executor.model_loader import open_checkpoint
@@ -328,18 +335,15 @@ class ModelRunner:
                 raise RuntimeError(f"the KV pool cannot hold a {n}-token window")
             row = rows[0]
             try:
-                self.req_to_token_pool.req_to_token[row, :n] = slots
-                batch = ForwardBatch(
-                    mode=ForwardMode.EXTEND,
-                    batch_size=1,
-                    input_ids=torch.tensor(chunk, dtype=torch.int64, device=self.device),
-                    positions=torch.arange(n, dtype=torch.int64, device=self.device),
-                    out_cache_loc=slots,
-                    req_pool_indices=torch.tensor([row], dtype=torch.int64, device=self.device),
-                    seq_lens=torch.tensor([n], dtype=torch.int64, device=self.device),
-                    seq_lens_cpu=[n],
-                    extend_prefix_lens_cpu=[0],
-                    extend_seq_lens_cpu=[n],
+                batch = lay_out(
+                    ForwardMode.EXTEND,
+                    self.req_to_token_pool,
+                    [row],
+                    [0],
+                    chunk,
+                    [n],
+                    slots,
+                    FreshTensors(self.device),
                     lora_slots=None if adapter is None else self.lora.prepare_step([adapter]),
                 )
                 self._begin_step(batch)

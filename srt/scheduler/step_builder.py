@@ -1,5 +1,6 @@
 """Chosen requests -> the step's `ForwardBatch` (SGLang's ScheduleBatch role): KV slots allocated, each
-request's `req_to_token` row written (the invariant `ForwardBatch` states), index tensors built.
+request's `req_to_token` row written (the invariant `ForwardBatch` states), index tensors built, each step by
+`forward_batch_info.lay_out` (the one layout every kind of step shares).
 
 The scheduler decides *what* runs; this module decides *how it is laid out*:
 - extend: the prefill requests' new tokens, concatenated;
@@ -27,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, lay_out
 from srt.scheduler.index_upload import IndexUploader
 from srt.scheduler.schedule_batch import Req
 
@@ -67,40 +68,21 @@ class StepBuilder:
         prefill part (which comes first)."""
         up = self.uploader
         up.begin_step()
-        table = self.req_to_token_pool.req_to_token
         self._give_rows(prefill)
-        num_prefill = sum(r.extend_len for r in prefill)
-        loc = self.alloc_kv(num_prefill + len(decode))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        offset = 0
-        for req in prefill:
-            start, end = req.kv_len, req.kv_len + req.extend_len
-            table[req.req_pool_idx, start:end] = loc[offset : offset + req.extend_len]
-            input_ids.extend(req.fill_ids[start:end])
-            positions.extend(range(start, end))
-            offset += req.extend_len
-        if decode:
-            decode_positions = [r.kv_len for r in decode]
-            decode_rows = up.upload("decode_rows", [r.req_pool_idx for r in decode])
-            table[decode_rows, up.upload("decode_positions", decode_positions)] = loc[offset:]
-            input_ids.extend(r.output_ids[-1] for r in decode)
-            positions.extend(decode_positions)
         reqs = prefill + decode
-        prefix_lens = [r.kv_len for r in reqs]
         new_lens = [r.extend_len for r in prefill] + [1] * len(decode)
-        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens, strict=True)]
-        batch = ForwardBatch(
-            mode=ForwardMode.MIXED if decode else ForwardMode.EXTEND,
-            batch_size=len(reqs),
-            input_ids=up.upload("input_ids", input_ids),
-            positions=up.upload("positions", positions),
-            out_cache_loc=loc,
-            req_pool_indices=up.upload("req_pool_indices", [r.req_pool_idx for r in reqs]),
-            seq_lens=up.upload("seq_lens", seq_lens),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=new_lens,
+        loc = self.alloc_kv(sum(new_lens))
+        input_ids = self._prefill_ids(prefill)
+        input_ids.extend(r.output_ids[-1] for r in decode)
+        batch = lay_out(
+            ForwardMode.MIXED if decode else ForwardMode.EXTEND,
+            self.req_to_token_pool,
+            [r.req_pool_idx for r in reqs],
+            [r.kv_len for r in reqs],
+            input_ids,
+            new_lens,
+            loc,
+            up,
             num_decode=len(decode),
             lora_slots=self._lora_slots(reqs),
             **extra,
@@ -112,20 +94,15 @@ class StepBuilder:
         up = self.uploader
         up.begin_step()
         loc = self.alloc_kv(len(reqs))
-        kv_lens = [r.kv_len for r in reqs]
-        pool_idx = up.upload("req_pool_indices", [r.req_pool_idx for r in reqs])
-        positions = up.upload("positions", kv_lens)
-        self.req_to_token_pool.req_to_token[pool_idx, positions] = loc
-        seq_lens_cpu = [n + 1 for n in kv_lens]
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            batch_size=len(reqs),
-            input_ids=up.upload("input_ids", [r.output_ids[-1] for r in reqs]),
-            positions=positions,
-            out_cache_loc=loc,
-            req_pool_indices=pool_idx,
-            seq_lens=positions + 1,
-            seq_lens_cpu=seq_lens_cpu,
+        batch = lay_out(
+            ForwardMode.DECODE,
+            self.req_to_token_pool,
+            [r.req_pool_idx for r in reqs],
+            [r.kv_len for r in reqs],
+            [r.output_ids[-1] for r in reqs],
+            [1] * len(reqs),
+            loc,
+            up,
             lora_slots=self._lora_slots(reqs),
         )
         up.end_step()
@@ -146,30 +123,16 @@ class StepBuilder:
         new_lens = [r.extend_len for r in prefill] + [len(d) + 1 for d in drafts] + [1] * len(plain)
         num_rows = sum(new_lens)
         loc = self.alloc_kv(num_rows)
-        input_ids: list[int] = []
-        for req in prefill:
-            input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + req.extend_len])
+        input_ids = self._prefill_ids(prefill)
         for req, run in zip(reqs, drafts, strict=True):
             input_ids.append(req.output_ids[-1])
             input_ids.extend(run)
         input_ids.extend(r.output_ids[-1] for r in plain)
-        positions: list[int] = []
-        table_rows: list[int] = []
-        for req, n in zip(everyone, new_lens, strict=True):
-            positions.extend(range(req.kv_len, req.kv_len + n))
-            table_rows.extend([req.req_pool_idx] * n)
-        positions_t = up.upload("positions", positions)
-        table_rows_t = up.upload("verify_rows", table_rows)
-        self.req_to_token_pool.req_to_token[table_rows_t, positions_t] = loc
-        input_ids_t = up.upload("input_ids", input_ids)
+        prefix_lens = [r.kv_len for r in everyone]
         if not prefill and num_rows <= self.verify_rows_as_decode:
-            batch = self._decode_rows(
-                everyone, new_lens, input_ids_t, positions, positions_t, table_rows_t, loc
-            )
+            batch = self._decode_rows(everyone, new_lens, prefix_lens, input_ids, loc)
             up.end_step()
             return batch
-        prefix_lens = [r.kv_len for r in everyone]
-        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens, strict=True)]
         if self._all_rows.numel() < num_rows:
             self._all_rows = torch.arange(2 * num_rows, dtype=torch.int64, device=self._all_rows.device)
         fed = sum(new_lens[len(prefill) :])
@@ -177,17 +140,15 @@ class StepBuilder:
         if prefill:  # each prefill sequence's last row, then every fed row
             ends = list(itertools.accumulate(new_lens[: len(prefill)]))
             rows = torch.cat([up.upload("prefill_last_rows", [e - 1 for e in ends]), rows])
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            batch_size=len(everyone),
-            input_ids=input_ids_t,
-            positions=positions_t,
-            out_cache_loc=loc,
-            req_pool_indices=up.upload("req_pool_indices", [r.req_pool_idx for r in everyone]),
-            seq_lens=up.upload("seq_lens", seq_lens),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=new_lens,
+        batch = lay_out(
+            ForwardMode.EXTEND,
+            self.req_to_token_pool,
+            [r.req_pool_idx for r in everyone],
+            prefix_lens,
+            input_ids,
+            new_lens,
+            loc,
+            up,
             logit_rows=rows,
             lora_slots=self._lora_slots(everyone),
         )
@@ -198,10 +159,8 @@ class StepBuilder:
         self,
         reqs: list[Req],
         new_lens: list[int],
-        input_ids: torch.Tensor,
-        positions: list[int],
-        positions_t: torch.Tensor,
-        table_rows: torch.Tensor,
+        prefix_lens: list[int],
+        input_ids: list[int],
         loc: torch.Tensor,
     ) -> ForwardBatch:
         """A verify step's rows as a decode batch (see the module docstring): the row at position p of a
@@ -209,26 +168,39 @@ class StepBuilder:
         and its own K/V (written by the layer before it attends). Logits come back for every row, in order."""
         slots = self._lora_slots(reqs)
         if slots is not None:  # each request's slot on each of its rows
-            slots = [slot for slot, n in zip(slots, new_lens, strict=True) for _ in range(n)]
-        return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            batch_size=len(positions),
-            input_ids=input_ids,
-            positions=positions_t,
-            out_cache_loc=loc,
-            req_pool_indices=table_rows,
-            seq_lens=positions_t + 1,
-            seq_lens_cpu=[p + 1 for p in positions],
+            slots = list(itertools.chain.from_iterable(map(itertools.repeat, slots, new_lens)))
+        table_rows = itertools.chain.from_iterable(
+            map(itertools.repeat, (r.req_pool_idx for r in reqs), new_lens)
+        )
+        positions = itertools.chain.from_iterable(
+            map(range, prefix_lens, (p + n for p, n in zip(prefix_lens, new_lens, strict=True)))
+        )
+        return lay_out(
+            ForwardMode.DECODE,
+            self.req_to_token_pool,
+            list(table_rows),
+            list(positions),
+            input_ids,
+            [1] * len(input_ids),
+            loc,
+            self.uploader,
             lora_slots=slots,
         )
 
     def _give_rows(self, prefill: list[Req]) -> None:
         """A `req_to_token` row, holding its cached prefix's slots, for each prefill request without one."""
-        table = self.req_to_token_pool.req_to_token
         for req in prefill:
             if req.req_pool_idx is None:
                 req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
-                table[req.req_pool_idx, : req.kv_len] = req.prefix_indices
+                self.req_to_token_pool.write((req.req_pool_idx, slice(0, req.kv_len)), req.prefix_indices)
+
+    @staticmethod
+    def _prefill_ids(prefill: list[Req]) -> list[int]:
+        """The prefill requests' new tokens, concatenated: what a step feeds them."""
+        ids: list[int] = []
+        for req in prefill:
+            ids.extend(req.fill_ids[req.kv_len : req.kv_len + req.extend_len])
+        return ids
 
     def _lora_slots(self, reqs: list[Req]) -> list[int] | None:
         return None if self.adapter_slots is None else self.adapter_slots(reqs)

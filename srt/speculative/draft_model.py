@@ -8,7 +8,10 @@ The draft model's KV per request follows the request's tokens: after a verify st
 accepted output) may diverge from what the draft model last fed (its rejected drafts). Each `propose` keeps
 the longest prefix of its cached tokens that is still history, frees the slots of the rest, feeds the
 history's new tokens in one batched extend step, then runs batched decode steps for the remaining drafts.
-The request-to-token rows and slots are the draft runner's own: nothing here touches the target's pools.
+Its steps are laid out by `lay_out`, as the target's are, and its KV follows the target's rule: a sequence's row
+holds the slots of exactly its cached `tokens`, and tokens that are not the request's give theirs back. The
+request-to-token rows and slots are the draft runner's own: nothing here touches the target's pools (why not
+share them as SGLang's draft workers do: docs/architecture.md, "Step layout and the request-to-token table").
 When the draft pool cannot hold a step, the step has no drafts (the requests decode plainly) rather than
 evicting anything.
 """
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardMode, FreshTensors, lay_out
 from srt.model_executor.model_runner import ModelRunner
 from srt.speculative.proposer import Drafts, Proposer, SpecRequest
 
@@ -37,6 +40,7 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.k = k
         self.seqs: dict[str, _DraftSeq] = {}
+        self.upload = FreshTensors(runner.device)
 
     # ---- the proposer interface ----
     def propose(self, requests: Sequence[SpecRequest], max_lens: Sequence[int]) -> Drafts:
@@ -104,7 +108,7 @@ class DraftModelProposer(Proposer):
     def _truncate(self, seq: _DraftSeq, length: int) -> None:
         if length < len(seq.tokens):
             table = self.runner.req_to_token_pool.req_to_token
-            self.runner.token_to_kv_pool_allocator.free(table[seq.row, length : len(seq.tokens)].clone())
+            self.runner.token_to_kv_pool_allocator.free(table[seq.row, length : len(seq.tokens)])  # it copies
             del seq.tokens[length:]
         seq.verified = min(seq.verified, length)
 
@@ -115,29 +119,15 @@ class DraftModelProposer(Proposer):
         slots = self.runner.token_to_kv_pool_allocator.alloc(sum(counts))
         if slots is None:
             return None
-        table = self.runner.req_to_token_pool.req_to_token
-        positions: list[int] = []
-        prefix_lens = [len(s.tokens) for s in seqs]
-        offset = 0
-        for seq, prefix, n in zip(seqs, prefix_lens, counts, strict=True):
-            table[seq.row, prefix : prefix + n] = slots[offset : offset + n]
-            positions.extend(range(prefix, prefix + n))
-            offset += n
-        seq_lens = [p + n for p, n in zip(prefix_lens, counts, strict=True)]
-        device = self.runner.device
-        index = dict(dtype=torch.int64, device=device)
-        decode = mode is ForwardMode.DECODE
-        batch = ForwardBatch(
-            mode=mode,
-            batch_size=len(seqs),
-            input_ids=torch.tensor([t for f in feeds for t in f], **index),
-            positions=torch.tensor(positions, **index),
-            out_cache_loc=slots,
-            req_pool_indices=torch.tensor([s.row for s in seqs], **index),
-            seq_lens=torch.tensor(seq_lens, **index),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=None if decode else prefix_lens,
-            extend_seq_lens_cpu=None if decode else counts,
+        batch = lay_out(
+            mode,
+            self.runner.req_to_token_pool,
+            [s.row for s in seqs],
+            [len(s.tokens) for s in seqs],
+            [t for f in feeds for t in f],
+            counts,
+            slots,
+            self.upload,
         )
         logits = self.runner.forward(batch)
         for seq, f in zip(seqs, feeds, strict=True):

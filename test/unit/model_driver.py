@@ -1,13 +1,14 @@
 """A minimal stand-in for the scheduler, for model tests: it owns the pools' bookkeeping (request rows, KV
-slots, the req_to_token invariant of `ForwardBatch`) and runs extend/decode steps through a ModelRunner."""
+slots) and runs extend/decode steps, laid out by `lay_out` as the scheduler's are, through a ModelRunner."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardMode, FreshTensors, lay_out
 from srt.model_executor.model_runner import ModelRunner
 
 
@@ -43,8 +44,8 @@ class PagedDriver:
 
     def share_prefix(self, dst: Seq, src: Seq, length: int) -> None:
         """Point dst's first `length` tokens at src's KV slots, as a radix-cache hit does."""
-        table = self.runner.req_to_token_pool.req_to_token
-        table[dst.row, :length] = table[src.row, :length]
+        pool = self.runner.req_to_token_pool
+        pool.write((dst.row, slice(0, length)), pool.req_to_token[src.row, :length])
         dst.kv_len = length
 
     def release(self, seq: Seq) -> None:
@@ -78,29 +79,20 @@ class PagedDriver:
         counts = [len(t) for t in new_tokens]
         slots = self.runner.token_to_kv_pool_allocator.alloc(sum(counts))
         assert slots is not None, "KV pool exhausted"
-        table = self.runner.req_to_token_pool.req_to_token
-        positions, offset = [], 0
-        for seq, n in zip(seqs, counts, strict=True):
-            table[seq.row, seq.kv_len : seq.kv_len + n] = slots[offset : offset + n]
-            seq.owned_slots.append(slots[offset : offset + n])
-            positions.extend(range(seq.kv_len, seq.kv_len + n))
-            offset += n
-        prefix_lens = [s.kv_len for s in seqs]
-        seq_lens = [p + n for p, n in zip(prefix_lens, counts, strict=True)]
-        index = dict(dtype=torch.int64, device=self.runner.device)
-        batch = ForwardBatch(
-            mode=mode,
-            batch_size=len(seqs),
-            input_ids=torch.tensor([t for ts in new_tokens for t in ts], **index),
-            positions=torch.tensor(positions, **index),
-            out_cache_loc=slots,
-            req_pool_indices=torch.tensor([s.row for s in seqs], **index),
-            seq_lens=torch.tensor(seq_lens, **index),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=None if mode is ForwardMode.DECODE else prefix_lens,
-            extend_seq_lens_cpu=None if mode is ForwardMode.DECODE else counts,
+        offsets = [0, *itertools.accumulate(counts)]
+        for seq, start, end in zip(seqs, offsets, offsets[1:], strict=False):
+            seq.owned_slots.append(slots[start:end])
+        batch = lay_out(
+            mode,
+            self.runner.req_to_token_pool,
+            [s.row for s in seqs],
+            [s.kv_len for s in seqs],
+            [t for ts in new_tokens for t in ts],
+            counts,
+            slots,
+            FreshTensors(self.runner.device),
             num_decode=num_decode,
-            logit_rows=torch.arange(sum(counts), **index) if every_row else None,
+            logit_rows=torch.arange(sum(counts), device=self.runner.device) if every_row else None,
             lora_slots=self.runner.lora.prepare_step([s.adapter for s in seqs]) if self.runner.lora else None,
         )
         logits = self.runner.forward(batch)

@@ -12,7 +12,7 @@ import torch
 
 from srt.lora.adapter import lora_scaling
 from srt.lora.manager import LoRAConfig
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardMode, FreshTensors, lay_out
 from srt.model_executor.model_runner import ModelRunner
 from test.model_families import gemma2
 from test.unit.lora_adapters import peft_logits, save_peft_adapter
@@ -119,18 +119,15 @@ def test_prompt_logprobs_are_the_adapters(tiny_model_dir, adapters, runner):
     runner.req_to_token_pool.clear()
     runner.token_to_kv_pool_allocator.clear()
     slots, row = runner.token_to_kv_pool_allocator.alloc(n), runner.req_to_token_pool.alloc(1)[0]
-    runner.req_to_token_pool.req_to_token[row, :n] = slots
-    batch = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.tensor(ids),
-        positions=torch.arange(n),
-        out_cache_loc=slots,
-        req_pool_indices=torch.tensor([row]),
-        seq_lens=torch.tensor([n]),
-        seq_lens_cpu=[n],
-        extend_prefix_lens_cpu=[0],
-        extend_seq_lens_cpu=[n],
+    batch = lay_out(
+        ForwardMode.EXTEND,
+        runner.req_to_token_pool,
+        [row],
+        [0],
+        ids,
+        [n],
+        slots,
+        FreshTensors(runner.device),
         logprob_rows=torch.arange(n - 1),
         logprob_targets=torch.tensor(ids[1:]),
         lora_slots=runner.lora.prepare_step(["r8"]),

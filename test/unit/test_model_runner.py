@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardMode, FreshTensors, lay_out
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.runner_setup import available_memory_bytes
 from test.unit.model_driver import PagedDriver
@@ -153,16 +153,8 @@ def test_decode_writes_kv_at_out_cache_loc(driver):
     seq = driver.new_seq()
     driver.extend([seq], [tokens(5, seed=30)])
     slot = runner.token_to_kv_pool_allocator.alloc(1)
-    runner.req_to_token_pool.req_to_token[seq.row, 5] = slot
-    batch = ForwardBatch(
-        mode=ForwardMode.DECODE,
-        batch_size=1,
-        input_ids=torch.tensor([42]),
-        positions=torch.tensor([5]),
-        out_cache_loc=slot,
-        req_pool_indices=torch.tensor([seq.row]),
-        seq_lens=torch.tensor([6]),
-        seq_lens_cpu=[6],
+    batch = lay_out(
+        ForwardMode.DECODE, runner.req_to_token_pool, [seq.row], [5], [42], [1], slot, FreshTensors("cpu")
     )
     for layer in range(runner.hf_config.num_hidden_layers):
         for buf in runner.token_to_kv_pool.get_kv_buffer(layer):

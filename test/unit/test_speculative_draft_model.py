@@ -9,6 +9,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.model_runner import ModelRunner
@@ -85,6 +86,25 @@ def test_releasing_every_request_gives_back_every_slot_and_row(int8_runners):
         proposer.release(r.rid)
     assert draft.token_to_kv_pool_allocator.available_size() == slots_before
     assert draft.req_to_token_pool.available_size() == rows_before
+
+
+def test_each_draft_row_holds_the_slots_of_exactly_its_cached_tokens(int8_runners):
+    """The target's rule, in the draft pool: after drafts are rejected and the next propose has run, the slots in
+    use are exactly those of every sequence's cached tokens, each held once."""
+    _, draft = int8_runners
+    allocator, table = draft.token_to_kv_pool_allocator, draft.req_to_token_pool.req_to_token
+    free_before = allocator.available_size()
+    proposer = DraftModelProposer(draft, K)
+    reqs = [request(f"k{i}", p) for i, p in enumerate(PROMPTS)]
+    drafts = proposer.propose(reqs, [K] * len(reqs)).token_ids
+    for req, d, accepted in zip(reqs, drafts, (1, 0, 3), strict=True):
+        req.output_ids = [*d[:accepted], 11]
+    proposer.propose(reqs, [K, 2, 1])
+    seqs = [proposer.seqs[r.rid] for r in reqs]
+    held = torch.cat([table[s.row, : len(s.tokens)] for s in seqs]).tolist()
+    assert len(set(held)) == len(held) == free_before - allocator.available_size()
+    for r in reqs:
+        proposer.release(r.rid)
 
 
 def test_a_full_draft_pool_means_no_drafts_this_step(int8_runners):

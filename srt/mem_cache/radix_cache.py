@@ -244,7 +244,7 @@ class RadixCache(BasePrefixCache):
         match = self.match_prefix(token_ids, req.lora_name)
         new_indices = match.device_indices
         # The tree's slots replace the duplicates just freed, so the row stays valid for attention.
-        self.req_to_token_pool.req_to_token[row, held : len(new_indices)] = new_indices[held:]
+        self.req_to_token_pool.write((row, slice(held, len(new_indices))), new_indices[held:])
         self.inc_lock_ref(match.last_node)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)

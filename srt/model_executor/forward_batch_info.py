@@ -27,7 +27,7 @@ class ForwardMode(Enum):
 
 @dataclass
 class ForwardBatch:
-    """One step's inputs. Invariant: before `forward` is called, the scheduler has written
+    """One step's inputs, built by `lay_out`. Invariant: before `forward` is called, `lay_out` has written
     `req_to_token[req_pool_idx, prefix_len:seq_len] = out_cache_loc` for each sequence, so the attention
     backend finds every token's KV slot (old and new) through `req_to_token`."""
 

@@ -33,7 +33,7 @@ from torch import nn
 from srt.heap import release_free_heap
 from srt.mem_cache.memory_pool import PADDING_SLOT, MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.attention.registry import backend_class, resolve_backend_name
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, FreshTensors, lay_out
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear_method import W8A8Int8LinearMethod
@@ -121,24 +121,22 @@ class CalibrationWindows:
         self.slots = torch.arange(
             PADDING_SLOT + 1, PADDING_SLOT + 1 + window, dtype=torch.int64, device=device
         )
-        req_to_token.req_to_token[0, :window] = self.slots
+        self.req_to_token = req_to_token
 
     def batches(self, ids: list[int]) -> list[ForwardBatch]:
         return [self._batch(ids[start : start + self.window]) for start in range(0, len(ids), self.window)]
 
     def _batch(self, chunk: list[int]) -> ForwardBatch:
         n = len(chunk)
-        return ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            batch_size=1,
-            input_ids=torch.tensor(chunk, dtype=torch.int64, device=self.device),
-            positions=torch.arange(n, dtype=torch.int64, device=self.device),
-            out_cache_loc=self.slots[:n],
-            req_pool_indices=torch.zeros(1, dtype=torch.int64, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int64, device=self.device),
-            seq_lens_cpu=[n],
-            extend_prefix_lens_cpu=[0],
-            extend_seq_lens_cpu=[n],
+        return lay_out(
+            ForwardMode.EXTEND,
+            self.req_to_token,
+            [0],
+            [0],
+            chunk,
+            [n],
+            self.slots[:n],
+            FreshTensors(self.device),
         )
 
     @torch.inference_mode()

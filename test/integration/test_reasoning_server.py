@@ -4,8 +4,9 @@ Qwen3 with SmolLM2's tokenizer and a Qwen3-shaped chat template
 false), served with `--reasoning-parser qwen3`. A `regex` constraint steers its output into the shapes a
 thinking model writes. The tags stay plain text of several tokens: the grammar libraries read an added token
 as a special one, which no regex can write; so the thinking is counted by the decoded text of the output's
-prefixes here (a one-token end tag, counted by its id, is covered by test/unit/test_chat_reasoning.py). One
-server serves every case."""
+prefixes here (a one-token end tag, counted by its id, is covered by test/unit/test_chat_reasoning.py). The
+client matrix of docs/reasoning.md runs here too: the `openai` client, SMG's chat path, lm-eval and guidellm,
+each unchanged. One server serves every case."""
 
 from __future__ import annotations
 
@@ -360,8 +361,10 @@ def test_guidellm_reads_the_thinking_and_the_answer_apart(server, tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=GUIDELLM_TIMEOUT_SECONDS, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (bench,) = json.loads(report.read_text())["benchmarks"]
-    done = bench["requests"]["successful"]
-    assert len(done) == GUIDELLM_REQUESTS and bench["scheduler_state"]["errored_requests"] == 0
+    done, state = bench["requests"]["successful"], bench["scheduler_state"]
+    counts = {k: v for k, v in state.items() if k.endswith("_requests")}
+    errors = [(r.get("info") or {}).get("error") for r in bench["requests"].get("errored") or []]
+    assert len(done) == GUIDELLM_REQUESTS and state["errored_requests"] == 0, (counts, errors)
     for r in done:
         assert re.fullmatch("[a-z]{4}", r["output"]), r
         assert re.fullmatch("[a-z]{4} [a-z]{4}", r["reasoning_output"]), r

@@ -209,6 +209,22 @@ def test_every_isa_variant_agrees_with_the_native_one(variants, qtype):
         assert torch.equal(k.dequantize_rows(m, torch.arange(ROWS)), rows), name
 
 
+def test_every_isa_variant_quantizes_activations_to_the_same_bytes(variants):
+    """The activation rows (int8 values, scales, sums) are one definition, whatever the build computes them
+    with: zero, non-finite, tiny and huge blocks, and values that round half-way."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)) * 4
+    x[0, :32] = 0.0
+    x[0, 40] = float("nan")
+    x[1, 70] = float("-inf")
+    x[1, 96:128] = torch.arange(32) - 15.5  # with amax 127 the scale is 1: halves, rounded to even
+    x[1, 127] = 127.0
+    x[2, 128:160] *= 1e-30
+    x[2, 160:192] *= 1e30
+    native = gguf_linear.kernels().quantize_activations(x)
+    for name, k in variants.items():
+        assert torch.equal(k.quantize_activations(x), native), name
+
+
 def test_a_fused_product_of_quantized_and_float_parts_is_each_parts_product():
     parts = [
         matrix(T.Q4_K, cols=512, seed=1)[0],

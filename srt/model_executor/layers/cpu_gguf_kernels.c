@@ -303,6 +303,37 @@ ALWAYS_INLINE void decode(const int QTYPE, const uint8_t *row, int64_t c0, int64
 
 /* ---- activations ---- */
 
+#if SRT_ISA == 2
+/* One block of 32 of srt_gguf_quantize_rows, 16 lanes at a time, to the same bytes and floats as its scalar
+ * loop (the same max, products and sums; vcvtps2dq rounds to nearest even as nearbyintf does in the default
+ * rounding mode): 1 us rather than 15 for a decode step's 4096 inputs, which the other threads wait for. */
+static inline void quantize_block(const float *xb, uint8_t *au, int8_t *as, int32_t *n4, float *d4, float *m16,
+                                  float *d32) {
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a0f = _mm512_abs_ps(x0), a1f = _mm512_abs_ps(x1), top = _mm512_set1_ps(3.40282347e38f);
+    /* ordered <= is false for an infinity and a NaN */
+    const int finite = (_mm512_cmp_ps_mask(a0f, top, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1f, top, _CMP_LE_OQ)) == 0xffff;
+    const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(a0f, a1f)) : 0.0f;
+    const float d = finite ? amax / ACT_MAX : NAN, id = finite && amax > 0.0f ? ACT_MAX / amax : 0.0f;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+    if (finite) {
+        a0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        a1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+    }
+    const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(a1), _mm512_cvtepi32_epi8(a0));
+    _mm256_storeu_si256((__m256i *)(void *)as, bytes);
+    _mm256_storeu_si256((__m256i *)(void *)au, _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)));
+    /* each lane's sum of four, times -128 */
+    const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_zextsi256_si512(bytes));
+    _mm256_storeu_si256((__m256i *)(void *)n4,
+                        _mm512_castsi512_si256(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lanes, 7))));
+    _mm256_storeu_ps(d4, _mm256_set1_ps(d));
+    *d32 = d;
+    m16[0] = d * (float)_mm512_reduce_add_epi32(a0);
+    m16[1] = d * (float)_mm512_reduce_add_epi32(a1);
+}
+#endif
+
 /* x [m, cols] (row stride x_stride, cols a multiple of 32) -> act [m, srt_gguf_act_row_bytes(cols)]: per block
  * of 32, d = amax / 127 and a = round(x * 127 / amax) (|a| <= 127; an all-zero block has d = 0, a = 0; a
  * block with an infinity or NaN has d = NaN, so its outputs are NaN as an fp32 product's would be). */
@@ -317,6 +348,9 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
         int32_t *n4 = (int32_t *)(void *)(as + cols);
         float *d32 = (float *)(void *)(n4 + cols / LANE);
         for (int64_t c = 0; c < cols; c += QK) {
+#if SRT_ISA == 2
+            quantize_block(xr + c, au + c, as + c, n4 + c / LANE, d4 + c / LANE, m16 + c / GROUP, d32 + c / QK);
+#else
             float amax = 0.0f;
             int finite = 1;
             for (int i = 0; i < QK; i++) {
@@ -337,6 +371,7 @@ void srt_gguf_quantize_rows(const float *x, int64_t m, int64_t cols, int64_t x_s
             fill(d4 + c / LANE, QK / LANE, d);
             d32[c / QK] = d;
             for (int g = 0; g < QK / GROUP; g++) m16[c / GROUP + g] = d * (float)sum[g];
+#endif
         }
     }
 }

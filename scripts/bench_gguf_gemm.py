@@ -201,13 +201,14 @@ def main() -> None:
     p.add_argument(
         "--cpu-time",
         action="store_true",
-        help="time the calling thread's CPU time, not the wall clock: with OMP_NUM_THREADS=1 a figure the "
-        "other processes of a busy machine do not stretch (they still share its caches)",
+        help="time the process's CPU time, not the wall clock: a figure the other processes of a busy machine "
+        "do not stretch (they still share its caches); with several threads run it with "
+        "OMP_WAIT_POLICY=passive, so that a thread waiting for the others sleeps instead of counting",
     )
     args = p.parse_args()
-    if args.cpu_time and torch.get_num_threads() != 1:
-        p.error("--cpu-time times the calling thread only: run it with OMP_NUM_THREADS=1")
-    clock = time.thread_time if args.cpu_time else time.perf_counter
+    if args.cpu_time and torch.get_num_threads() > 1 and os.environ.get("OMP_WAIT_POLICY") != "passive":
+        p.error("--cpu-time with several threads counts their spinning: set OMP_WAIT_POLICY=passive")
+    clock = time.process_time if args.cpu_time else time.perf_counter
     kernels = cpu_kernels.load()
     gguf_kernels()  # built before the timing
     print(f"threads {torch.get_num_threads()}, kernels {kernels.isa if kernels else 'none (no int8 column)'}")

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="the directory to write (created)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tinyllama-1.1b")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--layers", type=int, default=None, help="fewer decoder layers than the preset's (same widths)"
+    )
     args = ap.parse_args(argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
+        num_hidden_layers=args.layers or shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         max_position_embeddings=shape.context,

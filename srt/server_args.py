@@ -193,8 +193,11 @@ class ServerArgs:
     # CPU execution (docs/cpu_execution.md)
     quantization: str | None = _f(
         None,
-        "gguf runs a .gguf file's own quantized blocks, nothing converted or calibrated (the CPU default for "
-        "a GGUF, the embedded models included); w8a8_int8 runs every linear layer in int8 (per-channel GPTQ "
+        "gguf runs a .gguf file's own quantized blocks, nothing converted or calibrated; gguf_int8 runs int8 "
+        "weights made from those blocks at load (round-to-nearest per output row, no calibration: faster on "
+        "small models); unset, a GGUF on the CPU runs gguf_int8 if it is small and its weights quantized "
+        "(the embedded models; the measured rule is in docs/cpu_execution.md), else gguf; w8a8_int8 runs "
+        "every linear layer in int8 (per-channel GPTQ "
         "weights, two-level per-token activations; the CPU default for a Hugging Face directory: it passed "
         "the quality gate of scripts/eval_quality.py, see docs/cpu_execution.md); none keeps fp32 (the GPU "
         "default, a GGUF converted once, and the reference srt is tested against transformers with)",

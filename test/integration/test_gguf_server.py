@@ -3,9 +3,10 @@
 - A tiny random Llama whose layers hold every block type the kernels run (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   Q4_K, Q5_K, Q6_K, F16; an untied Q6_K head) answers greedily with transformers' top token on the file's dequantized
   fp32 weights (the converter's checkpoint), teacher-forced on the server's own tokens, or a near-tie.
-- The embedded SmolLM2's start never makes an fp32 copy of the model: the scheduler's peak resident memory
-  stays below the fp32 weights' size (the converted checkpoint's), and the cache gains nothing but kernels.
-- Two tensor-parallel ranks answer as one.
+- The embedded SmolLM2's start never makes an fp32 copy of the model, on its blocks or on int8 made from
+  them (its default): the scheduler's peak resident memory stays below the fp32 weights' size (the
+  converted checkpoint's), and the cache gains nothing but kernels.
+- Two tensor-parallel ranks on the blocks answer as one.
 - A file with a type the kernels cannot run (Q3_K), by default, exits with code 2 and one
   start-up line naming the tensor and the type.
 """
@@ -101,7 +102,8 @@ def test_two_tensor_parallel_ranks_answer_as_one(tmp_path):
     ids = [1, 504, 1463, 282, 260]
     answers = {}
     for tp in (1, 2):
-        with running_server("--model-path", path, "--tp-size", str(tp), "--max-total-tokens", "2048") as s:
+        flags = ("--quantization", "gguf", "--tp-size", str(tp), "--max-total-tokens", "2048")
+        with running_server("--model-path", path, *flags) as s:
             answers[tp] = generate(s, ids)
     assert answers[1] == answers[2]
 
@@ -136,20 +138,23 @@ RUNTIME_PROBE = (
 )
 
 
-def test_the_embedded_model_starts_without_an_fp32_copy(embedded_model_dir, tmp_path):
+@pytest.mark.parametrize("quantization", ["gguf_int8", "gguf"])
+def test_the_embedded_model_starts_without_an_fp32_copy(embedded_model_dir, tmp_path, quantization):
     """The scheduler's peak resident memory (VmHWM) above the runtime's own (torch, srt, the kernels: a
-    probe process's) holds the touched pages of the GGUF's map, the KV pool's touched pages and buffers:
-    less than the fp32 weights alone, which the old start held (and wrote to disk). The cache gains only
-    the compiled kernels."""
+    probe process's) holds the touched pages of the GGUF's map, the KV pool's touched pages and buffers
+    (and under gguf_int8, the embedded SmolLM2's default, the int8 weights made from the blocks): less than
+    the fp32 weights alone, which the old start held (and wrote to disk). The cache gains only the compiled
+    kernels."""
     fp32_bytes = sum(
         os.path.getsize(os.path.join(embedded_model_dir, n))
         for n in os.listdir(embedded_model_dir)
         if n.endswith(".safetensors")
     )
     cache = tmp_path / "cache"
-    handle = launch_server("--max-total-tokens", "4096", env={"SRT_CACHE_DIR": str(cache)})
+    flags = () if quantization == "gguf_int8" else ("--quantization", quantization)  # the default, or forced
+    handle = launch_server("--max-total-tokens", "4096", *flags, env={"SRT_CACHE_DIR": str(cache)})
     try:
-        assert "quantization gguf" in handle.logs()
+        assert f"quantization {quantization}," in handle.logs()
         r = httpx.post(
             f"{handle.base_url}/v1/completions",
             json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},

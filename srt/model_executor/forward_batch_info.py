@@ -6,7 +6,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from itertools import chain, repeat
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -107,10 +107,10 @@ class FreshTensors:
 def lay_out(
     mode: ForwardMode,
     pool: ReqToTokenPool,
-    rows: Sequence[int],
-    prefix_lens: Sequence[int],
+    rows: list[int],
+    prefix_lens: list[int],
     fed: list[int],
-    fed_lens: Sequence[int],
+    fed_lens: list[int],
     out_cache_loc: torch.Tensor,
     upload: IndexUpload,
     **fields,
@@ -127,11 +127,13 @@ def lay_out(
     row may appear more than once (a verify step laid out as decode rows: one sequence per fed token)."""
     seq_lens = list(map(operator.add, prefix_lens, fed_lens))
     positions = upload.upload("positions", list(chain.from_iterable(map(range, prefix_lens, seq_lens))))
-    req_pool_indices = upload.upload("req_pool_indices", list(rows))
-    if all(n == 1 for n in fed_lens):
+    req_pool_indices = upload.upload("req_pool_indices", rows)
+    if fed_lens.count(1) == len(fed_lens):
         token_rows = req_pool_indices
     else:
-        token_rows = upload.upload("token_rows", list(chain.from_iterable(map(repeat, rows, fed_lens))))
+        # each fed token's row, repeated on the device: a per-token host list cost more to upload
+        counts = upload.upload("fed_lens", fed_lens)
+        token_rows = req_pool_indices.repeat_interleave(counts, output_size=len(fed))
     pool.write((token_rows, positions), out_cache_loc)
     decode = mode is ForwardMode.DECODE
     return ForwardBatch(
@@ -143,8 +145,8 @@ def lay_out(
         req_pool_indices=req_pool_indices,
         seq_lens=positions + 1 if decode else upload.upload("seq_lens", seq_lens),
         seq_lens_cpu=seq_lens,
-        extend_prefix_lens_cpu=None if decode else list(prefix_lens),
-        extend_seq_lens_cpu=None if decode else list(fed_lens),
+        extend_prefix_lens_cpu=None if decode else prefix_lens,
+        extend_seq_lens_cpu=None if decode else fed_lens,
         **fields,
     )
 

@@ -121,5 +121,6 @@ def test_every_linear_layer_holds_int8_and_the_embedding_stays_blocks(runner):
 def test_greedy_tokens_on_int8_from_blocks_match_transformers_on_the_dequantized_weights(runner):
     """test_gguf_loader's check of the blocks, on int8 made from them: every greedy token is transformers'
     top token on the dequantized fp32 weights given the same context (teacher-forced), or within its
-    NEAR_TIE of it, with at most its MAX_FLIPS such flips."""
+    NEAR_TIE (1.5) of it, with at most its MAX_FLIPS (8) such flips. Measured: 2 flips of 72 steps, at
+    leads 0.368 and 0.188 (the blocks: 5, at 0.007-0.165), so the blocks' bound holds with room."""
     greedy_tokens_match_the_dequantized_reference((runner, resolve_model_dir(SMOLLM2)))

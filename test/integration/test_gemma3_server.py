@@ -241,11 +241,11 @@ def test_greedy_completion_equals_transformers(server, client, tokenizer, hf_mod
 
 
 def test_the_cpu_default_gguf_server_answers(server):
-    """Last in the module: the default server (gguf: the file's own blocks, nothing converted or calibrated)
-    beside the fp32 one, which is idle by now."""
+    """Last in the module: the default server (gguf_int8: int8 made from the file's blocks at load, nothing
+    converted or calibrated) beside the fp32 one, which is idle by now."""
     default = launch_server("--model-path", NAME, timeout=DEFAULT_STARTUP_TIMEOUT)
     try:
-        assert httpx.get(f"{default.base_url}/server_info", timeout=10).json()["quantization"] == "gguf"
+        assert httpx.get(f"{default.base_url}/server_info", timeout=10).json()["quantization"] == "gguf_int8"
         client = default.openai_client(timeout=TIMEOUT)
         r = client.completions.create(
             model=MODEL, prompt="The Eiffel Tower is located in the city of", temperature=0, max_tokens=4

@@ -23,7 +23,9 @@ pool of one window, so the numerics are those of the runner's forward.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -55,6 +57,12 @@ from srt.model_executor.runner_setup import resolve_kv_cache_dtype
 logger = logging.getLogger(__name__)
 
 W8A8_INT8 = W8A8Int8LinearMethod.name
+# glibc's mallopt parameter, its default value and the variable a child reads it from (srt.heap)
+M_MMAP_THRESHOLD = -3
+GLIBC_DEFAULT_MMAP_THRESHOLD = 128 * 1024
+CHILD_MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+# calibration's blocks this large are mapped on their own and returned when freed
+LARGE_BLOCK_BYTES = 16 << 20
 
 
 def int8_weights(
@@ -170,24 +178,58 @@ class CalibrationWindows:
 @contextlib.contextmanager
 def materialised(model: nn.Module, model_dir: str, names: set[str], device: str) -> Iterator[None]:
     """The parameters `names` of a model on the meta device, filled from the checkpoint for the block, then
-    returned to the meta device (their memory freed and handed back to the kernel)."""
+    returned to the meta device (their memory freed and handed back to the kernel). A layer may drop its
+    parameters inside the block (`drop_dense_weights`): the meta ones come back all the same."""
+    meta = {name: p for name, p in model.named_parameters() if name in names}
 
-    def replace(device: str) -> None:
-        params = dict(model.named_parameters())
-        for name in names:
-            module_name, attr = name.rsplit(".", 1)
-            empty = torch.empty_like(params[name], device=device)
-            model.get_submodule(module_name).register_parameter(
-                attr, nn.Parameter(empty, requires_grad=False)
-            )
+    def register(name: str, param: nn.Parameter) -> None:
+        module_name, attr = name.rsplit(".", 1)
+        model.get_submodule(module_name).register_parameter(attr, param)
 
-    replace(device)
+    for name, p in meta.items():
+        register(name, nn.Parameter(torch.empty_like(p, device=device), requires_grad=False))
     try:
         load_parameters(model, model_dir, names)
         yield
     finally:
-        replace("meta")
-        release_free_heap()  # a child's heap keeps what it frees (CHILD_MALLOC_ENV): the next layer reuses it
+        for name, p in meta.items():
+            register(name, p)
+        release_free_heap()
+
+
+def quantized_one_by_one(
+    linear: list[tuple[str, nn.Module]], moments: dict[str, torch.Tensor]
+) -> dict[str, Int8Weight]:
+    """`linear`'s weights in int8, each layer's fp32 weights dropped once quantized, and the heap handed back
+    after each: a child's heap keeps what it frees (CHILD_MALLOC_ENV), so without it one layer's GPTQ
+    temporaries (a 5632-channel Hessian's factors are 254 MB each in float64) would stay resident beside
+    the next one's instead of being reused or returned."""
+    weights: dict[str, Int8Weight] = {}
+    for name, layer in linear:
+        weights |= quantize_weights(weights_of([(name, layer)]), moments)
+        layer.drop_dense_weights()
+        release_free_heap()
+    return weights
+
+
+@contextlib.contextmanager
+def large_blocks_returned_on_free() -> Iterator[None]:
+    """glibc maps blocks of LARGE_BLOCK_BYTES or more on their own, and unmaps them when freed, for the block
+    (then the process's threshold again: CHILD_MALLOC_ENV's in a server's child, glibc's default elsewhere).
+    Calibration's large temporaries (a layer's fp32 weights, GPTQ's float64 Hessian factors, 254 MB each at
+    5632 channels) are freed inside calls no trim reaches; kept in the heap they added ~1 GB to a 1.1 B
+    model's peak. A no-op where glibc is not the allocator."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
+    try:
+        yield
+    finally:
+        restored = os.environ.get(CHILD_MMAP_THRESHOLD_ENV, GLIBC_DEFAULT_MMAP_THRESHOLD)
+        libc.mallopt(M_MMAP_THRESHOLD, int(restored))
 
 
 def calibrate_layer_by_layer(
@@ -195,6 +237,13 @@ def calibrate_layer_by_layer(
 ) -> dict[str, Int8Weight]:
     """Every quantizable weight of the meta-device `model` in int8, calibrated and quantized one decoder layer
     at a time (the module docstring), the head last; the model is left on the meta device."""
+    with large_blocks_returned_on_free():
+        return _calibrate_layer_by_layer(model, model_dir, windows, device)
+
+
+def _calibrate_layer_by_layer(
+    model: nn.Module, model_dir: str, windows: CalibrationWindows, device: str
+) -> dict[str, Int8Weight]:
     start = time.monotonic()
     batches = windows.batches(calibration_ids(model_dir))
     prefixes = {module: name for name, module in model.named_modules()}
@@ -213,7 +262,8 @@ def calibrate_layer_by_layer(
             inside_layers |= names | {n for n, _ in linear}
             with recorded_moments(linear) as moments:
                 hidden = windows.layer_outputs(model, batches, layer, hidden)
-            weights |= quantize_weights(weights_of(linear), moments)
+            release_free_heap()  # the windows' activations
+            weights |= quantized_one_by_one(linear, moments)
         logger.info(
             "w8a8_int8: calibrated layer %d of %d (%.0f s so far)",
             i + 1,
@@ -229,7 +279,9 @@ def calibrate_layer_by_layer(
         with recorded_moments(head) as moments, torch.inference_mode():
             for h in hidden:
                 model.compute_logits(h)
-        weights |= quantize_weights(weights_of(head), moments)
+        del hidden
+        release_free_heap()
+        weights |= quantized_one_by_one(head, moments)
     logger.info(
         "w8a8_int8: %d weights calibrated layer by layer in %.1f s", len(weights), time.monotonic() - start
     )

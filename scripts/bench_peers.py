@@ -53,17 +53,29 @@ logger = logging.getLogger("bench_peers")
 
 # llama.cpp before transformers: the slowest peer last, so a cut-short run still compares most of them.
 PEER_FACTORIES = {
-    "srt": srt_peer,  # default flags: int8 on the CPU
+    "srt": srt_peer,  # the converted directory, default flags: w8a8_int8 (GPTQ-calibrated) on the CPU
+    "srt-gguf": lambda port, path: srt_peer(port, path, name="srt-gguf"),  # the GGUF, default flags
+    "srt-gguf-blocks": lambda port, path: srt_peer(
+        port, path, "--quantization", "gguf", name="srt-gguf-blocks"
+    ),
     "srt-fp32": srt_fp32_peer,
     "llama.cpp": llama_cpp_peer,
     "transformers": transformers_peer,
 }
+# the peers served from the embedded model's GGUF (the others read its converted directory)
+GGUF_PEERS = ("srt-gguf", "srt-gguf-blocks", "llama.cpp")
+# the peers run when --peers is not given (the GGUF methods of srt on request)
+DEFAULT_PEERS = ("srt", "srt-fp32", "llama.cpp", "transformers")
 BASE_PORT = 30100
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--peers", default=",".join(PEER_FACTORIES), help="comma-separated subset, run in order")
+    p.add_argument(
+        "--peers",
+        default=",".join(DEFAULT_PEERS),
+        help=f"comma-separated, run in order, of: {', '.join(PEER_FACTORIES)}",
+    )
     p.add_argument(
         "--model",
         default=DEFAULT_EMBEDDED_MODEL,
@@ -163,7 +175,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunR
         results: dict[str, list[RunResult]] = {}
         rounds.append(results)
         for i, name in enumerate(names):
-            source = embedded_gguf_path(args.model) if name == "llama.cpp" else model_dir
+            source = embedded_gguf_path(args.model) if name in GGUF_PEERS else model_dir
             peer = PEER_FACTORIES[name](args.base_port + i, source)
             peer.target = dataclasses.replace(peer.target, endpoint=args.endpoint)
             if peer.missing:

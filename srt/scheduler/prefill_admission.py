@@ -125,8 +125,9 @@ class PrefillAdmission:
     ) -> None:
         """A long prompt is mid-chunk: the waiting prompts that fit whole in the step's budget less the long
         prompt's floor (its ledger's: see LONG_PROMPT_MIN_SHARE) go first, and the chunk takes the rest or,
-        where steps are bounded in time (`short_steps`: the cost model's budget), only its floor beside
-        them: the step they joined then costs their prefill and a small chunk, not a full step.
+        where steps are bounded in time (`short_steps`: the cost model's budget) and the prompt needs more
+        than this step anyway, only its floor beside them: the step they joined then costs their prefill
+        and a small chunk, not a full step.
 
         The step's budget is what it would be for the long prompt alone (the scheduler gives a step that
         continues a long prompt the LONE_PREFILL_STEP_SECONDS budget of srt/scheduler/mixed_chunk.py, decode
@@ -139,13 +140,20 @@ class PrefillAdmission:
         completion on a 2-core CPU."""
         if self.ledger is None or self.ledger.req is not chunked_req:
             self.ledger = ChunkLedger(chunked_req)
-        offer = int(min(adder.rem_chunk, adder.rem_input, len(chunked_req.fill_ids) - chunked_req.kv_len))
-        floor = max(1, self.ledger.floor(offer))
+        budget = int(min(adder.rem_chunk, adder.rem_input))
+        rest = len(chunked_req.fill_ids) - chunked_req.kv_len
+        offer = min(budget, rest)
+        # A prompt that needs more than this whole step is long: the arrivals spend its surplus (its ledger's
+        # floor) and, where steps are bounded in time, the chunk beside them is that floor. One that would
+        # finish in this step keeps half of it and takes the rest: going ahead of it only reorders equal
+        # work and adds a step (at 16 concurrent 256-token prompts, TTFT p50 +25 %).
+        long = rest > budget
+        floor = max(1, self.ledger.floor(offer) if long else int(budget * LONG_PROMPT_MIN_SHARE))
         for req in waiting:
             added = adder.add_one_req(req, keep=floor)
             if added not in (AddResult.CONTINUE, AddResult.SKIP):
                 break
-        at_most = floor if short_steps and adder.can_run else None
+        at_most = floor if short_steps and long and adder.can_run else None
         ran = adder.add_chunked_req(chunked_req, at_least=floor, at_most=at_most)
         ran = ran != AddResult.NO_TOKEN
         self.ledger.record(offer, chunked_req.extend_len if ran else 0)

@@ -136,3 +136,21 @@ def test_a_queue_of_arrivals_never_takes_more_than_its_share_of_the_step(tiny_mo
     for k in range(1, 5):  # what it took over its first k + 1 steps against what they offered
         assert kv[k] >= LONG_PROMPT_MIN_SHARE * STEP_TOKENS * (k + 1), (k, kv)
     assert_pool_whole(sched)
+
+
+def test_a_chunk_that_finishes_its_prompt_beside_arrivals_is_never_cut(tiny_model_dir):
+    """The chunk beside arrivals falls to its floor only while the prompt would not finish in the step anyway:
+    a last chunk that fits what the arrivals leave is taken whole (cutting it would only add a step)."""
+    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=4096, disable_radix_cache=True)
+    sched = with_step_budget(sched, STEP_TOKENS)
+    long_prompt = prompts(1, low=STEP_TOKENS + 50, high=STEP_TOKENS + 50, seed=25)[0]
+    arrival = request("short", prompts(1, low=25, high=25, seed=26)[0], greedy(1))
+    steps = []
+
+    def record(_, s):
+        steps.append((s.chunked_req is not None, {r.rid: r.kv_len for r in s.live.values()}))
+
+    drive(sched, {0: [request("long", long_prompt, greedy(1))], 1: [arrival]}, on_step=record)
+    assert steps[0][0]  # the first chunk of 150 left the prompt mid-chunk
+    assert not steps[1][0], "the last 50 tokens were cut beside a 25-token arrival"
+    assert_pool_whole(sched)

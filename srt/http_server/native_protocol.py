@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar
 
-from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from srt.http_server.request_types import (
     MAX_COUNT,
@@ -13,6 +13,8 @@ from srt.http_server.request_types import (
     FieldError,
     LogitBias,
     MinP,
+    NativeInputIds,
+    NativeTexts,
     NumSamples,
     Penalty,
     RepetitionPenalty,
@@ -25,7 +27,6 @@ from srt.http_server.request_types import (
     TopK,
     TopLogprobs,
     TopP,
-    prompt_list,
 )
 from srt.http_server.structured_output import ConstraintFields
 from srt.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
@@ -68,14 +69,9 @@ class GenerateRequest(RequestBody):
 
     route: ClassVar[str] = "/generate"
 
-    text: Annotated[
-        list[str] | None, BeforeValidator(lambda v: v if v is None else prompt_list(v, "text", ids=False))
-    ] = None
+    text: NativeTexts = None
     # A bare `list`, as CompletionRequest.prompt: prompt_list checked every id.
-    input_ids: Annotated[
-        list | None,
-        BeforeValidator(lambda v: v if v is None else prompt_list(v, "input_ids", text=False)),
-    ] = None
+    input_ids: NativeInputIds = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: Rid | None = None

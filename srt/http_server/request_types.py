@@ -253,3 +253,13 @@ def prompt_list(value: Any, name: str, text: bool = True, ids: bool = True) -> l
     if len(prompts) > MAX_PROMPTS:
         raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     return prompts
+
+
+# SGLang's native prompt fields (`/generate`, `/encode`): one or several texts, or token-id lists; absent
+# allowed (the body says which of the two it carries)
+NativeTexts = Annotated[
+    list[str] | None, BeforeValidator(lambda v: v if v is None else prompt_list(v, "text", ids=False))
+]
+NativeInputIds = Annotated[
+    list | None, BeforeValidator(lambda v: v if v is None else prompt_list(v, "input_ids", text=False))
+]

@@ -29,7 +29,14 @@ from srt.http_server.openai.errors import OpenAIError
 from srt.http_server.openai.protocol import Identifier
 from srt.http_server.openai.serving_common import ChoiceAcc, collect_response, resolve_model, to_openai_error
 from srt.http_server.request_parsing import json_body
-from srt.http_server.request_types import FieldError, RequestBody, Rid, prompt_list
+from srt.http_server.request_types import (
+    FieldError,
+    NativeInputIds,
+    NativeTexts,
+    RequestBody,
+    Rid,
+    prompt_list,
+)
 from srt.http_server.tokenizer_manager import TokenizerManager
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -66,13 +73,8 @@ class EncodeRequest(RequestBody):
         "image_data": "this server embeds text only",
     }
 
-    text: Annotated[
-        list[str] | None, BeforeValidator(lambda v: v if v is None else prompt_list(v, "text", ids=False))
-    ] = None
-    input_ids: Annotated[
-        list | None,
-        BeforeValidator(lambda v: v if v is None else prompt_list(v, "input_ids", text=False)),
-    ] = None
+    text: NativeTexts = None
+    input_ids: NativeInputIds = None
     rid: Rid | None = None
     # SGLang's: the LoRA adapter (a served adapter's name) every input runs with; none: the base model
     lora_path: str | None = None

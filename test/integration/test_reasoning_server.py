@@ -11,12 +11,8 @@ each unchanged. One server serves every case."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -25,6 +21,7 @@ import pytest
 from srt_bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
 from test.conftest import save_random_model
 from test.integration.conftest import running_server
+from test.integration.guidellm_client import guidellm_binary, run_guidellm
 from test.model_families import COMMON
 
 pytestmark = pytest.mark.slow
@@ -249,7 +246,7 @@ def test_stop_strings_apply_to_the_answer_only(server):
 # reads one (None: it shows no thinking). docs/reasoning.md's matrix says the same in words.
 # guidellm's arg strings split on commas, so its steering regex has none.
 GUIDELLM_THOUGHT_THEN_ANSWER = r"<think>\n[a-z]{4} [a-z]{4}\n</think>\n\n[a-z]{4}"
-GUIDELLM_REQUESTS, GUIDELLM_TIMEOUT_SECONDS = 2, 300
+GUIDELLM_REQUESTS = 2
 
 
 @dataclass(frozen=True)
@@ -337,30 +334,14 @@ def test_each_client_reads_the_answer_alone(server, name):
     assert (seen.thinking is None) == (name == "lm-eval-chat")
 
 
-def guidellm_binary() -> str | None:
-    path = Path(sys.executable).parent / "guidellm"
-    return str(path) if path.exists() else None
-
-
 @pytest.mark.skipif(guidellm_binary() is None, reason="guidellm is not installed (pip install guidellm)")
 def test_guidellm_reads_the_thinking_and_the_answer_apart(server, tmp_path):
     """guidellm streams chat and keeps each request's thinking (`reasoning`, else `reasoning_content`) apart
     from its output; its synthetic prompts differ from ours, so the shapes are checked, not the words."""
-    report = tmp_path / "guidellm.json"
-    cmd = [
-        guidellm_binary(), "run",
-        "--backend", f"kind=openai_http,target={server.base_url},extras.body.regex={GUIDELLM_THOUGHT_THEN_ANSWER}",
-        "--profile", "kind=synchronous",
-        "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
-        "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=48",
-        "--tokenizer", f"kind=hf_auto,model={server_model(server)}",
-        "--output", f"kind=json,path={report}",
-        "--disable-console-interactive",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=GUIDELLM_TIMEOUT_SECONDS, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (bench,) = json.loads(report.read_text())["benchmarks"]
+    regex = f",extras.body.regex={GUIDELLM_THOUGHT_THEN_ANSWER}"
+    bench = run_guidellm(
+        server.base_url, server_model(server), GUIDELLM_REQUESTS, 16, 48, tmp_path / "guidellm.json", regex
+    )
     done, state = bench["requests"]["successful"], bench["scheduler_state"]
     counts = {k: v for k, v in state.items() if k.endswith("_requests")}
     errors = [(r.get("info") or {}).get("error") for r in bench["requests"].get("errored") or []]

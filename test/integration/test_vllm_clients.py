@@ -11,33 +11,24 @@ skipped, with the reason, where its client cannot be imported or run):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from srt.tokenizer_loading import load_tokenizer
 from test.integration.conftest import ServerHandle, running_server
+from test.integration.guidellm_client import guidellm_binary, run_guidellm
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 GUIDELLM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 3, 32, 8
-GUIDELLM_TIMEOUT_SECONDS = 300
 
 
 @pytest.fixture(scope="module")
 def server():
     with running_server("--max-total-tokens", "8192") as handle:
         yield handle
-
-
-def guidellm_binary() -> str | None:
-    path = Path(sys.executable).parent / "guidellm"
-    return str(path) if path.exists() else None
 
 
 @pytest.mark.skipif(
@@ -49,21 +40,14 @@ def test_guidellm_completes_every_request(server: ServerHandle, tmp_path):
     if tokenizer_path.endswith(".gguf"):  # AutoTokenizer reads a directory: the one srt builds from the file
         tokenizer_dir = str(tmp_path / "tokenizer")
         load_tokenizer(tokenizer_path).save_pretrained(tokenizer_dir)
-    report = tmp_path / "guidellm.json"
-    cmd = [
-        guidellm_binary(), "run",
-        "--backend", f"kind=openai_http,target={server.base_url}",
-        "--profile", "kind=synchronous",
-        "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
-        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
-        "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",  # its synthetic prompts need one; no hub here
-        "--output", f"kind=json,path={report}",
-        "--disable-console-interactive",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=GUIDELLM_TIMEOUT_SECONDS, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (bench,) = json.loads(report.read_text())["benchmarks"]
+    bench = run_guidellm(
+        server.base_url,
+        tokenizer_dir,
+        GUIDELLM_REQUESTS,
+        PROMPT_TOKENS,
+        OUTPUT_TOKENS,
+        tmp_path / "guidellm.json",
+    )
     state, done = bench["scheduler_state"], bench["requests"]["successful"]
     counts = {k: v for k, v in state.items() if k.endswith("_requests")}
     assert state["successful_requests"] == GUIDELLM_REQUESTS and state["errored_requests"] == 0, counts

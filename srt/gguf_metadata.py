@@ -55,7 +55,7 @@ GEMMA3_CHAT_TEMPLATE = (
 CHAT_TEMPLATES = {"gemma3_text": GEMMA3_CHAT_TEMPLATE}
 END_OF_TURN_TOKENS = {"gemma3_text": "<end_of_turn>"}
 # GGUF's `general.architecture` -> (the HF config's model_type, its `architectures` name): the families srt
-# serves from a GGUF's blocks (gguf_loader.FAMILIES builds each)
+# serves from a GGUF's blocks (gguf_config.FAMILIES builds each)
 GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),

@@ -247,8 +247,8 @@ def checkpoint_config(path: str):
     """The transformers config of a directory or a .gguf file, read without loading or converting anything
     (a launcher's checks before the runners start)."""
     if is_gguf_file(path):
+        from srt.model_executor.gguf_config import gguf_config
         from srt.model_executor.gguf_file import GGUFFile
-        from srt.model_executor.gguf_loader import gguf_config
 
         return gguf_config(GGUFFile.open(path))
     from transformers import AutoConfig

@@ -1,9 +1,9 @@
-"""A GGUF served from its own blocks (gguf_loader.py) against the independent reference, transformers' GGUF
-reading as the converter writes it (`resolve_model_dir`: SmolLM2 and Gemma 3 270M converted to fp32): the same config field
-by field, the same tokenizer and EOS ids (built without torch), the same weight rows (llama.cpp's q/k row
-permutation undone), the same norms (Gemma's stored 1 + w); then greedy tokens of the model on its blocks
-against transformers on the dequantized weights, flips allowed only at a stated near-tie; and a type the
-kernels cannot run refused in one line."""
+"""A GGUF served from its own blocks (gguf_config.py, gguf_loader.py) against the independent reference,
+transformers' GGUF reading as the converter writes it (`resolve_model_dir`: SmolLM2 and Gemma 3 270M converted
+to fp32): the same config field by field, the same tokenizer and EOS ids (built without torch), the same
+weight rows (llama.cpp's q/k row permutation undone), the same norms (Gemma's stored 1 + w); then greedy
+tokens of the model on its blocks against transformers on the dequantized weights, flips allowed only at a
+stated near-tie; and a type the kernels cannot run refused in one line."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from srt.model_executor import gguf_loader, model_loader
+from srt.model_executor.gguf_config import eos_token_ids, gguf_config
 from srt.model_executor.gguf_file import GGUFError, GGUFFile
 from srt.model_executor.layers.gguf_linear import BlockMatrix, dequantize_rows
 from srt.model_executor.layers.linear_method import WEIGHT
@@ -65,7 +66,7 @@ def test_the_config_is_the_converters_field_by_field(model):
     from transformers import AutoConfig
 
     path, converted = model
-    ours = gguf_loader.gguf_config(GGUFFile.open(path)).to_dict()
+    ours = gguf_config(GGUFFile.open(path)).to_dict()
     theirs = AutoConfig.from_pretrained(converted).to_dict()
     diff = {
         k: (ours.get(k), theirs.get(k))
@@ -88,7 +89,7 @@ def test_the_tokenizer_and_eos_ids_are_the_converters(model):
     for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
         assert getattr(ours, attr) == getattr(theirs, attr), attr
     eos = GenerationConfig.from_pretrained(converted).eos_token_id
-    assert gguf_loader.eos_token_ids(GGUFFile.open(path)) == (eos if isinstance(eos, list) else [eos])
+    assert eos_token_ids(GGUFFile.open(path)) == (eos if isinstance(eos, list) else [eos])
 
 
 def test_the_tokenizer_processes_never_import_torch():
@@ -228,7 +229,7 @@ def test_a_type_the_kernels_cannot_run_is_one_line(tmp_path, monkeypatch):
 def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tiny_gguf):
     tiny_gguf.metadata["tokenizer.ggml.tokens"] = tiny_gguf.metadata["tokenizer.ggml.tokens"][:-1]
     with pytest.raises(GGUFError, match="tokens but token_embd.weight has"):
-        gguf_loader.gguf_config(tiny_gguf)
+        gguf_config(tiny_gguf)
 
 
 def test_a_gguf_runs_its_blocks_by_default_on_the_cpu_only():
@@ -274,7 +275,7 @@ def test_gemma3_scales_scores_by_its_head_size_except_the_27b():
     """A GGUF does not state Gemma 3's query_pre_attn_scalar: the head size, and for the 27B (62 layers,
     5376 / 32 = 168 against a head of 128) hidden size / heads, as llama.cpp infers it."""
     gguf = GGUFFile.open(embedded(GEMMA3))
-    assert gguf_loader.gguf_config(gguf).query_pre_attn_scalar == gguf.metadata["gemma3.attention.key_length"]
+    assert gguf_config(gguf).query_pre_attn_scalar == gguf.metadata["gemma3.attention.key_length"]
     gguf.metadata.update(
         {
             "gemma3.block_count": 62,
@@ -283,4 +284,4 @@ def test_gemma3_scales_scores_by_its_head_size_except_the_27b():
             "gemma3.attention.key_length": 128,
         }
     )
-    assert gguf_loader.gguf_config(gguf).query_pre_attn_scalar == 168
+    assert gguf_config(gguf).query_pre_attn_scalar == 168

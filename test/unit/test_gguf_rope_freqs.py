@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from srt.model_executor import gguf_loader
+from srt.model_executor.gguf_config import gguf_config
 from srt.model_executor.gguf_file import GGUFError, GGUFFile
 from srt.model_source import embedded_gguf_path
 from test.unit.gguf_files import SHAPE, write_random_llama
@@ -111,4 +111,4 @@ def test_a_bad_rope_freqs_tensor_is_one_line(tmp_path, factors, problem):
         tmp_path / "bad.gguf", embedded_gguf_path("smollm2-135m-instruct"), [T.Q8_0], rope=(THETA, factors)
     )
     with pytest.raises(GGUFError, match=problem):
-        gguf_loader.gguf_config(GGUFFile.open(path))
+        gguf_config(GGUFFile.open(path))

@@ -4,12 +4,18 @@ The rule: a mixed step may take at most `MIXED_STEP_COST_MULTIPLE` times as long
 same running batch, or `MIXED_STEP_FLOOR_SECONDS` if that is longer, so a prompt arriving while others
 decode stretches their inter-token gap by a bounded amount instead of by a whole prefill.
 
-The scheduler feeds every forward step's time to a step-cost model t = a + b x tokens, fitted online:
-`a` (the fixed cost of a step: on a CPU, streaming the weights once) from decode steps, `b` (seconds per
-token) from steps carrying at least `MIN_COST_SAMPLE_TOKENS` prefill tokens, both as exponential moving
-averages. With D decoding requests, the prefill budget C solves a + b (D + C) = K (a + b D):
+The scheduler feeds every forward step's time to a step-cost model t = a + b x tokens + c x keys, fitted
+online: `a` (the fixed cost of a step: on a CPU, streaming the weights once) from decode steps, `b` (seconds
+per token) and `c` (seconds per key a row attends to: attention, whose cost grows with the context) from
+steps carrying at least `MIN_COST_SAMPLE_TOKENS` prefill tokens, by least squares over exponential moving
+averages of their per-token cost and keys per token (c only once their contexts spread: `MIN_KEY_SPREAD`).
+Without c a chunk deep into a long prompt was priced at the earlier chunks' cost per token, and steps at a
+3,000-token context ran a quarter over their budget. With D decoding requests and c = 0, the prefill
+budget C solves a + b (D + C) = K (a + b D):
 
     C = (K - 1) (a + b D) / b
+
+and with c, the chunk's keys (C P + C (C + 1) / 2 after P tokens in KV) make it a quadratic in C.
 
 A small running batch makes that budget small (a lean decode step of a few requests takes milliseconds on
 a CPU), and a mixed step of a few dozen tokens spends most of its time on what every step costs whatever
@@ -31,6 +37,10 @@ there the model is not fed (`adaptive=False`) and the budget stays at the defaul
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from srt.server_args import ServerArgs
 
@@ -67,6 +77,10 @@ DEFAULT_MIXED_PREFILL_TOKENS = 64
 MIN_COST_SAMPLE_TOKENS = 16
 # Weight of a new observation in the moving averages.
 COST_EMA_WEIGHT = 0.25
+# The cost model tells a token's own cost b from its attention's c per key only when the recent prefill steps'
+# keys per token spread at least this much (standard deviation): prompts of a few hundred tokens alone say
+# nothing about c, and a long prompt's successive chunks (hundreds of keys apart) do.
+MIN_KEY_SPREAD = 128.0
 
 
 def mixed_chunk_enabled(args: ServerArgs, device: str) -> bool:
@@ -74,6 +88,37 @@ def mixed_chunk_enabled(args: ServerArgs, device: str) -> bool:
     latency and throughput equal within its noise there, at the cost of a later first token in bursts), unless
     `--disable-mixed-chunk`. Elsewhere it has not been measured, so it stays opt-in."""
     return args.enable_mixed_chunk or (device == "cpu" and not args.disable_mixed_chunk)
+
+
+@dataclass
+class _Moments:
+    """Moving averages of a prefill step's per-token cost s and its keys per token k, the regression
+    s = b + c k's sufficient statistics (each an EMA with the same weights, so their combinations are a
+    weighted mean, variance and covariance)."""
+
+    k: float = 0.0
+    s: float = 0.0
+    kk: float = 0.0
+    ks: float = 0.0
+    seen: bool = False
+
+    def add(self, k: float, s: float) -> None:
+        if not self.seen:
+            self.k, self.s, self.kk, self.ks, self.seen = k, s, k * k, k * s, True
+            return
+        w = COST_EMA_WEIGHT
+        self.k += w * (k - self.k)
+        self.s += w * (s - self.s)
+        self.kk += w * (k * k - self.kk)
+        self.ks += w * (k * s - self.ks)
+
+    def fit(self, key_seconds: float) -> tuple[float, float]:
+        """(b, c): least squares where the steps' contexts spread enough to tell b from c; elsewhere the last
+        c kept and b the mean cost less it. c is clamped to [0, s / k] so that neither goes negative."""
+        spread = self.kk - self.k * self.k
+        c = (self.ks - self.k * self.s) / spread if spread >= MIN_KEY_SPREAD**2 else key_seconds
+        c = min(max(c, 0.0), self.s / self.k if self.k > 0 else 0.0)
+        return self.s - c * self.k, c
 
 
 class MixedChunkBudget:
@@ -88,46 +133,75 @@ class MixedChunkBudget:
         self.floor_seconds = floor_seconds
         self.fixed_seconds: float | None = None  # a
         self.token_seconds: float | None = None  # b
+        self.key_seconds = 0.0  # c
+        self._moments = _Moments()
 
-    def observe(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
-        """One forward step: its prefill tokens, its decoding requests, and how long the forward took."""
+    def observe(self, prefill_tokens: int, decode_tokens: int, seconds: float, keys: int = 0) -> None:
+        """One forward step: its prefill tokens, its decoding rows, how long the forward took, and `keys`, the
+        keys its rows attended to together (`attention_keys`)."""
         if not self.adaptive:
             return
         if prefill_tokens == 0:
             if decode_tokens and self.token_seconds is not None:
-                sample = max(seconds - self.token_seconds * decode_tokens, 0.0)
-                self.fixed_seconds = _ema(self.fixed_seconds, sample)
+                sample = seconds - self.token_seconds * decode_tokens - self.key_seconds * keys
+                self.fixed_seconds = _ema(self.fixed_seconds, max(sample, 0.0))
         elif prefill_tokens >= MIN_COST_SAMPLE_TOKENS:
-            fixed = self.fixed_seconds or 0.0
-            sample = max(seconds - fixed, 0.0) / (prefill_tokens + decode_tokens)
-            if sample > 0.0:
-                self.token_seconds = _ema(self.token_seconds, sample)
+            tokens = prefill_tokens + decode_tokens
+            per_token = max(seconds - (self.fixed_seconds or 0.0), 0.0) / tokens
+            if per_token > 0.0:
+                self._moments.add(keys / tokens, per_token)
+                self.token_seconds, self.key_seconds = self._moments.fit(self.key_seconds)
 
-    def prefill_tokens(self, decode_tokens: int) -> int:
-        """Prefill tokens the next mixed step may carry next to `decode_tokens` decoding requests."""
-        b = self.token_seconds
-        if b is None:
+    def prefill_tokens(self, decode_tokens: int, decode_keys: int = 0) -> int:
+        """Prefill tokens the next mixed step may carry next to `decode_tokens` decoding requests, whose rows
+        attend to `decode_keys` keys together (the new prompts' own are priced from an empty prefix)."""
+        if self.token_seconds is None:
             return DEFAULT_MIXED_PREFILL_TOKENS
         # `a` is learnt from decode steps, and while prompts keep arriving every step is mixed; until one
         # comes, 0 (b then carries the fixed cost, and the predicted step time stays right)
-        a = self.fixed_seconds or 0.0
-        budget = max(
-            (self.multiple - 1.0) * (a + b * decode_tokens) / b,
-            (self.floor_seconds - a) / b - decode_tokens,
-        )
-        return max(MIN_MIXED_PREFILL_TOKENS, int(budget))
+        decode_step = self._rows_seconds(decode_tokens, decode_keys)
+        spare = max((self.multiple - 1.0) * decode_step, self.floor_seconds - decode_step)
+        return max(MIN_MIXED_PREFILL_TOKENS, int(self._tokens_within(spare, prefix=0)))
 
-    def lone_prefill_tokens(self, decode_tokens: int = 0) -> int | None:
+    def lone_prefill_tokens(
+        self, decode_tokens: int = 0, decode_keys: int = 0, prefix: int = 0
+    ) -> int | None:
         """Prefill tokens of a step bounded by LONE_PREFILL_STEP_SECONDS: one with nothing decoding, or one
-        that continues a long prompt next to `decode_tokens` decoding requests (their rows cost b each too);
-        never fewer than MIN_LONE_PREFILL_TOKENS.
+        that continues a long prompt whose `prefix` tokens are in KV next to `decode_tokens` decoding rows
+        (attending to `decode_keys` keys); never fewer than MIN_LONE_PREFILL_TOKENS.
         DEFAULT_LONE_PREFILL_TOKENS before b is measured; None where the model is not fed (tensor
         parallelism: the chunk size alone bounds the step, the same on every rank)."""
-        b = self.token_seconds
-        if b is None:
+        if self.token_seconds is None:
             return DEFAULT_LONE_PREFILL_TOKENS if self.adaptive else None
-        a = self.fixed_seconds or 0.0
-        return max(MIN_LONE_PREFILL_TOKENS, int((LONE_PREFILL_STEP_SECONDS - a) / b) - decode_tokens)
+        spare = LONE_PREFILL_STEP_SECONDS - self._rows_seconds(decode_tokens, decode_keys)
+        return max(MIN_LONE_PREFILL_TOKENS, int(self._tokens_within(spare, prefix)))
+
+    def _rows_seconds(self, decode_tokens: int, decode_keys: int) -> float:
+        """A step's fixed cost plus that of its decode rows: a + b D + c K."""
+        assert self.token_seconds is not None
+        return (
+            (self.fixed_seconds or 0.0) + self.token_seconds * decode_tokens + self.key_seconds * decode_keys
+        )
+
+    def _tokens_within(self, seconds: float, prefix: int) -> float:
+        """The chunk size C whose prefill after `prefix` tokens costs `seconds`: each of its tokens costs b, and
+        c for each key it attends to, C P + C (C + 1) / 2 in all, so C solves
+        (c / 2) C^2 + (b + c (P + 1/2)) C = seconds (written so that c = 0 gives seconds / b)."""
+        if seconds <= 0.0:
+            return 0.0
+        b, c = self.token_seconds, self.key_seconds
+        assert b is not None
+        linear = b + c * (prefix + 0.5)
+        if linear <= 0.0:
+            return 0.0
+        return 2.0 * seconds / (linear + math.sqrt(linear * linear + 2.0 * c * seconds))
+
+
+def attention_keys(extends: Iterable[tuple[int, int]]) -> int:
+    """The keys a step's rows attend to together, the cost model's context term: C rows after P tokens in KV
+    (`extends`: (P, C) pairs; a decode row is C = 1, a verify run its drafts and one more) attend to
+    C P + C (C + 1) / 2."""
+    return sum(chunk * prefix + chunk * (chunk + 1) // 2 for prefix, chunk in extends)
 
 
 def _ema(old: float | None, sample: float) -> float:

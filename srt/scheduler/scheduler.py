@@ -39,7 +39,7 @@ from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import Sampler, make_generator
 from srt.sampling.sampling_params import SamplingParams
 from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, TEST_FAULT_ENV, fail_request
-from srt.scheduler.mixed_chunk import MixedChunkBudget, mixed_chunk_enabled
+from srt.scheduler.mixed_chunk import MixedChunkBudget, attention_keys, mixed_chunk_enabled
 from srt.scheduler.pooling import needs_every_token
 from srt.scheduler.prefill_admission import PrefillAdmission
 from srt.scheduler.request_checks import refusal
@@ -307,15 +307,22 @@ class Scheduler:
         if self.mixed_budget is not None and self.running:
             self._ensure_decode_memory()  # first, so admission sees what this step's decode leaves
         if self.mixed_budget is not None and self.running:
+            keys = attention_keys((r.kv_len, 1) for r in self.running)
             budget = (
-                self.mixed_budget.lone_prefill_tokens(len(self.running))
+                self.mixed_budget.lone_prefill_tokens(len(self.running), keys, self.chunked_req.kv_len)
                 if self.chunked_req is not None
-                else self.mixed_budget.prefill_tokens(len(self.running))
+                else self.mixed_budget.prefill_tokens(len(self.running), keys)
             )
             prefill = self._schedule_prefill(token_budget=budget, decode_tokens=len(self.running))
             decode = self.running if prefill else []
         else:
-            lone = self.mixed_budget.lone_prefill_tokens() if self.mixed_budget is not None else None
+            lone = (
+                self.mixed_budget.lone_prefill_tokens(
+                    prefix=self.chunked_req.kv_len if self.chunked_req else 0
+                )
+                if self.mixed_budget is not None
+                else None
+            )
             prefill = (
                 []
                 if (self.last_step_was_prefill and self.running)

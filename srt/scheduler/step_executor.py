@@ -20,7 +20,7 @@ import torch
 from srt.io_struct import FinishReason
 from srt.mem_cache.base_prefix_cache import BasePrefixCache
 from srt.model_executor.model_runner import ModelRunner
-from srt.scheduler.mixed_chunk import MixedChunkBudget
+from srt.scheduler.mixed_chunk import MixedChunkBudget, attention_keys
 from srt.scheduler.pooling import add_chunk, finish_embedding, pool_rows
 from srt.scheduler.prompt_logprobs import plan_prompt_logprobs
 from srt.scheduler.schedule_batch import Req
@@ -98,7 +98,7 @@ class StepExecutor:
             plan.deliver(scores)
         forward_seconds = time.perf_counter() - t0
         self.tracing.on_prefill_step(reqs, now, time.monotonic())
-        self._observe(total, batch.num_tokens - total, forward_seconds)
+        self._observe(total, batch.num_tokens - total, forward_seconds, reqs, decode, drafts)
         for req in reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
@@ -149,7 +149,7 @@ class StepExecutor:
         hidden = self.runner.forward_hidden(batch)
         forward_seconds = time.perf_counter() - t0
         self.tracing.on_prefill_step(reqs, now, time.monotonic())
-        self._observe(prefill_report["new_tokens"], 0, forward_seconds)
+        self._observe(prefill_report["new_tokens"], 0, forward_seconds, reqs)
         pooled = pool_rows(hidden, counts, pooling)
         for req, rows in zip(reqs, pooled, strict=True):
             req.kv_len += req.extend_len
@@ -199,7 +199,7 @@ class StepExecutor:
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         forward_seconds = time.perf_counter() - t0
-        self._observe(0, len(reqs), forward_seconds)
+        self._observe(0, len(reqs), forward_seconds, decode=reqs)
         for req in reqs:
             req.kv_len += 1
         self._sample_and_append(logits, reqs)
@@ -226,7 +226,7 @@ class StepExecutor:
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         forward_seconds = time.perf_counter() - t0
-        self._observe(0, batch.num_tokens, forward_seconds)
+        self._observe(0, batch.num_tokens, forward_seconds, decode=reqs, drafts=drafts)
         verify_rows = batch.num_tokens - len(plain)
         taken = self._accept_drafts(logits[:verify_rows], verifying, runs, batch.out_cache_loc[:verify_rows])
         for req in plain:
@@ -259,8 +259,24 @@ class StepExecutor:
             if req.finished:
                 self.finish(req)
 
-    def _observe(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+    def _observe(
+        self,
+        prefill_tokens: int,
+        decode_tokens: int,
+        seconds: float,
+        prefill: list[Req] = (),
+        decode: list[Req] = (),
+        drafts: list[list[int]] | None = None,
+    ) -> None:
+        """The step's cost to the mixed-chunk cost model, with the keys its rows attended to (read before
+        the step's `kv_len` updates: a verifying request's rows, its drafts and one more, all at about its
+        context)."""
         if self.mixed_budget is not None:
-            self.mixed_budget.observe(prefill_tokens, decode_tokens, seconds)
+            rows = [len(d) + 1 for d in drafts] if drafts is not None else [1] * len(decode)
+            keys = attention_keys(
+                [(r.kv_len, r.extend_len) for r in prefill]
+                + [(r.kv_len, n) for r, n in zip(decode, rows, strict=True)]
+            )
+            self.mixed_budget.observe(prefill_tokens, decode_tokens, seconds, keys)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(STEP_DEBUG_LINE, prefill_tokens, decode_tokens, seconds * 1e3)

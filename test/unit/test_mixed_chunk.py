@@ -14,6 +14,7 @@ from srt.scheduler.mixed_chunk import (
     MIN_MIXED_PREFILL_TOKENS,
     MIXED_STEP_FLOOR_SECONDS,
     MixedChunkBudget,
+    attention_keys,
     mixed_chunk_enabled,
 )
 from srt.scheduler.step_reporter import SchedulerReporter
@@ -124,11 +125,15 @@ def test_a_small_batch_may_fill_the_floor_and_a_large_one_its_multiple():
     prefill chunks do not shrink to where each step's fixed cost dominates."""
     budget = MixedChunkBudget(multiple=4.0, floor_seconds=0.3)
     budget.fixed_seconds, budget.token_seconds = 0.010, 0.001
-    assert budget.prefill_tokens(8) == int((0.3 - 0.010) / 0.001) - 8  # floor: 282, multiple: 54
-    assert budget.prefill_tokens(128) == int(3 * (0.010 + 0.001 * 128) / 0.001)  # multiple: 414 > floor 162
+    assert budget.prefill_tokens(8) == pytest.approx(
+        (0.3 - 0.010) / 0.001 - 8, abs=1
+    )  # floor: 282, multiple: 54
+    assert budget.prefill_tokens(128) == pytest.approx(
+        3 * (0.010 + 0.001 * 128) / 0.001, abs=1
+    )  # multiple: 414
     # with a still unknown (only mixed steps so far), the floor counts it as 0
     budget.fixed_seconds = None
-    assert budget.prefill_tokens(8) == int(0.3 / 0.001) - 8
+    assert budget.prefill_tokens(8) == pytest.approx(0.3 / 0.001 - 8, abs=1)
     assert MixedChunkBudget().floor_seconds == MIXED_STEP_FLOOR_SECONDS
 
 
@@ -146,13 +151,68 @@ def test_a_prefill_step_with_nothing_decoding_is_bounded_in_time_once_the_cost_i
     assert budget.lone_prefill_tokens() == DEFAULT_LONE_PREFILL_TOKENS
     assert MixedChunkBudget(adaptive=False).lone_prefill_tokens() is None
     budget.fixed_seconds, budget.token_seconds = 0.010, 0.005
-    assert budget.lone_prefill_tokens() == int((LONE_PREFILL_STEP_SECONDS - 0.010) / 0.005)
+    assert budget.lone_prefill_tokens() == pytest.approx((LONE_PREFILL_STEP_SECONDS - 0.010) / 0.005, abs=1)
     # a step continuing a long prompt next to decoding requests: their rows come out of the same second
-    assert budget.lone_prefill_tokens(8) == budget.lone_prefill_tokens() - 8
+    assert budget.lone_prefill_tokens(8) == pytest.approx(budget.lone_prefill_tokens() - 8, abs=1)
     # a step of one token already costs more (a busy CPU, each step's fixed cost charged to its tokens): a
     # chunk that still makes progress at a small share of fixed cost, not one that shrinks with the estimate
     budget.token_seconds = 10.0
     assert budget.lone_prefill_tokens() == MIN_LONE_PREFILL_TOKENS
+
+
+def test_a_step_attends_to_each_rows_context():
+    # 3 tokens after 10 in KV attend to 11, 12 and 13 keys; a decode row after 7 to 8
+    assert attention_keys([(10, 3), (7, 1)]) == 11 + 12 + 13 + 8
+    assert attention_keys([]) == 0
+
+
+def _long_prompt_steps(budget: MixedChunkBudget, truth, length: int) -> list[float]:
+    """A prompt of `length` tokens prefilled alone in the budget's lone steps, each step's true time fed back."""
+    times, prefix = [], 0
+    while prefix < length:
+        chunk = min(budget.lone_prefill_tokens(prefix=prefix), length - prefix)
+        keys = attention_keys([(prefix, chunk)])
+        times.append(truth(chunk, keys))
+        budget.observe(chunk, 0, times[-1], keys)
+        prefix += chunk
+    return times
+
+
+def test_a_long_prompts_chunks_keep_their_time_budget_as_its_context_grows():
+    """Attention makes a token deep into a long prompt cost several times a short prompt's: priced per token
+    alone, each chunk was sized at the earlier chunks' cost and ran over the step's budget by a quarter at a
+    3,000-token context. The model learns the cost per key from the chunks' spread of contexts."""
+    a, b, c = 0.010, 0.0008, 0.8e-6  # a 2-core CPU's order of magnitude: 0.8 ms a token, +0.8 us a key
+
+    def truth(tokens: int, keys: int) -> float:
+        return a + b * tokens + c * keys
+
+    def warmed(budget: MixedChunkBudget) -> MixedChunkBudget:
+        for n in (200, 250, 180, 220):  # short prompts and decode steps: nothing yet about c
+            budget.observe(n, 0, truth(n, attention_keys([(0, n)])), attention_keys([(0, n)]))
+            budget.observe(0, 4, truth(4, attention_keys([(300, 1)] * 4)), attention_keys([(300, 1)] * 4))
+        assert budget.key_seconds == 0.0  # short prompts alike in size do not tell b from c
+        return budget
+
+    times = _long_prompt_steps(warmed(MixedChunkBudget()), truth, 8000)
+    assert max(times[2:]) <= LONE_PREFILL_STEP_SECONDS * 1.05  # once two chunks have shown the trend
+    learnt = warmed(MixedChunkBudget())
+    _long_prompt_steps(learnt, truth, 8000)
+    assert learnt.key_seconds == pytest.approx(c, rel=0.05)
+    assert learnt.token_seconds == pytest.approx(b, rel=0.05)
+    blind = warmed(MixedChunkBudget())  # the per-token model alone, for contrast: it overruns
+    blind._moments.fit = lambda key_seconds: (blind._moments.s, 0.0)
+    assert max(_long_prompt_steps(blind, truth, 8000)) > LONE_PREFILL_STEP_SECONDS * 1.15
+
+
+def test_a_mixed_steps_decode_rows_are_priced_by_their_context():
+    budget = MixedChunkBudget(multiple=4.0, floor_seconds=0.0)
+    budget.fixed_seconds, budget.token_seconds, budget.key_seconds = 0.010, 0.001, 1e-6
+    short = budget.prefill_tokens(8, attention_keys([(100, 1)] * 8))
+    long = budget.prefill_tokens(8, attention_keys([(4000, 1)] * 8))
+    assert long > short  # a dearer decode step allows a larger prefill beside it (its multiple)
+    assert budget.lone_prefill_tokens(8, attention_keys([(4000, 1)] * 8)) < budget.lone_prefill_tokens(8)
+    assert budget.lone_prefill_tokens(prefix=6000) < budget.lone_prefill_tokens(prefix=0)
 
 
 def test_a_lone_long_prompt_is_prefilled_in_time_bounded_steps(tiny_model_dir):

@@ -1,11 +1,10 @@
 """`ServerArgs`: the only source of defaults. Every CLI flag is generated from a field of it, validated once,
-and never mutated after start-up. Its validation rules live in `server_args_check.py`, the IPC endpoints in
-`port_args.py`."""
+and never mutated after start-up. Its validation rules live in `server_args_check.py`, the flags' parser is
+built from its fields in `server_args_cli.py`, the IPC endpoints in `port_args.py`."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from srt.lora.config import (
 from srt.model_source import EMBEDDED_MODELS, embedded_model_name
 from srt.reasoning.parser import REASONING_FIELD_BOTH, REASONING_FIELDS, REASONING_FORMATS
 from srt.server_args_check import problems
+from srt.server_args_cli import add_flags, from_namespace, parse_flags
 from srt.speculative.defaults import (
     NGRAM_MAX_MATCH_WINDOW_SIZE,
     NGRAM_MIN_MATCH_WINDOW_SIZE,
@@ -53,16 +53,6 @@ def _f(default, help: str, **meta):
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
-
-
-# A field's annotation (a string: annotations are postponed) -> the type argparse converts its flag's value
-# to; bool fields are store_true flags. A field of any other annotation fails at parser construction rather
-# than parsing as a string (a `float | None` once reached the range check as a str).
-CLI_TYPES: dict[str, type] = {
-    "str": str, "str | None": str, "list[str] | None": str,
-    "int": int, "int | None": int,
-    "float": float, "float | None": float, "list[float] | None": float,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -391,36 +381,16 @@ class ServerArgs:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    # ---- CLI ----
+    # ---- CLI (built from the fields by server_args_cli) ----
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            meta = dict(f.metadata)
-            help_text = meta.pop("help", "")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_text)
-                continue
-            kind = CLI_TYPES[str(f.type)]
-            parser.add_argument(
-                flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)", **meta
-            )
+        add_flags(cls, parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return from_namespace(cls, args)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> ServerArgs:
-        parser = argparse.ArgumentParser(
-            prog="python -m srt.launch_server",
-            usage="%(prog)s [options] (--help lists them)",  # one line above the error, not 60
-            description="Start the srt server.",
-        )
-        cls.add_cli_args(parser)
-        args = parser.parse_args(argv)
-        try:
-            return cls.from_cli_args(args)
-        except ValueError as e:
-            parser.error(str(e))
+        """The server's command line; a bad flag or combination is argparse's one error line, exit 2."""
+        return parse_flags(cls, argv)

@@ -11,7 +11,8 @@ import pytest
 
 from srt.model_executor.cuda_graph_runner import BATCH_SIZE_STEP, capture_batch_sizes
 from srt.model_executor.model_runner import ModelRunner
-from srt.server_args import CLI_TYPES, ServerArgs
+from srt.server_args import ServerArgs
+from srt.server_args_cli import CLI_TYPES
 
 
 @pytest.mark.parametrize("max_bs", [1, 2, 3, 8, 9, 160, 256])

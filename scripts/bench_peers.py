@@ -11,6 +11,8 @@ each level's median run and every round's figure.
     python scripts/bench_peers.py                                   # all peers, the workloads
     python scripts/bench_peers.py --peers srt,llama.cpp --plot /tmp/peers --output-file peers.json
     python scripts/bench_peers.py --peers srt,llama.cpp --concurrency 64 --num-prompts 64 --rounds 3
+    git worktree add /tmp/before <commit> && python scripts/bench_peers.py --peers srt --before-tree /tmp/before \
+        --concurrency 16 --num-prompts 32 --rounds 5          # this tree against an earlier one, paired
     python scripts/bench_peers.py --model gemma3-270m --endpoint completions --peers srt,llama.cpp \
         --concurrency 1,16 --num-prompts 8,32
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -38,6 +41,7 @@ from srt_bench.peers import (
     machine_description,
     median_runs,
     rounds_table,
+    srt_before_peer,
     srt_fp32_peer,
     srt_peer,
     start_peer,
@@ -98,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="run every peer this many times, taking turns (odd: a true median); the tables then show each "
         "level's median run, and a table of every round's output tok/s follows",
+    )
+    p.add_argument(
+        "--before-tree",
+        default=None,
+        metavar="DIR",
+        help="another checkout of srt (e.g. `git worktree add DIR <commit>`): adds the peer srt-before, srt "
+        "with default flags run from DIR, to compare two versions in one run (with --rounds: paired)",
     )
     p.add_argument("--disable-tqdm", action="store_true")
     return p
@@ -161,9 +172,13 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunR
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_peers_")
     os.makedirs(log_dir, exist_ok=True)
     names = args.peers.split(",")
+    factories = dict(PEER_FACTORIES)
+    if args.before_tree:
+        factories["srt-before"] = functools.partial(srt_before_peer, tree=args.before_tree)
+        names = names if "srt-before" in names else [*names, "srt-before"]
     for name in names:
-        if name not in PEER_FACTORIES:
-            raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEER_FACTORIES)}")
+        if name not in factories:
+            raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(factories)}")
     rounds: list[dict[str, list[RunResult]]] = []
     peak_rss: dict[str, int] = {}
     # Ctrl-C or SIGTERM stops the current server cleanly and still prints what was measured.
@@ -176,7 +191,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, list[RunR
         rounds.append(results)
         for i, name in enumerate(names):
             source = embedded_gguf_path(args.model) if name in GGUF_PEERS else model_dir
-            peer = PEER_FACTORIES[name](args.base_port + i, source)
+            peer = factories[name](args.base_port + i, source)
             peer.target = dataclasses.replace(peer.target, endpoint=args.endpoint)
             if peer.missing:
                 if r == 0:

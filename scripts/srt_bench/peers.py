@@ -40,6 +40,7 @@ class Peer:
     target: Target
     missing: str | None = None  # why it cannot run here (not installed), or None
     env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # the tree it runs from (None: this one)
 
 
 def _missing_modules(*modules: str) -> list[str]:
@@ -50,6 +51,18 @@ def srt_peer(port: int, model_dir: str, *flags: str, name: str = "srt") -> Peer:
     cmd = srt_command(port, "--model-path", model_dir, "--host", HOST, *flags)
     target = Target(f"http://{HOST}:{port}", backend="openai", endpoint="chat", fixed_output="ignore_eos")
     return Peer(name, port, cmd, target)
+
+
+def srt_before_peer(port: int, model_dir: str, tree: str) -> Peer:
+    """srt with default flags, run from another checkout `tree` (an earlier commit's `git worktree`): "srt"
+    and "srt-before" taking turns in one run compare two versions on the same machine under the same load.
+    Its own cache directory (`SRT_CACHE_DIR`) keeps the two versions' kernels and calibrations apart."""
+    peer = srt_peer(port, model_dir, name="srt-before")
+    peer.cwd = os.path.abspath(tree)
+    peer.env = {"SRT_CACHE_DIR": os.path.join(peer.cwd, ".srt-cache")}
+    if not os.path.isdir(os.path.join(peer.cwd, "srt")):
+        peer.missing = f"--before-tree {tree} holds no srt package"
+    return peer
 
 
 def srt_fp32_peer(port: int, model_dir: str) -> Peer:
@@ -123,7 +136,9 @@ def llama_cpp_peer(port: int, gguf_path: str) -> Peer:
 
 def start_peer(peer: Peer, log_path: str) -> ServerHandle:
     """Start `peer` with the one launcher (`srt_bench.server`): its own session, its log in `log_path`."""
-    return start_server(peer.command, peer.port, name=peer.name, log_path=log_path, env=peer.env)
+    return start_server(
+        peer.command, peer.port, name=peer.name, log_path=log_path, env=peer.env, cwd=peer.cwd
+    )
 
 
 @contextlib.contextmanager

@@ -196,9 +196,11 @@ def start_server(
     api_key: str | None = None,
     flags: Sequence[str] = (),
     preexec_fn=None,
+    cwd: str | Path | None = None,
 ) -> ServerHandle:
-    """Start `command` (a server that will listen on `port`) in its own session, from the repository root, its
-    output going to `log_path` (None: a new temporary file). It inherits this process's environment with `env`
+    """Start `command` (a server that will listen on `port`) in its own session, from `cwd` (None: the
+    repository root; `python -m srt...` imports the srt of that tree), its output going to `log_path` (None: a
+    new temporary file). It inherits this process's environment with `env`
     merged over it, except that a PROMETHEUS_MULTIPROC_DIR is never inherited: only an explicit one in `env`
     reaches it. `preexec_fn` runs in the server process before it starts (e.g. to lower its limits)."""
     if log_path is None:
@@ -211,7 +213,7 @@ def start_server(
             list(command),
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
+            cwd=REPO_ROOT if cwd is None else cwd,
             env={**base_env, **(env or {})},
             start_new_session=True,
             preexec_fn=preexec_fn,

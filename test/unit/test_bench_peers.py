@@ -9,6 +9,7 @@ from srt_bench.peers import (
     llama_cpp_peer,
     median_runs,
     rounds_table,
+    srt_before_peer,
     srt_peer,
     transformers_peer,
 )
@@ -82,3 +83,15 @@ def test_rounds_table_shows_every_round_and_the_ratio_within_each_round():
     assert cells[("srt", "64")] == ["100.0", "90.0", "110.0", "100.0"]
     assert cells[("llama.cpp", "64")] == ["20.0", "30.0", "-", "20.0"]
     assert cells[("srt ÷ llama.cpp", "64")] == ["5.00x", "3.00x", "-", "5.00x"]
+
+
+def test_the_before_peer_runs_another_trees_srt_with_its_own_cache(tmp_path):
+    """Two versions compared in one run: the same command as srt's, started from the other checkout (whose
+    `python -m srt.launch_server` imports its own srt), kernels and calibrations kept apart."""
+    (tmp_path / "srt").mkdir()
+    peer = srt_before_peer(31234, "/models/x", tree=str(tmp_path))
+    assert peer.name == "srt-before" and peer.missing is None
+    assert peer.command == srt_peer(31234, "/models/x").command
+    assert peer.cwd == str(tmp_path)
+    assert peer.env["SRT_CACHE_DIR"].startswith(str(tmp_path))
+    assert srt_before_peer(31234, "/models/x", tree=str(tmp_path / "nowhere")).missing

@@ -16,12 +16,14 @@ The blocks are 32 values wide (Q8_0, Q4_0, Q5_1), so that the 256-wide inputs of
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from srt.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from srt.model_executor.layers.linear_method import WEIGHT, W8A8Int8LinearMethod
 from srt.model_executor.model_runner import ModelRunner
 from test.unit.gguf_files import write_random_llama
 from test.unit.model_driver import PagedDriver
@@ -54,15 +56,33 @@ def teacher_forced_logits(runner: ModelRunner) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def int8_weights(runner: ModelRunner) -> dict[str, dict]:
+@contextmanager
+def recorded_int8_weights():
+    """The int8 weight and scales each layer is given (`W8A8Int8LinearMethod.install`, keyed by the layer's
+    id), copied before `install` prepares them for the kernels here (which may drop the plain weight)."""
+    given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    install = W8A8Int8LinearMethod.install
+
+    def recording_install(self, layer, weights):
+        given[id(layer)] = (weights[WEIGHT].weight.clone(), weights[WEIGHT].scale.clone())
+        install(self, layer, weights)
+
+    W8A8Int8LinearMethod.install = recording_install
+    try:
+        yield given
+    finally:
+        W8A8Int8LinearMethod.install = install
+
+
+def int8_weights(runner: ModelRunner, given: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict]:
     """Every parallel linear layer's int8 weight and scales, with what a test needs to slice the whole."""
     weights = {}
     for name, layer in runner.model.named_modules():
         if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-            w = layer.method.int8_weight()
+            weight, scale = given[id(layer)]
             weights[name] = {
-                "weight": w.weight.clone(),
-                "scale": w.scale.clone(),
+                "weight": weight,
+                "scale": scale,
                 "row_parallel": isinstance(layer, RowParallelLinear),
                 "shards": dict(getattr(layer, "shard_offsets", {})),
             }
@@ -82,10 +102,11 @@ def make_runner(path: str, tp_rank: int = 0, tp_size: int = 1, init: str | None 
 
 
 def rank_report(tp_rank: int, path: str, init: str) -> dict:
-    runner = make_runner(path, tp_rank, TP, init)
+    with recorded_int8_weights() as given:
+        runner = make_runner(path, tp_rank, TP, init)
     report = {
         "quantization": runner.quantization,
-        "weights": int8_weights(runner),
+        "weights": int8_weights(runner, given),
         "logits": teacher_forced_logits(runner),
     }
     runner.tp.destroy()
@@ -106,8 +127,9 @@ def rank_reports(gguf_path, tmp_path_factory) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def single_rank(gguf_path) -> dict:
-    runner = make_runner(gguf_path)
-    return {"weights": int8_weights(runner), "logits": teacher_forced_logits(runner)}
+    with recorded_int8_weights() as given:
+        runner = make_runner(gguf_path)
+    return {"weights": int8_weights(runner, given), "logits": teacher_forced_logits(runner)}
 
 
 def test_column_parallel_ranks_hold_their_rows_of_every_part_and_their_scales(rank_reports, single_rank):

@@ -87,15 +87,16 @@ class BlockInstaller:
     """Hands a layer the blocks of its weight as its method takes them: the blocks themselves (`gguf`), or
     int8 made from them (`gguf_int8`). Counts what it made, for the load's log line.
 
-    The int8 weights stay plain, not packed for oneDNN as calibrated ones are (`int8_linear.pack_weight`):
-    packing measured ~40 ms a weight on the 2-core Xeon (SmolLM2's 121: 5 s idle, 15 s under load), more
-    than the rest of the start. Plain weights go through srt's int8 C kernel up to 128 tokens a call and
-    `torch._int_mm` above (cpu_kernels.max_fused_tokens): a decode step reads them as it reads packed
-    ones; only long prefills lose oneDNN's packed kernel."""
+    The int8 weights go through the method's `install` as calibrated ones do, which prepares them for the
+    same kernels (`int8_linear.pack_weight`: oneDNN's packed form where that kernel is exact and fast, for
+    calls above the fused kernel's token counts; the plain weight where srt's C kernels read it). Where the
+    packed kernel is oneDNN's slow fallback (the 2-core Xeon and AMD EPYC measured), both methods keep plain
+    weights and run the same kernels: srt's int8 C kernel up to 128 tokens a call, `torch._int_mm` above."""
 
     def __init__(self):
         self.int8_weights = 0
         self.int8_seconds = 0.0
+        self.packed = True  # every int8 weight made was packed for oneDNN (the log's word)
 
     def install(self, layer, parts: list[BlockMatrix]) -> None:
         method = layer.method
@@ -103,7 +104,9 @@ class BlockInstaller:
             method.install(layer, {WEIGHT: parts})
         elif isinstance(method, W8A8Int8LinearMethod):
             start = time.monotonic()
-            method.install(layer, {WEIGHT: int8_from_blocks(parts)})
+            weight = int8_from_blocks(parts)
+            method.install(layer, {WEIGHT: weight})
+            self.packed = self.packed and weight.packed is not None
             self.int8_weights += 1
             self.int8_seconds += time.monotonic() - start
         else:
@@ -112,8 +115,9 @@ class BlockInstaller:
     def log(self, path: str) -> None:
         if self.int8_weights:
             logger.info(
-                "gguf_int8: %d weights of %s made int8 from its blocks in %.2f s",
+                "gguf_int8: %d weights of %s made int8 from its blocks (%s) in %.2f s",
                 self.int8_weights,
                 path,
+                "oneDNN packed kernel" if self.packed else "torch._int_mm",
                 self.int8_seconds,
             )

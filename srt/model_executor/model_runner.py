@@ -89,8 +89,8 @@ class ModelRunner:
         self._allocate_pools()
         self._attach_attention_backend()
         self.cuda_graph = self._capture_cuda_graphs(self.config.cuda_graph_max_bs)
-        if int8 is not None:  # calibration runs the fp32 model once, through the pools
-            int8.install(self.model, self.forward_windows, self.max_total_num_tokens)
+        if int8 is not None:
+            int8.install(self.model)
         self.model.ready()
         self._log_ready()
 

@@ -35,7 +35,6 @@ from safetensors.torch import save_file
 
 from srt.engine_options import QUANTIZATIONS
 from srt.model_executor.layers.gptq import DAMP, quantize_per_channel_gptq
-from srt.model_executor.layers.int8_linear import pack_weight
 from srt.model_executor.layers.int8_math import Int8Weight
 from srt.model_executor.layers.linear_method import WEIGHT, LinearMethod
 from srt.model_source import cache_root
@@ -242,31 +241,15 @@ def replaced_weights(model: torch.nn.Module) -> set[str]:
     }
 
 
-def calibrated_int8_weights(
-    model: torch.nn.Module,
-    model_dir: str,
-    tp: TensorParallelGroup,
-    run_windows: Callable[[list[int], int], Iterable],
-    max_window: int,
-) -> dict[str, Int8Weight]:
-    """Quantize the loaded fp32 model's weights under the moments of a run over the calibration text
-    (`run_windows(ids, window)`: the runner's teacher-forced forward, which needs its pools), and cache
-    them for the next start."""
-    windows = run_windows(calibration_ids(model_dir), min(CALIBRATION_WINDOW, max_window))
-    weights = quantize_model(model, input_second_moments(model, windows))
-    save_cache(cache_path(model_dir, tp.rank, tp.size), weights)
-    return weights
-
-
 def install_int8_weights(
     model: torch.nn.Module, weights: dict[str, Int8Weight], source: str, start: float
 ) -> None:
     """Hand each layer's method its int8 `weights` (`source`: the cache or calibration, begun at monotonic
-    `start`), prepared for the fastest kernel here; the methods drop the fp32 copies."""
-    packed = all([pack_weight(qw) for qw in weights.values()])
+    `start`); the methods prepare them for the fastest kernel here and drop the fp32 copies."""
     layers = quantizable_layers(model)
     for name, m in layers:
         m.method.install(m, {key: weights[weight_name(name, key)] for key in m.weight_keys()})
+    packed = all(qw.packed is not None for qw in weights.values())
     logger.info(
         "w8a8_int8: %d weights of %d layers in int8 (from %s, %s) in %.2f s",
         len(weights),

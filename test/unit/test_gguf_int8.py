@@ -19,8 +19,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from srt.model_executor import gguf_int8, model_loader
-from srt.model_executor.gguf_int8 import INT8_FROM_BLOCKS_MAX_PARAMS, gguf_method, int8_from_blocks
-from srt.model_executor.layers.int8_math import quantize_per_channel
+from srt.model_executor.gguf_int8 import (
+    INT8_FROM_BLOCKS_MAX_PARAMS,
+    BlockInstaller,
+    gguf_method,
+    int8_from_blocks,
+)
+from srt.model_executor.layers import int8_linear
+from srt.model_executor.layers.int8_math import int8_products, quantize_per_channel
 from srt.model_executor.layers.linear_method import WEIGHT, W8A8Int8LinearMethod
 from srt.model_executor.quantization import resolve_quantization
 from test.unit.test_gguf_kernels import FLOATS, QUANTIZED, matrix
@@ -64,6 +70,24 @@ def file_of(parameters: int, matrix_type: T = T.Q4_K) -> SimpleNamespace:
     matrix = SimpleNamespace(ggml_type=int(matrix_type), shape=(parameters - 1000, 1))
     norm = SimpleNamespace(ggml_type=int(T.F32), shape=(1000,))
     return SimpleNamespace(tensors={"w": matrix, "norm": norm})
+
+
+def test_int8_from_blocks_is_prepared_for_the_kernels_as_calibrated_weights_are(monkeypatch):
+    """BlockInstaller hands the weight to the int8 method's `install`, which prepares every int8 weight the
+    same way (`int8_linear.pack_weight`): where oneDNN's packed kernel is chosen (forced here; it is exact
+    on every CPU, only slow on some), the weight is packed, and its products are the plain weight's."""
+    monkeypatch.setattr(int8_linear, "packed_kernel_available", lambda: True)
+    m, _ = matrix(T.Q4_K, rows=24, cols=512)  # within PACKED_MAX_K: packed where the kernel is chosen
+    layer = SimpleNamespace(
+        method=W8A8Int8LinearMethod(), weight_keys=lambda: [WEIGHT], drop_dense_weights=lambda: None
+    )
+    installer = BlockInstaller()
+    installer.install(layer, [m])
+    got = layer.method.int8_weight(WEIGHT)
+    assert got.packed is not None and installer.packed
+    x = torch.randint(-63, 64, (5, m.cols), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    plain = int8_from_blocks([m]).weight
+    assert torch.equal(int8_products(x, got), torch._int_mm(x, plain.t()))  # noqa: SLF001 (no public name)
 
 
 def test_the_rule_picks_int8_up_to_its_measured_size_and_the_blocks_above():
@@ -114,7 +138,10 @@ def test_every_linear_layer_holds_int8_and_the_embedding_stays_blocks(runner):
     ]
     for layer in layers:
         assert isinstance(layer.method, W8A8Int8LinearMethod)
-        assert layer.method.int8_weight(WEIGHT).weight.dtype == torch.int8
+    weights = [layer.method.int8_weight(WEIGHT) for layer in layers]
+    # prepared for the kernels as calibrated weights are (test_int8_linear's end-to-end check)
+    assert all((w.packed is not None) == int8_linear.packed_kernel_available() for w in weights)
+    assert all(w.weight.dtype == torch.int8 for w in weights if w.weight is not None)
     assert model.cpu_decode is not None  # the fused decode step runs it as it runs calibrated int8
 
 

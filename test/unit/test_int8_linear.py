@@ -107,6 +107,21 @@ def test_gptq_rounds_channels_calibration_never_saw_to_their_nearest_level():
     assert qw.weight[:, 0].abs().sum() > 0 and torch.isfinite(qw.scale).all()
 
 
+def test_gptq_leaves_the_callers_moments_as_they_were_in_either_precision():
+    """GPTQ dampens its own float64 copy of H: a float64 H is not edited in place (a dead channel's diagonal,
+    the dampening), and gives the levels its float32 form gives."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(8, 16, generator=gen)
+    x = torch.randn(32, 16, generator=gen)
+    x[:, 3] = 0  # a dead channel: its diagonal is set in the copy
+    h32 = x.t() @ x
+    h64 = h32.double()
+    before = h64.clone()
+    qw64 = quantize_per_channel_gptq(w, h64)
+    assert torch.equal(h64, before)
+    assert torch.equal(qw64.weight, quantize_per_channel_gptq(w, h32).weight)
+
+
 @pytest.mark.skipif(
     not packed_kernel_available(), reason="this torch build has no exact, fast oneDNN int8 linear"
 )

@@ -35,7 +35,7 @@ def quantize_per_channel_gptq(w: torch.Tensor, hessian: torch.Tensor, damp: floa
     w = w.float()
     n, k = w.shape
     scale = channel_scales(w)
-    h = hessian.double().clone()
+    h = hessian.to(torch.float64, copy=True)  # one float64 copy, whatever `hessian`'s dtype: edited below
     # A channel calibration never saw active has no say in the error: it is rounded to its nearest level
     # (its row of H^-1 is then zero beyond the diagonal), never zeroed, as other text may well use it.
     dead = torch.diagonal(h) == 0

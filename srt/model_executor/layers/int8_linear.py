@@ -130,7 +130,10 @@ def pack_weight(qw: Int8Weight) -> bool:
     """Prepare the weight for the fastest kernels here: oneDNN's packed form when that kernel is there
     and exact (False otherwise), and, for the fused linear of `cpu_kernels` where that one is used (a
     few tokens with VNNI; every call where oneDNN is not exact), the plain weight; a
-    plain weight no kernel reads is dropped (it would double the weights' memory): save it first."""
+    plain weight no kernel reads is dropped (it would double the weights' memory): save it first. A weight
+    already packed stays as it is."""
+    if qw.packed is not None:
+        return True
     kernels = cpu_kernels.load()
     packed = packed_kernel_available() and qw.weight.shape[1] <= PACKED_MAX_K
     fused = kernels is not None and (kernels.use_small_linear or not packed)

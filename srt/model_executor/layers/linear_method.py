@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from srt.model_executor.layers import cpu_kernels
 from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.layers.gguf_linear import BlockMatrix, BlockParts, block_matmul_parts
-from srt.model_executor.layers.int8_linear import w8a8_linear
+from srt.model_executor.layers.int8_linear import pack_weight, w8a8_linear
 from srt.model_executor.layers.int8_math import Int8Weight
 
 WEIGHT = "weight"  # the key of a plain linear layer's one weight
@@ -88,9 +88,14 @@ class W8A8Int8LinearMethod(LinearMethod):
         return w8a8_linear(x, self.weights[key], bias)
 
     def install(self, layer: LinearWeights, weights: dict[str, Int8Weight]) -> None:
+        """Take the layer's int8 `weights`, prepared for the fastest kernels here (`pack_weight`, which may
+        drop a plain weight no kernel reads: save them first), wherever they come from: calibrated, cached,
+        or rounded from a GGUF's blocks (`gguf_int8`), so every int8 weight runs the same kernels."""
         missing = set(layer.weight_keys()) - set(weights)
         if missing:
             raise KeyError(f"int8 weights missing for {sorted(missing)}")
+        for qw in weights.values():
+            pack_weight(qw)
         self.weights = weights
         layer.drop_dense_weights()
 
@@ -153,8 +158,11 @@ class LayerMethods:
     def for_run(quantization: str, device: str) -> LayerMethods:
         if quantization not in LINEAR_METHODS:
             raise ValueError(f"unknown quantization {quantization!r}; choose one of {sorted(LINEAR_METHODS)}")
-        kernels = cpu_kernels.load() if quantization in CPU_KERNEL_QUANTIZATIONS and device == "cpu" else None
-        return LayerMethods(quantization, kernels)
+        if quantization not in CPU_KERNEL_QUANTIZATIONS or device != "cpu":
+            return LayerMethods(quantization)
+        # the block products' library only where the layers multiply blocks (cpu_kernel_build's docstring)
+        block_products = LINEAR_METHODS[quantization] is GGUFLinearMethod
+        return LayerMethods(quantization, cpu_kernels.load(block_products=block_products))
 
     def linear(self) -> LinearMethod:
         return LINEAR_METHODS[self.quantization]()

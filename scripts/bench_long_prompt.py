@@ -29,6 +29,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -36,7 +37,8 @@ import time
 import httpx
 
 from srt.model_source import resolve_model_dir
-from srt.scheduler.mixed_chunk import LONE_PREFILL_STEP_SECONDS
+from srt.scheduler.mixed_chunk import LONE_PREFILL_STEP_SECONDS, MIN_LONE_PREFILL_TOKENS
+from srt.scheduler.step_executor import STEP_DEBUG_LINE
 from srt_bench.server import launch_server, wait_healthy
 
 SEED = 0
@@ -127,12 +129,35 @@ def report(r: dict, args: argparse.Namespace) -> None:
         )
 
 
+def step_times(log_text: str) -> list[tuple[int, int, float]]:
+    """(prefill tokens, decode rows, forward seconds) of every step in a server log at --log-level debug."""
+    pattern = re.escape(STEP_DEBUG_LINE).replace("%d", r"(\d+)").replace(r"%\.1f", r"([\d.]+)")
+    return [(int(p), int(d), float(ms) / 1e3) for p, d, ms in re.findall(pattern, log_text)]
+
+
+def report_steps(steps: list[tuple[int, int, float]]) -> None:
+    """The steps that continued the long prompt, against the budget an arrival waits for at most."""
+    chunks = [s for p, _, s in steps if p >= MIN_LONE_PREFILL_TOKENS]
+    if not chunks:
+        print("no step of the long prompt in the server's log")
+        return
+    over = [s for s in chunks if s > LONE_PREFILL_STEP_SECONDS]
+    print(
+        f"prefill steps of >= {MIN_LONE_PREFILL_TOKENS} tokens (the long prompts' chunks): {len(chunks)}, "
+        f"median {statistics.median(chunks):.2f} s, max {max(chunks):.2f} s against the "
+        f"{LONE_PREFILL_STEP_SECONDS:.0f}-s budget; {len(over)} over it"
+        + (f" (by up to {max(over) / LONE_PREFILL_STEP_SECONDS - 1:.0%})" if over else "")
+    )
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench_long_prompt] %(message)s")
     args = parse_args()
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_long_prompt-")
     os.makedirs(log_dir, exist_ok=True)
-    flags = ("--model-path", resolve_model_dir(args.model_path), *args.server_args.split())
+    # debug: the scheduler logs each step's forward time (report_steps)
+    extra = args.server_args.split()
+    flags = ("--model-path", resolve_model_dir(args.model_path), "--log-level", "debug", *extra)
     server = launch_server(*flags, wait=False, log_path=os.path.join(log_dir, "server.log"))
     try:
         ready_s = wait_healthy(server)
@@ -141,6 +166,8 @@ def main() -> None:
     finally:
         server.stop()
     report(results, args)
+    with open(server.log_path, errors="replace") as f:
+        report_steps(step_times(f.read()))
 
 
 if __name__ == "__main__":

@@ -109,9 +109,9 @@ def test_concurrent_builders_compile_once_and_share_the_library(tmp_path, monkey
     compiled = []
     real = cpu_kernel_build._compile
 
-    def counting(cc, flags, path):
-        compiled.append(path)
-        real(cc, flags, path)
+    def counting(cc, objects, nice):
+        compiled.append([obj for _, obj, _ in objects])
+        real(cc, objects, nice)
 
     monkeypatch.setattr(cpu_kernel_build, "_compile", counting)
     paths = []
@@ -121,6 +121,13 @@ def test_concurrent_builders_compile_once_and_share_the_library(tmp_path, monkey
     for t in threads:
         t.join()
     assert len(compiled) == 1 and len(set(paths)) == 1 and os.path.isfile(paths[0])
-    assert sorted(os.listdir(os.path.dirname(paths[0]))) == sorted(
-        [os.path.basename(paths[0]), os.path.basename(paths[0]) + cpu_kernel_build.LOCK_SUFFIX]
-    )  # no object files or temporary libraries left behind
+    kernels_dir = os.path.dirname(paths[0])
+    assert sorted(os.listdir(kernels_dir)) == sorted(
+        [
+            os.path.basename(paths[0]),
+            os.path.basename(paths[0]) + cpu_kernel_build.LOCK_SUFFIX,
+            cpu_kernel_build.OBJECTS_DIR,
+        ]
+    )  # no temporary libraries left behind ...
+    objects = os.listdir(os.path.join(kernels_dir, cpu_kernel_build.OBJECTS_DIR))
+    assert sorted(objects) == sorted(os.path.basename(obj) for obj in compiled[0])  # ... nor objects

@@ -351,12 +351,15 @@ def agrees_with_torch(kernels: CpuKernels) -> bool:
 
 
 @functools.cache
-def load() -> CpuKernels | None:
-    """The kernels for this process, or None where they cannot be built or are not exact (logged once)."""
+def load(block_products: bool = False) -> CpuKernels | None:
+    """The kernels for this process, or None where they cannot be built or are not exact (logged once). With
+    `block_products`, the library whose GGUF source is built for the `gguf` method's block products (its
+    fused decode step calls them from C); every other caller takes the one every path loads
+    (`cpu_kernel_build`'s docstring)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     try:
-        kernels = CpuKernels(build())
+        kernels = CpuKernels(build(block_products=block_products))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("CPU int8 kernels unavailable, using PyTorch ops instead: %s", str(detail)[-500:])

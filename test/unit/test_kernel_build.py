@@ -1,0 +1,100 @@
+"""The kernel build's two libraries (`cpu_kernel_build`): which one each path loads, what the launcher builds
+first, and that the second library costs one source's compile, not six. The compilers are stood in for
+here (the compiled libraries are tested in test_cpu_kernels.py and test_gguf_kernels.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from srt.model_executor.layers import cpu_kernel_build, cpu_kernels
+from srt.model_executor.layers.linear_method import LayerMethods
+from srt.model_executor.quantization import GGUF_QUANTIZATION
+from srt.model_source import CACHE_DIR_ENV
+
+
+@pytest.fixture
+def fake_compiler(monkeypatch, tmp_path):
+    """Stand-ins for the compile and the link, in an empty cache: each compile writes the objects missing
+    from the cache and records their sources and priority; each link writes the library."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    compiled: list[tuple[list[str], int]] = []
+
+    def compile_missing(cc, objects, nice):
+        missing = [(src, obj) for src, obj, _ in objects if not os.path.isfile(obj)]
+        if missing:
+            compiled.append(([os.path.basename(src) for src, _ in missing], nice))
+        for _, obj in missing:
+            with open(obj, "wb") as f:
+                f.write(b"object")
+
+    def link(cc, flags, objects, path):
+        with open(path, "wb") as f:
+            f.write(b"library")
+
+    monkeypatch.setattr(cpu_kernel_build, "_compile", compile_missing)
+    monkeypatch.setattr(cpu_kernel_build, "_link", link)
+    return compiled
+
+
+def test_the_block_products_library_compiles_only_the_gguf_source_again(fake_compiler):
+    every_source = sorted(os.path.basename(s) for s in cpu_kernel_build.sources())
+    library = cpu_kernel_build.build()
+    blocks = cpu_kernel_build.build(block_products=True)
+    assert library != blocks and os.path.isfile(library) and os.path.isfile(blocks)
+    assert [sorted(names) for names, _ in fake_compiler] == [
+        every_source,
+        [cpu_kernel_build.BLOCK_SOURCE_NAME],
+    ]
+    assert cpu_kernel_build.build() == library and len(fake_compiler) == 2  # both found in the cache
+
+
+def test_only_the_gguf_source_is_optimized_differently():
+    flags = cpu_kernel_build.FLAGS
+    for source in cpu_kernel_build.sources():
+        library = cpu_kernel_build.source_flags(source, flags, block_products=False)
+        blocks = cpu_kernel_build.source_flags(source, flags, block_products=True)
+        assert "-shared" not in library and blocks == tuple(f for f in flags if f != "-shared")
+        if os.path.basename(source) == cpu_kernel_build.BLOCK_SOURCE_NAME:
+            assert (
+                cpu_kernel_build.DEQUANTIZE_OPT in library and cpu_kernel_build.OPTIMIZE_FLAG not in library
+            )
+        else:
+            assert library == blocks
+
+
+def test_a_background_build_compiles_at_low_priority(fake_compiler):
+    cpu_kernel_build.build(block_products=True, background=True)
+    assert [nice for _, nice in fake_compiler] == [cpu_kernel_build.BACKGROUND_NICE]
+    cpu_kernel_build.build()  # a start's own build: the one source it lacks, at its own priority
+    assert fake_compiler[-1] == ([cpu_kernel_build.BLOCK_SOURCE_NAME], 0)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "gguf", "builds"),
+    [
+        # the embedded SmolLM2 (gguf_int8 by its size): the library first, the block products' after it
+        (None, True, [{}, {"block_products": True, "background": True}]),
+        (GGUF_QUANTIZATION, True, [{"block_products": True}, {}]),
+        ("gguf_int8", True, [{}]),
+        ("w8a8_int8", False, [{}]),
+        (None, False, [{}]),
+    ],
+)
+def test_the_launcher_builds_first_what_its_start_loads(monkeypatch, quantization, gguf, builds):
+    calls = []
+    monkeypatch.setattr(cpu_kernel_build, "build", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cpu_kernel_build.platform, "machine", lambda: "x86_64")
+    thread = cpu_kernel_build.build_in_background("cpu", quantization, gguf)
+    thread.join(10)
+    assert calls == builds
+
+
+def test_the_block_products_library_is_the_gguf_methods(monkeypatch):
+    assert cpu_kernel_build.BLOCK_PRODUCTS_QUANTIZATION == GGUF_QUANTIZATION
+    loaded = []
+    monkeypatch.setattr(cpu_kernels, "load", lambda block_products: loaded.append(block_products) or "lib")
+    for quantization in ("gguf", "gguf_int8", "w8a8_int8", "none"):
+        LayerMethods.for_run(quantization, "cpu")
+    assert loaded == [True, False, False]  # none runs no kernels in its layers

@@ -18,14 +18,13 @@ import argparse
 import logging
 import statistics
 import time
-from collections import Counter, defaultdict
 
 import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from srt.model_executor.layers.cpu_kernels import CpuKernels
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_source import resolve_model_dir
+from srt_bench.kernel_times import timed_with_kernels
 
 logger = logging.getLogger("bench_model_forward")
 
@@ -178,78 +177,6 @@ def time_verify(
     return statistics.median(times[WARMUP_STEPS:])
 
 
-class KernelTimes:
-    """Wall time of each of the C kernels' calls (CpuKernels' methods), summed by kernel while installed."""
-
-    KERNELS = (
-        "linear",
-        "quantize_two_level",
-        "combine_two_level",
-        "extend_attention",
-        "decode_attention",
-        "silu_mul",
-        "rmsnorm",
-        "rope_",
-    )
-
-    def __init__(self) -> None:
-        self.seconds: defaultdict[str, float] = defaultdict(float)
-        self.calls: Counter[str] = Counter()
-        self._originals = {name: getattr(CpuKernels, name) for name in self.KERNELS}
-
-    def __enter__(self) -> KernelTimes:
-        for name, method in self._originals.items():
-            setattr(CpuKernels, name, self._timed(name, method))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, method in self._originals.items():
-            setattr(CpuKernels, name, method)
-
-    def _timed(self, name, method):
-        def timed(kernels, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(kernels, *args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
-
-        return timed
-
-    def report(self, steps: int, step_seconds: float) -> str:
-        """Per kernel: ms a step, its share of `step_seconds`, calls a step; then what no kernel took."""
-        lines = []
-        for name, seconds in sorted(self.seconds.items(), key=lambda item: -item[1]):
-            ms = seconds / steps * 1e3
-            share = 100 * seconds / steps / step_seconds
-            lines.append(f"  {name:20s} {ms:7.1f} ms {share:5.1f} %  {self.calls[name] / steps:.0f} calls")
-        rest = step_seconds - sum(self.seconds.values()) / steps
-        lines.append(
-            f"  {'(outside the kernels)':20s} {rest * 1e3:7.1f} ms {100 * rest / step_seconds:5.1f} %"
-        )
-        return "\n".join(lines)
-
-
-def timed_with_kernels(args, label: str, fn, steps_per_call: int) -> None:
-    """Log `fn()` (seconds a step); with --kernel-times, run it again three times with every kernel call
-    timed (the timers add a little to each call) and log each kernel's mean share of a step. The mean counts
-    warm-up steps and the building of each step's tables too (in "outside the kernels")."""
-    logger.info("%s: %.1f ms a step", label, fn() * 1e3)
-    if not args.kernel_times:
-        return
-    runs = 3
-    with KernelTimes() as kernels:
-        start = time.perf_counter()
-        for _ in range(runs):
-            fn()
-        mean = (time.perf_counter() - start) / (runs * steps_per_call)
-    report = kernels.report(runs * steps_per_call, mean)
-    logger.info(
-        "%s, kernels timed (mean of %d steps: %.1f ms):\n%s", label, runs * steps_per_call, mean * 1e3, report
-    )
-
-
 def time_hf_decode(model, bs: int, context: int, steps: int) -> float:
     """Seconds per decode step of transformers on the same weights (DynamicCache), same shapes."""
     from transformers import DynamicCache
@@ -373,7 +300,10 @@ def main() -> None:
     logger.info(line)
     if args.kernel_times:
         timed_with_kernels(
-            args, f"prefill {args.prefill} tokens", lambda: time_prefill(runner, args.prefill, repeats=3), 3
+            args.kernel_times,
+            f"prefill {args.prefill} tokens",
+            lambda: time_prefill(runner, args.prefill, repeats=3),
+            3,
         )
     if args.verify_rows:
         # one rows:ms pair a step size, and last the prefill's ms a prompt token (scripts/spec_replay.py)
@@ -390,7 +320,7 @@ def main() -> None:
     if args.mixed:
         new, rows = args.mixed
         timed_with_kernels(
-            args,
+            args.kernel_times,
             f"mixed step: {new} prompt tokens after {args.mixed_prefix}, {rows} decode rows at {args.context}",
             lambda: time_mixed(runner, new, args.mixed_prefix, rows, args.context, args.steps),
             WARMUP_STEPS + args.steps,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from srt_bench import grounded, runner
+from srt_bench import grounded, runner, spec_report
 from srt_bench.backends import Target
 from srt_bench.grounded import (
     ACCEPTED_METRIC,
@@ -198,15 +198,14 @@ def test_each_configuration_starts_the_server_it_names():
 
 
 def test_only_srt_configurations_are_held_to_identical_outputs():
-    script = load_script()
-    reference = {"grounded": script.Measurement(run_of("a", "b"), None)}
+    reference = {"grounded": spec_report.Measurement(run_of("a", "b"), None)}
     rounds = [
         {
             "srt": reference,
-            "srt-ngram": {"grounded": script.Measurement(run_of("a", "x"), None)},
-            "llama.cpp-lookup": {"grounded": script.Measurement(run_of("q", "r"), None)},
+            "srt-ngram": {"grounded": spec_report.Measurement(run_of("a", "x"), None)},
+            "llama.cpp-lookup": {"grounded": spec_report.Measurement(run_of("q", "r"), None)},
         }
     ]
-    assert script.identity_counts(rounds, "srt-ngram", "grounded") == (1, 2)
-    assert script.identity_counts(rounds, "llama.cpp-lookup", "grounded") is None
-    assert "1 answers differ" in script.targets_checklist(rounds)
+    assert spec_report.identity_counts(rounds, "srt-ngram", "grounded") == (1, 2)
+    assert spec_report.identity_counts(rounds, "llama.cpp-lookup", "grounded") is None
+    assert "1 answers differ" in spec_report.targets_checklist(rounds)

@@ -184,9 +184,8 @@ class Launcher:
     def _run(self) -> int:
         model = self._model_dir()
         from srt.model_executor.layers.cpu_kernel_build import build_in_background
-        from srt.model_source import is_gguf_file
 
-        build_in_background(self.args.device, self.args.quantization_or_default, is_gguf_file(model))
+        build_in_background(self.args.device, self.args.quantization_or_default)
         self._start_children(model)
 
         from srt.http_server.app import create_app

@@ -471,7 +471,7 @@ def test_the_launcher_starts_the_build_and_the_scheduler_finds_it(monkeypatch, t
         with open(path, "wb") as f:
             f.write(b"library")
 
-    monkeypatch.setattr(cpu_kernel_build, "_compile", lambda cc, objects, nice: None)
+    monkeypatch.setattr(cpu_kernel_build, "_compile", lambda cc, objects: None)
     monkeypatch.setattr(cpu_kernel_build, "_link", slow_link)
     thread = cpu_kernel_build.build_in_background("cpu")
     assert thread is not None and started.wait(10)
@@ -485,7 +485,7 @@ def test_the_launcher_starts_the_build_and_the_scheduler_finds_it(monkeypatch, t
 
     monkeypatch.setenv("SRT_CACHE_DIR", str(tmp_path / "second"))
 
-    def failing_compile(cc, objects, nice):
+    def failing_compile(cc, objects):
         raise subprocess.CalledProcessError(1, [cc], stderr="error: no such instruction")
 
     monkeypatch.setattr(cpu_kernel_build, "_compile", failing_compile)

@@ -1,6 +1,6 @@
-"""The kernel build's two libraries (`cpu_kernel_build`): which one each path loads, what the launcher builds
-first, and that the second library costs one source's compile, not six. The compilers are stood in for
-here (the compiled libraries are tested in test_cpu_kernels.py and test_gguf_kernels.py)."""
+"""The kernel build's two libraries (`cpu_kernel_build`): which one each path loads, what the launcher builds,
+and that the second library costs one source's compile, not six. The compilers are stood in for here (the
+compiled libraries are tested in test_cpu_kernels.py and test_gguf_kernels.py)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from srt.model_source import CACHE_DIR_ENV
 @pytest.fixture
 def fake_compiler(monkeypatch, tmp_path):
     """Stand-ins for the compile and the link, in an empty cache: each compile writes the objects missing
-    from the cache and records their sources and priority; each link writes the library."""
+    from the cache and records their sources; each link writes the library."""
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
-    compiled: list[tuple[list[str], int]] = []
+    compiled: list[list[str]] = []
 
-    def compile_missing(cc, objects, nice):
+    def compile_missing(cc, objects):
         missing = [(src, obj) for src, obj, _ in objects if not os.path.isfile(obj)]
         if missing:
-            compiled.append(([os.path.basename(src) for src, _ in missing], nice))
+            compiled.append(sorted(os.path.basename(src) for src, _ in missing))
         for _, obj in missing:
             with open(obj, "wb") as f:
                 f.write(b"object")
@@ -43,10 +43,7 @@ def test_the_block_products_library_compiles_only_the_gguf_source_again(fake_com
     library = cpu_kernel_build.build()
     blocks = cpu_kernel_build.build(block_products=True)
     assert library != blocks and os.path.isfile(library) and os.path.isfile(blocks)
-    assert [sorted(names) for names, _ in fake_compiler] == [
-        every_source,
-        [cpu_kernel_build.BLOCK_SOURCE_NAME],
-    ]
+    assert fake_compiler == [every_source, [cpu_kernel_build.BLOCK_SOURCE_NAME]]
     assert cpu_kernel_build.build() == library and len(fake_compiler) == 2  # both found in the cache
 
 
@@ -64,29 +61,22 @@ def test_only_the_gguf_source_is_optimized_differently():
             assert library == blocks
 
 
-def test_a_background_build_compiles_at_low_priority(fake_compiler):
-    cpu_kernel_build.build(block_products=True, background=True)
-    assert [nice for _, nice in fake_compiler] == [cpu_kernel_build.BACKGROUND_NICE]
-    cpu_kernel_build.build()  # a start's own build: the one source it lacks, at its own priority
-    assert fake_compiler[-1] == ([cpu_kernel_build.BLOCK_SOURCE_NAME], 0)
-
-
 @pytest.mark.parametrize(
-    ("quantization", "gguf", "builds"),
+    ("quantization", "builds"),
     [
-        # the embedded SmolLM2 (gguf_int8 by its size): the library first, the block products' after it
-        (None, True, [{}, {"block_products": True, "background": True}]),
-        (GGUF_QUANTIZATION, True, [{"block_products": True}, {}]),
-        ("gguf_int8", True, [{}]),
-        ("w8a8_int8", False, [{}]),
-        (None, False, [{}]),
+        (GGUF_QUANTIZATION, [{"block_products": True}, {"block_products": False}]),
+        # the embedded SmolLM2 (gguf_int8 by its size, which the launcher does not work out)
+        (None, [{"block_products": False}]),
+        ("gguf_int8", [{"block_products": False}]),
+        ("w8a8_int8", [{"block_products": False}]),
+        ("none", [{"block_products": False}]),  # the sampler's argmax kernel
     ],
 )
-def test_the_launcher_builds_first_what_its_start_loads(monkeypatch, quantization, gguf, builds):
+def test_the_launcher_builds_what_its_start_loads(monkeypatch, quantization, builds):
     calls = []
     monkeypatch.setattr(cpu_kernel_build, "build", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(cpu_kernel_build.platform, "machine", lambda: "x86_64")
-    thread = cpu_kernel_build.build_in_background("cpu", quantization, gguf)
+    thread = cpu_kernel_build.build_in_background("cpu", quantization)
     thread.join(10)
     assert calls == builds
 

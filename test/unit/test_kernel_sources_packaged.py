@@ -109,9 +109,9 @@ def test_concurrent_builders_compile_once_and_share_the_library(tmp_path, monkey
     compiled = []
     real = cpu_kernel_build._compile
 
-    def counting(cc, objects, nice):
+    def counting(cc, objects):
         compiled.append([obj for _, obj, _ in objects])
-        real(cc, objects, nice)
+        real(cc, objects)
 
     monkeypatch.setattr(cpu_kernel_build, "_compile", counting)
     paths = []

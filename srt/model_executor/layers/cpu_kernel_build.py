@@ -23,7 +23,6 @@ import glob
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -87,8 +86,6 @@ BLOCK_PRODUCTS_QUANTIZATION = "gguf"
 BUILD_TIMEOUT_S = 120
 LOCK_SUFFIX = ".lock"
 OBJECTS_DIR = "objects"
-# a build the launcher starts for a later start, not for its own: its compilers yield the CPU to the start-up
-BACKGROUND_NICE = 19
 # present where an NVIDIA driver is loaded: `--device auto` then means CUDA, and the CPU kernels wait
 NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 
@@ -155,54 +152,43 @@ def _objects(cc: str, flags: tuple[str, ...], block_products: bool) -> list[tupl
     return found
 
 
-def library_path(cc: str, flags: tuple[str, ...], block_products: bool = False) -> str:
-    objects = _objects(cc, flags, block_products)
+def _library_path(objects: list[tuple[str, str, tuple[str, ...]]], flags: tuple[str, ...]) -> str:
     key = _key(*(obj for _, obj, _ in objects), repr(flags))
     return os.path.join(cache_root(), "kernels", f"cpu_kernels-{key}.so")
 
 
-def build(
-    cc: str | None = None,
-    flags: tuple[str, ...] = FLAGS,
-    block_products: bool = False,
-    background: bool = False,
-) -> str:
+def build(cc: str | None = None, flags: tuple[str, ...] = FLAGS, block_products: bool = False) -> str:
     """Compile the library (with `block_products`, the block products' one: see the module's docstring)
     unless these sources, compiler, flag set and CPU already have one; its path.
 
     Each source compiles in a compiler process of its own, all at once, into a cached object, then one link.
     Concurrent builders (the tensor-parallel ranks, data-parallel replicas) take turns on a lock file, so the
     second finds the first's library instead of compiling again; every file is written under a temporary name
-    and renamed, so no reader ever loads a half-written one. A `background` build (the launcher's, for later
-    starts) runs its compilers at BACKGROUND_NICE and outside the lock, which it takes only to link: a start
-    that needs the same library compiles what is missing at its own priority rather than wait on it."""
+    and renamed, so no reader ever loads a half-written one."""
     cc = cc or os.environ.get(COMPILER_ENV) or DEFAULT_COMPILER
     objects = _objects(cc, flags, block_products)
-    path = library_path(cc, flags, block_products)
+    path = _library_path(objects, flags)
     if os.path.isfile(path):
         return path
     os.makedirs(os.path.dirname(objects[0][1]), exist_ok=True)
-    if background:
-        _compile(cc, objects, BACKGROUND_NICE)
     with open(path + LOCK_SUFFIX, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(path):  # another builder's, made while this one waited
-            _compile(cc, objects, 0)
+            _compile(cc, objects)
             _link(cc, flags, [obj for _, obj, _ in objects], path)
     return path
 
 
-def _compile(cc: str, objects: list[tuple[str, str, tuple[str, ...]]], nice: int) -> None:
+def _compile(cc: str, objects: list[tuple[str, str, tuple[str, ...]]]) -> None:
     """Compile the objects not in the cache yet, each in its own compiler process, all at once."""
     missing = [(src, obj, f) for src, obj, f in objects if not os.path.isfile(obj)]
     if not missing:
         return
-    prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
     with tempfile.TemporaryDirectory(dir=os.path.dirname(missing[0][1])) as tmp:
         procs = []
         for source, obj, sflags in missing:
             out = os.path.join(tmp, os.path.basename(obj))
-            cmd = [*prefix, cc, *sflags, "-c", source, "-o", out]
+            cmd = [cc, *sflags, "-c", source, "-o", out]
             procs.append(
                 (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out, obj)
             )
@@ -237,35 +223,27 @@ def _link(cc: str, flags: tuple[str, ...], objects: list[str], path: str) -> Non
         os.replace(library, path)
 
 
-def build_in_background(
-    device: str, quantization: str | None = None, gguf: bool = False
-) -> threading.Thread | None:
-    """Start the builds in a thread of the launcher, before its children start: the compilers then run while
+def build_in_background(device: str, quantization: str | None = None) -> threading.Thread | None:
+    """Start the build in a thread of the launcher, before its children start: the compilers then run while
     the scheduler imports torch and opens the model, and the scheduler's own `build()` finds the library
     (or waits on the lock for the rest of it). A cold start's compile was most of its excess over a restart.
-
-    The library comes first, as every path loads it. The block products' library (`block_products`) comes
-    first under `--quantization gguf`, which runs it; for a GGUF left to the size rule (the scheduler picks
-    `gguf` or `gguf_int8`, `gguf_int8.gguf_method`, which this launcher cannot without importing torch) it
-    follows the library in the background, for a later start or a `gguf` scheduler, which compiles the rest
-    itself rather than wait on it. Errors are left to the scheduler, which reports them. None where the CPU
-    kernels are not wanted (a GPU device, or `auto` on a machine with an NVIDIA driver, or not x86-64)."""
+    It builds the library the start loads: the block products' under `--quantization gguf` (then the other,
+    which dequantizes), else the one every path loads. A GGUF left to the size rule (`gguf_int8.gguf_method`,
+    which the launcher cannot run without importing torch) gets the latter, which the embedded models run;
+    a larger file's `gguf` scheduler compiles the GGUF source once more itself. Errors are left to the
+    scheduler, which reports them. None where the CPU kernels are not wanted (a GPU device, or `auto` on a
+    machine with an NVIDIA driver, or not x86-64)."""
     wanted = device == "cpu" or (device == "auto" and not os.path.exists(NVIDIA_CONTROL_DEVICE))
     if not wanted or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    if quantization == BLOCK_PRODUCTS_QUANTIZATION:
-        builds = [{"block_products": True}, {}]
-    elif quantization is None and gguf:
-        builds = [{}, {"block_products": True, "background": True}]
-    else:
-        builds = [{}]
+    builds = [True, False] if quantization == BLOCK_PRODUCTS_QUANTIZATION else [False]
 
     def run() -> None:
-        for kwargs in builds:
-            try:
-                build(**kwargs)
-            except (OSError, subprocess.SubprocessError, RuntimeError):
-                return  # the scheduler's build() meets the same error and reports it
+        try:
+            for block_products in builds:
+                build(block_products=block_products)
+        except (OSError, subprocess.SubprocessError, RuntimeError):
+            pass  # the scheduler's build() meets the same error and reports it
 
     thread = threading.Thread(target=run, name="kernel-build", daemon=True)
     thread.start()

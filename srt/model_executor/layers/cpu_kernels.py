@@ -16,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import platform
 import subprocess
+import time
 
 import torch
 
@@ -39,6 +41,8 @@ FUSED_TOKENS_BESIDE_PACKED = 8
 # the probe's largest call spans three of the linear kernel's token blocks
 # (TOKEN_BLOCK in cpu_int8_linear_kernels.c)
 TOKEN_BLOCK_PROBE = 32
+# a load that took this long compiled, or waited for another process's compile: the start-up log says so
+BUILD_WAIT_LOGGED_S = 0.5
 
 
 class _Functions:
@@ -358,6 +362,7 @@ def load(block_products: bool = False) -> CpuKernels | None:
     (`cpu_kernel_build`'s docstring)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
+    start = time.monotonic()
     try:
         kernels = CpuKernels(build(block_products=block_products))
     except (OSError, subprocess.SubprocessError) as e:
@@ -367,4 +372,7 @@ def load(block_products: bool = False) -> CpuKernels | None:
     if kernels.isa == "portable" or not agrees_with_torch(kernels):
         logger.warning("CPU int8 kernels (%s) not used: no AVX2, or they disagree with PyTorch", kernels.isa)
         return None
+    waited = time.monotonic() - start
+    if waited >= BUILD_WAIT_LOGGED_S:  # a cold start's compile, this process's or the launcher's
+        logger.info("CPU kernels %s ready after %.1f s of build", os.path.basename(kernels.path), waited)
     return kernels

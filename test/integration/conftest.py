@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from srt.process_control import pid_alive
@@ -73,6 +74,45 @@ def default_server() -> Iterator[ServerHandle]:
     (`--quantization none`): its greedy output is compared with transformers token for token."""
     with running_server("--quantization", "none", api_key=API_KEY) as handle:
         yield handle
+
+
+@pytest.fixture(scope="session")
+def plain_server() -> Iterator[ServerHandle]:
+    """One embedded-model server with srt's defaults and no API key, shared by the modules that need nothing
+    else of it (a start costs tens of seconds on 2 cores). A case that reads /metrics counts its own traffic
+    (after minus before): the server has served other modules."""
+    with running_server() as handle:
+        yield handle
+
+
+# Short enough that the constraints whose first masks take seconds are refused by the budget.
+GRAMMAR_COMPILE_TIMEOUT_SECONDS = 1.5
+
+
+@pytest.fixture(scope="session")
+def short_grammar_budget_server() -> Iterator[ServerHandle]:
+    """One embedded-model server with an API key and a short --grammar-compile-timeout, shared by the modules
+    that send hostile constraints (a case that needs the judge itself sends a constraint no other sends: a
+    remembered verdict would not reach it)."""
+    flags = ("--grammar-compile-timeout", str(GRAMMAR_COMPILE_TIMEOUT_SECONDS))
+    with running_server(*flags, api_key=API_KEY) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_server(tiny_model_dir: str) -> Iterator[ServerHandle]:
+    """The tiny random Llama in fp32 on one rank, shared by the modules whose tensor-parallel servers (on one
+    machine, over two nodes) must answer as it does, token for token (fp32 on both sides: int8 quantizes
+    each rank's shard on its own)."""
+    with running_server("--model-path", tiny_model_dir, "--quantization", "none") as handle:
+        yield handle
+
+
+def flush_cache(server: ServerHandle) -> None:
+    """Empty a shared server's prefix cache: a reference run then computes every prompt's KV itself, as on a
+    fresh server."""
+    r = httpx.post(f"{server.base_url}/flush_cache", headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test.integration.conftest import REPO_ROOT, running_server
+from test.integration.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,8 @@ def load_bench_serving():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as handle:
-        yield handle
+def server(plain_server):
+    return plain_server  # the run's server view is after minus before: earlier traffic does not count
 
 
 @pytest.mark.parametrize(

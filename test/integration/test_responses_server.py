@@ -18,7 +18,7 @@ from openai.resources.responses import Responses as ResponsesResource
 
 from srt.http_server.openai.responses_protocol import ResponsesRequest
 from srt_bench.gateway import ROUND_ROBIN, running_gateway, smg_problem
-from test.integration.conftest import REPO_ROOT, running_server
+from test.integration.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +49,8 @@ SAMPLE = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as handle:
-        yield handle
+def server(plain_server):
+    return plain_server
 
 
 @pytest.fixture(scope="module")

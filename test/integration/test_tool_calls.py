@@ -13,8 +13,6 @@ import jsonschema
 import openai
 import pytest
 
-from test.integration.conftest import running_server
-
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -53,9 +51,8 @@ MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as handle:
-        yield handle
+def server(plain_server):
+    return plain_server
 
 
 @pytest.fixture(scope="module")

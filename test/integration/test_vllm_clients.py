@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from srt.tokenizer_loading import load_tokenizer
-from test.integration.conftest import ServerHandle, running_server
+from test.integration.conftest import ServerHandle
 from test.integration.guidellm_client import guidellm_binary, run_guidellm
 
 pytestmark = pytest.mark.slow
@@ -26,9 +26,8 @@ GUIDELLM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 3, 32, 8
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server("--max-total-tokens", "8192") as handle:
-        yield handle
+def server(plain_server):
+    return plain_server
 
 
 @pytest.mark.skipif(

@@ -32,17 +32,14 @@ from srt.io_struct import (
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
 )
-from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.kv_events import KVEventSink
-from srt.mem_cache.radix_cache import RadixCache
 from srt.model_executor.model_runner import ModelRunner
-from srt.sampling.sampler import Sampler, make_generator
-from srt.sampling.sampling_params import SamplingParams
-from srt.scheduler.fault_isolation import PROCESS_FATAL_ERRORS, TEST_FAULT_ENV, fail_request
+from srt.sampling.sampler import Sampler
+from srt.scheduler.fault_isolation import TEST_FAULT_ENV
+from srt.scheduler.kv_memory import KVMemory
 from srt.scheduler.mixed_chunk import MixedChunkBudget, attention_keys, mixed_chunk_enabled
-from srt.scheduler.pooling import needs_every_token
 from srt.scheduler.prefill_admission import PrefillAdmission
-from srt.scheduler.request_checks import refusal
+from srt.scheduler.request_intake import RequestIntake
 from srt.scheduler.schedule_batch import Req, build_token_output
 from srt.scheduler.schedule_policy import (
     INIT_NEW_TOKEN_RATIO,
@@ -76,28 +73,15 @@ class Scheduler:
         self.args = server_args
         self.tracing = tracing or SchedulerTracing()
         self.runner = model_runner
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.allocator = model_runner.token_to_kv_pool_allocator
         self.reporter = reporter or NullReporter()
-        if server_args.disable_radix_cache or (
-            server_args.is_embedding and needs_every_token(server_args.pooling_type)
-        ):
-            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator)
-        else:
-            self.tree_cache = RadixCache(
-                self.req_to_token_pool,
-                self.allocator,
-                residency_observer=self.reporter.residency_observer,
-                kv_events=kv_events,
-            )
+        self.memory = KVMemory(server_args, model_runner, self.reporter.residency_observer, kv_events)
+        self.req_to_token_pool = self.memory.req_to_token_pool
+        self.allocator = self.memory.allocator
+        self.tree_cache = self.memory.tree_cache
         self.sampler = IsolatingSampler(
             Sampler(model_runner.vocab_size, model_runner.eos_token_ids, device=model_runner.device),
             test_fault_rid=os.environ.get(TEST_FAULT_ENV) or None,
         )
-        self.default_generator = torch.Generator(device=model_runner.device).manual_seed(
-            server_args.random_seed
-        )
-        self.vocab_size = model_runner.vocab_size
         self.context_len = model_runner.context_len
         self.max_running_requests = model_runner.max_running_requests
         self.max_req_input_len = min(self.context_len, model_runner.max_total_num_tokens) - 1
@@ -123,6 +107,11 @@ class Scheduler:
             if model_runner.lora is not None
             else None
         )
+        self.intake = RequestIntake(
+            self.max_req_input_len, model_runner.vocab_size, server_args.is_embedding,
+            torch.Generator(device=model_runner.device).manual_seed(server_args.random_seed),
+            self.lora, self.tracing,
+        )  # fmt: skip
         self.admission = PrefillAdmission(
             server_args, self.tree_cache, self.allocator, self.req_to_token_pool, self.max_running_requests,
             self.lora,
@@ -167,38 +156,11 @@ class Scheduler:
         return None
 
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
-        """Queue a request, or finish it at once: refused (`error`), nothing to generate (`length`), or
-        failing to admit (its parameters make a check or its generator raise: `error`)."""
-        if not isinstance(recv.rid, str):  # nothing downstream could route an answer to it
-            logger.error("Dropping a request whose rid is not a string: %r", recv.rid)
+        """Queue a request (`RequestIntake` builds it), or report it with the next output when it finished at
+        once; a constrained request first waits for its grammar."""
+        req = self.intake.new_req(recv, self.live)
+        if req is None:
             return
-        params = recv.sampling_params
-        try:
-            req = Req(recv.rid, recv.input_ids, params, recv.stream)
-            req.prediction_ids = recv.prediction_ids
-            req.lora_name = recv.lora_name
-            req.think_end_id = recv.think_end_id
-            req.stop_after_reasoning = recv.stop_after_reasoning
-            self.tracing.attach(req, recv.trace)
-            req.finished_reason = refusal(
-                req, self.live, self.max_req_input_len, self.vocab_size, self.args.is_embedding
-            )
-            if not req.finished and req.lora_name is not None:
-                req.finished_reason = (
-                    self.lora.refusal(req.lora_name)
-                    if self.lora is not None
-                    else FinishReason("error", message="LoRA is off on this server", param="model")
-                )
-            if not req.finished:
-                req.generator = make_generator(params.seed, self.default_generator)
-            elif req.finished_reason.type == "error":  # the HTTP layer should have refused it already
-                logger.error("Request %s refused: %s", req.rid, req.finished_reason.message)
-        except PROCESS_FATAL_ERRORS:
-            raise
-        except Exception as e:
-            # the report to the detokenizer reads the parameters: keep them only if they are parameters
-            req = Req(recv.rid, [], params if isinstance(params, SamplingParams) else SamplingParams())
-            fail_request(req, "admitting the request", e)
         if req.finished:
             self.finished_outside_step.append(req)
         else:
@@ -237,9 +199,7 @@ class Scheduler:
         """Drop every cached prefix; only allowed when no request holds KV."""
         if not self.is_idle:
             return False
-        self.tree_cache.reset()
-        self.allocator.clear()
-        self.req_to_token_pool.clear()
+        self.memory.flush()
         return True
 
     @property
@@ -267,18 +227,16 @@ class Scheduler:
     @property
     def num_used_tokens(self) -> int:
         """KV slots held by requests; evictable cache slots count as free."""
-        return self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return self.memory.used_tokens()
 
     def load(self) -> SchedulerLoad:
         """A snapshot of the queues and KV memory, for the reporter."""
-        available = self.allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
         return SchedulerLoad(
             running=len(self.running),
             chunked=self.chunked_req is not None,
             waiting=len(self.waiting),
-            used_tokens=self.allocator.size - available - evictable,
-            headroom_tokens=available + evictable,
+            used_tokens=self.memory.used_tokens(),
+            headroom_tokens=self.memory.headroom(),
             new_token_ratio=self.new_token_ratio,
             idle=self.is_idle,
             lora=self.lora.snapshot(self._holding_kv(), self.waiting) if self.lora is not None else None,
@@ -388,19 +346,16 @@ class Scheduler:
         self.reporter.on_finished(len(req.origin_input_ids), len(req.output_ids), req.cached_tokens)
 
     def _release(self, req: Req) -> None:
-        """Return a request's KV to the cache (shared prefixes stay cached, unlocked) and its pool row."""
-        if req.req_pool_idx is not None:
-            self.tree_cache.cache_finished_req(req)
-            req.req_pool_idx = None
+        """A request leaves the running batch: its KV back to the cache (`KVMemory.release`), its sampler row."""
+        self.memory.release(req)
         self.sampler.release(req)
-        req.reset_prefix()
 
     def _ensure_decode_memory(self) -> None:
         """Retract requests (schedule_policy.retract_until_decode_fits) until the next decode step has a KV
         slot for every running request; they keep their output and return to the front of the queue."""
         retracted, too_large = retract_until_decode_fits(
             self.running,
-            lambda: self.allocator.available_size() + self.tree_cache.evictable_size(),
+            self.memory.headroom,
             self._release,
         )
         if too_large is not None:

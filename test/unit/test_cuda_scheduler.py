@@ -98,7 +98,7 @@ def test_retraction_resumes_with_identical_output(tiny_model_dir):
 
 def test_seeded_sampling_runs_on_the_device_and_repeats(tiny_model_dir):
     sched = make_scheduler(tiny_model_dir)
-    assert sched.default_generator.device.type == "cuda"
+    assert sched.intake.default_generator.device.type == "cuda"
     ps = prompts(3, seed=9)
 
     def sampled(seed: int) -> SamplingParams:

@@ -326,6 +326,7 @@ def test_a_packed_kernel_that_is_a_slow_fallback_is_not_used(monkeypatch):
     up to 31,320 in 122,445)."""
     from srt.model_executor.layers import int8_linear
 
+    monkeypatch.setattr(int8_linear, "cpu_flags", lambda: frozenset({"avx512_vnni", "amx_int8"}))
     monkeypatch.setattr(int8_linear, "packed_kernel_speed_ratio", lambda: 1_000.0)
     int8_linear.packed_kernel_available.cache_clear()
     try:
@@ -337,6 +338,28 @@ def test_a_packed_kernel_that_is_a_slow_fallback_is_not_used(monkeypatch):
     monkeypatch.setattr(int8_linear, "packed_kernel_speed_ratio", lambda: 1.0)
     try:
         assert int8_linear.packed_kernel_available() == (_packed_kernel_exists() and _packed_kernel_exact())
+    finally:
+        int8_linear.packed_kernel_available.cache_clear()
+
+
+def test_without_amx_the_packed_kernel_is_not_probed(monkeypatch):
+    """Every CPU without AMX measured ran oneDNN's reference kernel, and the probe that finds it out costs
+    seconds of a start: there it is not run, and the weights stay plain."""
+    from srt.model_executor.layers import int8_linear
+
+    flags = int8_linear.cpu_flags()
+    assert flags is None or "fpu" in flags  # Linux's list, as read
+
+    def probe() -> float:
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(int8_linear, "packed_kernel_speed_ratio", probe)
+    monkeypatch.setattr(int8_linear, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    int8_linear.packed_kernel_available.cache_clear()
+    try:
+        assert not int8_linear.packed_kernel_available()
+        qw = quantize_per_channel(torch.randn(16, 64))
+        assert not pack_weight(qw) and qw.weight is not None
     finally:
         int8_linear.packed_kernel_available.cache_clear()
 

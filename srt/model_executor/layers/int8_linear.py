@@ -62,6 +62,10 @@ from srt.model_executor.layers.int8_math import (
 SPEED_PROBE_SHAPE = (64, 512, 512)
 PACKED_MAX_SLOWDOWN = 3.0
 SPEED_PROBE_RUNS = 2
+# The CPU flag without which the probe is not run: on every CPU without AMX measured (Intel Xeon with
+# AVX-512 VNNI, AMD EPYC Zen 3 and 4) oneDNN's packed int8 kernel was its reference one (66-12,000x
+# `_int_mm`'s time), and finding that out took 1.5-3.5 s of a 2-core machine's start.
+PACKED_KERNEL_CPU_FLAG = "amx_int8"
 
 
 def _best_seconds(fn, runs: int = SPEED_PROBE_RUNS) -> float:
@@ -78,7 +82,11 @@ def _best_seconds(fn, runs: int = SPEED_PROBE_RUNS) -> float:
 def packed_kernel_available() -> bool:
     """Whether oneDNN's packed int8 linear exists in this build, reproduces `_int_mm` exactly (integer
     products below 2^24 with unit scales must come back as the same whole numbers) and is not a slow
-    fallback (at most PACKED_MAX_SLOWDOWN times `_int_mm`'s time on a probe): checked once per process."""
+    fallback (at most PACKED_MAX_SLOWDOWN times `_int_mm`'s time on a probe): checked once per process, and
+    only on a CPU with PACKED_KERNEL_CPU_FLAG (or whose flags cannot be read)."""
+    flags = cpu_flags()
+    if flags is not None and PACKED_KERNEL_CPU_FLAG not in flags:
+        return False
     try:
         gen = torch.Generator().manual_seed(0)
         w = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=gen)
@@ -91,6 +99,18 @@ def packed_kernel_available() -> bool:
         return packed_kernel_speed_ratio() <= PACKED_MAX_SLOWDOWN
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as Linux lists them, or None where /proc/cpuinfo cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
 
 
 def packed_kernel_speed_ratio() -> float:

@@ -88,3 +88,24 @@ def test_the_block_products_library_is_the_gguf_methods(monkeypatch):
     for quantization in ("gguf", "gguf_int8", "w8a8_int8", "none"):
         LayerMethods.for_run(quantization, "cpu")
     assert loaded == [True, False, False]  # none runs no kernels in its layers
+
+
+def test_each_library_is_loaded_once_however_it_is_asked_for(monkeypatch):
+    """Layers, norms and the fused steps compare the kernels they hold with `load()`: asking with the
+    keyword must not load (and check) the same library a second time."""
+    built = []
+    monkeypatch.setattr(
+        cpu_kernels, "build", lambda block_products=False: built.append(block_products) or "x"
+    )
+    monkeypatch.setattr(
+        cpu_kernels, "CpuKernels", lambda path: type("K", (), {"isa": "avx2", "path": path})()
+    )
+    monkeypatch.setattr(cpu_kernels, "agrees_with_torch", lambda kernels: True)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is cpu_kernels.load(block_products=False) is cpu_kernels.load(False)
+        assert cpu_kernels.load(block_products=True) is not cpu_kernels.load()
+        assert built == [False, True]
+    finally:
+        cpu_kernels.load.cache_clear()

@@ -354,12 +354,17 @@ def agrees_with_torch(kernels: CpuKernels) -> bool:
     ) and (torch.allclose(kernels.silu_mul(x, k), silu, rtol=1e-5, atol=1e-6))
 
 
-@functools.cache
 def load(block_products: bool = False) -> CpuKernels | None:
     """The kernels for this process, or None where they cannot be built or are not exact (logged once). With
     `block_products`, the library whose GGUF source is built for the `gguf` method's block products (its
     fused decode step calls them from C); every other caller takes the one every path loads
-    (`cpu_kernel_build`'s docstring)."""
+    (`cpu_kernel_build`'s docstring). One object per library, however it is asked for (`load()` and
+    `load(block_products=False)` are the same call)."""
+    return _load(bool(block_products))
+
+
+@functools.cache
+def _load(block_products: bool) -> CpuKernels | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     start = time.monotonic()
@@ -376,3 +381,6 @@ def load(block_products: bool = False) -> CpuKernels | None:
     if waited >= BUILD_WAIT_LOGGED_S:  # a cold start's compile, this process's or the launcher's
         logger.info("CPU kernels %s ready after %.1f s of build", os.path.basename(kernels.path), waited)
     return kernels
+
+
+load.cache_clear = _load.cache_clear  # the tests' way to build (or find) the library again

@@ -9,7 +9,6 @@ import pytest
 
 from srt.model_executor.model_runner import PROMPT_LOGPROB_BLOCK_ROWS
 from srt.server_args import ServerArgs
-from test.integration.conftest import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +22,8 @@ SENTENCE = (
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server("--quantization", "none") as handle:  # fp32, the default chunked prefill
-        yield handle
+def server(default_server):
+    return default_server  # fp32, the default chunked prefill
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from srt.metrics.text_format import parse_metrics_text, total
-from test.integration.conftest import ServerHandle, running_server
+from test.integration.conftest import ServerHandle
 
 pytestmark = pytest.mark.slow
 
@@ -32,20 +32,29 @@ SCHEMA = {
 SCHEMA_MAX_TOKENS = 64
 NUM_SEEDS = 20
 TIMEOUT = 120.0
-# Constrained requests the scheduler received, for the metrics test (module scope: one server).
+# Constrained requests the scheduler received from this module, for the metrics test.
 SENT = {"so_requests": 0}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_server):
     # fp32: the prompts here were chosen for what the fp32 model does with them (e.g. closing its JSON
     # within the token limit); int8 answers close to it, not token for token
-    with running_server("--quantization", "none") as handle:
-        yield handle
+    return default_server
+
+
+def metric_samples(server: ServerHandle) -> list:
+    return parse_metrics_text(httpx.get(f"{server.base_url}/metrics", timeout=10).text)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def samples_before(server) -> list:
+    """/metrics before this module's first request: the shared server has served other modules."""
+    return metric_samples(server)
 
 
 def post(server: ServerHandle, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", json=body, timeout=TIMEOUT)
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=server.headers, timeout=TIMEOUT)
 
 
 def chat_body(content: str, **kw) -> dict:
@@ -114,7 +123,9 @@ def test_regex_on_generate_streaming(server):
     pattern = "(yes|no), [0-9]{2}"
     body = {"text": "Answer:", "stream": True, "sampling_params": {"regex": pattern, "max_new_tokens": 20}}
     text = ""
-    with httpx.stream("POST", f"{server.base_url}/generate", json=body, timeout=TIMEOUT) as r:
+    with httpx.stream(
+        "POST", f"{server.base_url}/generate", json=body, headers=server.headers, timeout=TIMEOUT
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -184,12 +195,15 @@ def test_invalid_constraint_is_a_400_naming_the_field(server, path, body, param)
     )
 
 
-def test_grammar_metrics(server):
+def test_grammar_metrics(server, samples_before):
     assert SENT["so_requests"] >= NUM_SEEDS  # the tests above ran first, on this server
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    samples = parse_metrics_text(text)
-    assert total(samples, "sglang:grammar_compilation_time_seconds_count") >= 1
-    assert total(samples, "sglang:grammar_compilation_time_seconds_sum") > 0
-    assert total(samples, "sglang:num_so_requests_total") == SENT["so_requests"]
-    assert total(samples, "sglang:num_grammar_cache_hit_total") >= NUM_SEEDS - 1
+    samples = metric_samples(server)
+
+    def counted(name: str) -> float:  # by this module's requests
+        return total(samples, name) - total(samples_before, name)
+
+    assert counted("sglang:grammar_compilation_time_seconds_count") >= 1
+    assert counted("sglang:grammar_compilation_time_seconds_sum") > 0
+    assert counted("sglang:num_so_requests_total") == SENT["so_requests"]
+    assert counted("sglang:num_grammar_cache_hit_total") >= NUM_SEEDS - 1
     assert total(samples, "sglang:num_grammar_queue_reqs") == 0

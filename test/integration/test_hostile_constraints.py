@@ -3,8 +3,9 @@
 /health keeps answering while constraints are judged, and a request with 128 tools leaves a concurrent
 plain request served.
 
-One server serves the module, with a short --grammar-compile-timeout so that the constraints whose first
-masks take seconds are refused by the budget (the message says which: the library's limits or the budget).
+One server serves the module (shared with test_request_fuzz.py), with a short --grammar-compile-timeout so
+that the constraints whose first masks take seconds are refused by the budget (the message says which: the
+library's limits or the budget).
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import httpx
 import jsonschema
 import pytest
 
-from test.integration.conftest import API_KEY, ServerHandle, running_server
+from test.integration.conftest import ServerHandle
 
 pytestmark = pytest.mark.slow
 
-COMPILE_TIMEOUT_SECONDS = 1.5
 HTTP_TIMEOUT_SECONDS = 120.0
 HEALTH_POLL_SECONDS = 0.05
 # /health answers in milliseconds; a grammar that blocked the event loop showed 0.5-1 s, hostile tokenizer
@@ -39,7 +39,7 @@ DOUBLING_EBNF = (
     "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1} r{i + 1}\n" for i in range(20)) + 'r20 ::= "a"\n'
 )
 NO_BASE_EBNF = 'root ::= ("a" | "b") root'
-HUGE_REPEAT = "(x{1000}){1000}"
+HUGE_REPEAT = "(z{1000}){1000}"  # no other module's constraint: its first verdict is judged here
 OVER_BUDGET = ("limits", "--grammar-compile-timeout")
 
 
@@ -107,9 +107,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server("--grammar-compile-timeout", str(COMPILE_TIMEOUT_SECONDS), api_key=API_KEY) as handle:
-        yield handle
+def server(short_grammar_budget_server):
+    return short_grammar_budget_server
 
 
 @pytest.fixture(scope="module")

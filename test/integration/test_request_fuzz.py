@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from test.integration.conftest import API_KEY, ServerHandle, running_server
+from test.integration.conftest import ServerHandle
 
 pytestmark = pytest.mark.slow
 
@@ -162,10 +162,8 @@ def anything_or(bodies: st.SearchStrategy[dict]) -> st.SearchStrategy:
 
 # ---- server ----
 @pytest.fixture(scope="module")
-def server():
-    # a short compile budget: hostile constraints are refused within it
-    with running_server("--grammar-compile-timeout", "2", api_key=API_KEY) as handle:
-        yield handle
+def server(short_grammar_budget_server):
+    return short_grammar_budget_server  # a short compile budget: hostile constraints are refused within it
 
 
 @pytest.fixture(scope="module")

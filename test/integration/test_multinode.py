@@ -22,7 +22,7 @@ import pytest
 
 from srt.metrics.text_format import parse_metrics_text, select
 from srt_bench.server import srt_command, start_server
-from test.integration.conftest import ServerHandle, running_server
+from test.integration.conftest import ServerHandle, flush_cache
 from test.integration.netns import Host, netns_unavailable, two_hosts
 
 pytestmark = pytest.mark.slow
@@ -55,12 +55,12 @@ def hosts() -> Iterator[tuple[Host, Host]]:
 
 
 @pytest.fixture(scope="module")
-def one_rank_outputs(tiny_model_dir) -> list[list[int]]:
+def one_rank_outputs(tiny_fp32_server) -> list[list[int]]:
     # fp32 on both sides: int8 quantizes each rank's shard on its own, so tp=2 int8 is not bit-equal to tp=1
-    with running_server("--model-path", tiny_model_dir, "--quantization", "none") as server:
-        r = httpx.post(f"{server.base_url}/generate", json=generate_body(), timeout=120)
-        r.raise_for_status()
-        return [out["output_ids"] for out in r.json()]
+    flush_cache(tiny_fp32_server)
+    r = httpx.post(f"{tiny_fp32_server.base_url}/generate", json=generate_body(), timeout=120)
+    r.raise_for_status()
+    return [out["output_ids"] for out in r.json()]
 
 
 def generate_body() -> dict:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from srt.metrics.text_format import parse_metrics_text, select, total
-from test.integration.conftest import launch_server, running_server
+from test.integration.conftest import flush_cache, launch_server
 from test.integration.test_server_faults import wait_gone, wait_session_empty
 
 pytestmark = pytest.mark.slow
@@ -50,11 +50,11 @@ def greedy_outputs(server) -> list:
 
 
 @pytest.fixture(scope="module")
-def one_rank_outputs(tiny_model_dir) -> list:
+def one_rank_outputs(tiny_fp32_server) -> list:
     # fp32 on both sides: int8 quantizes each rank's shard on its own, so tp=2 int8 is not bit-equal to
     # tp=1 (test_tensor_parallel.py checks int8 ranks against fp32 instead)
-    with running_server("--model-path", tiny_model_dir, "--quantization", "none") as server:
-        return greedy_outputs(server)
+    flush_cache(tiny_fp32_server)
+    return greedy_outputs(tiny_fp32_server)
 
 
 def test_two_ranks_answer_as_one_report_once_and_stop_cleanly(tiny_model_dir, one_rank_outputs):

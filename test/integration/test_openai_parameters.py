@@ -34,7 +34,7 @@ from srt.http_server.native_protocol import (
 )
 from srt.http_server.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from srt.http_server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
-from test.integration.conftest import REPO_ROOT, ServerHandle, running_server
+from test.integration.conftest import REPO_ROOT, ServerHandle
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +185,9 @@ class Api:
 
     def _generate(self, text: str, streaming: bool, params: dict) -> Out:
         body = {"text": text, "sampling_params": params, "stream": streaming}
-        r = httpx.post(f"{self.server.base_url}/generate", json=body, timeout=TIMEOUT)
+        r = httpx.post(
+            f"{self.server.base_url}/generate", json=body, headers=self.server.headers, timeout=TIMEOUT
+        )
         if r.status_code != 200:
             raise Refused(r.status_code, r.json()["error"])
         if streaming:
@@ -471,11 +473,10 @@ def test_table_matches_the_request_models_and_the_openai_client():
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_server):
     # fp32: some checks need what the fp32 model does with a prompt (e.g. an end of sequence within five
     # tokens, which min_tokens then postpones); int8 answers close to it, not token for token
-    with running_server("--quantization", "none") as handle:
-        yield handle
+    return default_server
 
 
 @pytest.mark.parametrize("route,name,status,stream", cases())
@@ -497,13 +498,17 @@ def test_parameter(server: ServerHandle, route: str, name: str, status: str, str
 
 def test_sglang_route_names_answer_beside_the_old_ones(server: ServerHandle):
     for new, old in (("/model_info", "/get_model_info"), ("/server_info", "/get_server_info")):
-        a, b = (httpx.get(f"{server.base_url}{path}", timeout=TIMEOUT) for path in (new, old))
+        a, b = (
+            httpx.get(f"{server.base_url}{path}", headers=server.headers, timeout=TIMEOUT)
+            for path in (new, old)
+        )
         assert a.status_code == b.status_code == 200
         assert a.json().keys() == b.json().keys()
 
 
 def test_server_info_reports_the_quantization_in_effect(server: ServerHandle):
-    assert httpx.get(f"{server.base_url}/server_info", timeout=TIMEOUT).json()["quantization"] == "none"
+    info = httpx.get(f"{server.base_url}/server_info", headers=server.headers, timeout=TIMEOUT).json()
+    assert info["quantization"] == "none"
 
 
 # ---------------------------------------------------------------- one rule for keys, on every route

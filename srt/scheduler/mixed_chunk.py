@@ -8,8 +8,7 @@ The scheduler feeds every forward step's time to a step-cost model t = a + b x t
 online: `a` (the fixed cost of a step: on a CPU, streaming the weights once) from decode steps, `b` (seconds
 per token) and `c` (seconds per key a row attends to: attention, whose cost grows with the context) from
 steps carrying at least `MIN_COST_SAMPLE_TOKENS` prefill tokens, by least squares over exponential moving
-averages of their tokens', keys' and times' products (c only once keys are not proportional to tokens:
-`MIN_KEY_INDEPENDENCE`).
+averages of their per-token cost and keys per token (c only once their contexts spread: `MIN_KEY_SPREAD`).
 Without c a chunk deep into a long prompt was priced at the earlier chunks' cost per token, and steps at a
 3,000-token context ran a quarter over their budget. With D decoding requests and c = 0, the prefill
 budget C solves a + b (D + C) = K (a + b D):
@@ -78,11 +77,10 @@ DEFAULT_MIXED_PREFILL_TOKENS = 64
 MIN_COST_SAMPLE_TOKENS = 16
 # Weight of a new observation in the moving averages.
 COST_EMA_WEIGHT = 0.25
-# The cost model tells a token's own cost b from its attention's c per key only where the recent prefill steps'
-# keys are not nearly proportional to their tokens: 1 - (their tokens' and keys' uncentred correlation)^2, the
-# normal equations' determinant over its scale, at least this. A long prompt's successive chunks (each at a
-# deeper context) pass; steps of one size do not.
-MIN_KEY_INDEPENDENCE = 0.02
+# The cost model tells a token's own cost b from its attention's c per key only when the recent prefill steps'
+# keys per token spread at least this much (standard deviation): prompts of a few hundred tokens alone say
+# nothing about c, and a long prompt's successive chunks (hundreds of keys apart) do.
+MIN_KEY_SPREAD = 128.0
 
 
 def mixed_chunk_enabled(args: ServerArgs, device: str) -> bool:
@@ -94,47 +92,33 @@ def mixed_chunk_enabled(args: ServerArgs, device: str) -> bool:
 
 @dataclass
 class _Moments:
-    """Moving averages of the products of a prefill step's tokens n, keys w and time beyond the fixed cost
-    y: the sufficient statistics of the least squares y = b n + c w (each an EMA with the same weights). In
-    time, not per token: a small step's per-token cost carries overhead a decode step does not (its prompt's
-    own bookkeeping, tens of ms on a 2-core CPU), and per-token samples of 24-token prompts made attention
-    look free (c = 0 over a whole 3,000-token prompt, whose last chunks then ran 26 % over)."""
+    """Moving averages of a prefill step's per-token cost s and its keys per token k, the regression
+    s = b + c k's sufficient statistics (each an EMA with the same weights, so their combinations are a
+    weighted mean, variance and covariance)."""
 
-    nn: float = 0.0
-    nw: float = 0.0
-    ww: float = 0.0
-    ny: float = 0.0
-    wy: float = 0.0
+    k: float = 0.0
+    s: float = 0.0
+    kk: float = 0.0
+    ks: float = 0.0
     seen: bool = False
 
-    def add(self, n: float, w: float, y: float) -> None:
-        sample = (n * n, n * w, w * w, n * y, w * y)
+    def add(self, k: float, s: float) -> None:
         if not self.seen:
-            self.nn, self.nw, self.ww, self.ny, self.wy = sample
-            self.seen = True
+            self.k, self.s, self.kk, self.ks, self.seen = k, s, k * k, k * s, True
             return
-        old = (self.nn, self.nw, self.ww, self.ny, self.wy)
-        self.nn, self.nw, self.ww, self.ny, self.wy = (
-            o + COST_EMA_WEIGHT * (x - o) for o, x in zip(old, sample, strict=True)
-        )
+        w = COST_EMA_WEIGHT
+        self.k += w * (k - self.k)
+        self.s += w * (s - self.s)
+        self.kk += w * (k * k - self.kk)
+        self.ks += w * (k * s - self.ks)
 
     def fit(self, key_seconds: float) -> tuple[float, float]:
-        """(b, c): least squares where the steps' keys are not (nearly) proportional to their tokens
-        (MIN_KEY_INDEPENDENCE); elsewhere the last c kept and b the rest. Neither goes negative."""
-        det = self.nn * self.ww - self.nw * self.nw
-        if det > MIN_KEY_INDEPENDENCE * self.nn * self.ww:
-            b, c = (
-                (self.ny * self.ww - self.wy * self.nw) / det,
-                (self.wy * self.nn - self.ny * self.nw) / det,
-            )
-        else:
-            c = key_seconds
-            b = (self.ny - c * self.nw) / self.nn
-        if c < 0.0:
-            return self.ny / self.nn, 0.0
-        if b < 0.0:
-            return 0.0, self.wy / self.ww if self.ww > 0 else 0.0
-        return b, c
+        """(b, c): least squares where the steps' contexts spread enough to tell b from c; elsewhere the last
+        c kept and b the mean cost less it. c is clamped to [0, s / k] so that neither goes negative."""
+        spread = self.kk - self.k * self.k
+        c = (self.ks - self.k * self.s) / spread if spread >= MIN_KEY_SPREAD**2 else key_seconds
+        c = min(max(c, 0.0), self.s / self.k if self.k > 0 else 0.0)
+        return self.s - c * self.k, c
 
 
 class MixedChunkBudget:
@@ -162,9 +146,10 @@ class MixedChunkBudget:
                 sample = seconds - self.token_seconds * decode_tokens - self.key_seconds * keys
                 self.fixed_seconds = _ema(self.fixed_seconds, max(sample, 0.0))
         elif prefill_tokens >= MIN_COST_SAMPLE_TOKENS:
-            beyond_fixed = max(seconds - (self.fixed_seconds or 0.0), 0.0)
-            if beyond_fixed > 0.0:
-                self._moments.add(prefill_tokens + decode_tokens, keys, beyond_fixed)
+            tokens = prefill_tokens + decode_tokens
+            per_token = max(seconds - (self.fixed_seconds or 0.0), 0.0) / tokens
+            if per_token > 0.0:
+                self._moments.add(keys / tokens, per_token)
                 self.token_seconds, self.key_seconds = self._moments.fit(self.key_seconds)
 
     def prefill_tokens(self, decode_tokens: int, decode_keys: int = 0) -> int:

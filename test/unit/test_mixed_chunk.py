@@ -201,7 +201,7 @@ def test_a_long_prompts_chunks_keep_their_time_budget_as_its_context_grows():
     assert learnt.key_seconds == pytest.approx(c, rel=0.05)
     assert learnt.token_seconds == pytest.approx(b, rel=0.05)
     blind = warmed(MixedChunkBudget())  # the per-token model alone, for contrast: it overruns
-    blind._moments.fit = lambda key_seconds: (blind._moments.ny / blind._moments.nn, 0.0)
+    blind._moments.fit = lambda key_seconds: (blind._moments.s, 0.0)
     assert max(_long_prompt_steps(blind, truth, 8000)) > LONE_PREFILL_STEP_SECONDS * 1.15
 
 

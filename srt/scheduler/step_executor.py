@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -264,18 +265,19 @@ class StepExecutor:
         prefill_tokens: int,
         decode_tokens: int,
         seconds: float,
-        prefill: list[Req] = (),
-        decode: list[Req] = (),
+        prefill: Sequence[Req] = (),
+        decode: Sequence[Req] = (),
         drafts: list[list[int]] | None = None,
     ) -> None:
         """The step's cost to the mixed-chunk cost model, with the keys its rows attended to (read before
         the step's `kv_len` updates: a verifying request's rows, its drafts and one more, all at about its
         context)."""
         if self.mixed_budget is not None:
-            rows = [len(d) + 1 for d in drafts] if drafts is not None else [1] * len(decode)
+            rows = (
+                zip(decode, (len(d) + 1 for d in drafts), strict=True) if drafts else ((r, 1) for r in decode)
+            )
             keys = attention_keys(
-                [(r.kv_len, r.extend_len) for r in prefill]
-                + [(r.kv_len, n) for r, n in zip(decode, rows, strict=True)]
+                chain(((r.kv_len, r.extend_len) for r in prefill), ((r.kv_len, n) for r, n in rows))
             )
             self.mixed_budget.observe(prefill_tokens, decode_tokens, seconds, keys)
         if logger.isEnabledFor(logging.DEBUG):

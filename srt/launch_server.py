@@ -144,6 +144,7 @@ class Launcher:
                 "or --model-path",
                 config_error=True,
             ) from e
+        self.tokenizer_manager.judge.spawn()  # its tokenizer loads while the scheduler starts, not after
         ready = [self._wait_ready(s) for s in schedulers][0]  # every replica has the same limits
         self._wait_ready(detokenizer)
         logger.info(
@@ -287,6 +288,8 @@ class Launcher:
             if child.process.pid is not None:
                 kill_process_tree(child.process.pid, sig=CHILD_STOP_SIGNAL)
                 child.process.join(POLL_SECONDS)
+        if self.tokenizer_manager is not None:
+            self.tokenizer_manager.judge.close()  # spawned at start-up, before the app's lifespan owns it
         if self.args.metrics_enabled:
             from srt.metrics.multiprocess import cleanup_multiprocess_dir, mark_process_dead
 

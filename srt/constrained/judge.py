@@ -9,8 +9,10 @@ time, for three reasons:
 - a constraint over `--grammar-compile-timeout` is stopped by killing that child (a thread inside a native
   library cannot be interrupted: xgrammar spends minutes on a schema nested 1,500 deep), then answered 400;
 - a library that crashes on hostile input (an abort, a stack overflow) takes down only that child.
-The child is started with the server, restarted after a kill or a crash, and never loads torch for
-llguidance (the default).
+The child is started with the server's other processes, so its tokenizer loads while the scheduler loads the
+model (started once the scheduler was ready, its ~2 s of CPU slowed the first requests' steps 2-3 times on a
+2-core CPU), and builds its backend once the scheduler has said the vocabulary's size. It is restarted after a
+kill or a crash, and never loads torch for llguidance (the default).
 
 Verdicts, passes and failures alike, are kept in an LRU keyed by (kind, text), so a failing constraint sent
 again costs nothing; concurrent requests with the same constraint share one judgement.
@@ -73,8 +75,9 @@ def judge_in_process(backend, key: GrammarKey) -> str | None:
     return None
 
 
-def _child_main(conn, backend_name: str, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int]):
-    """The judge child: load the tokenizer and the backend, say ready, then answer one key at a time."""
+def _child_main(conn, backend_name: str, tokenizer_path: str):
+    """The judge child: load the tokenizer, wait for the model's vocabulary size and end-of-sequence ids, build
+    the backend, say ready, then answer one key at a time."""
     from srt.process_control import set_parent_death_signal, set_process_name, watch_parent_process
     from srt.process_logging import configure_process_logging
     from srt.tokenizer_loading import load_tokenizer
@@ -83,7 +86,12 @@ def _child_main(conn, backend_name: str, tokenizer_path: str, vocab_size: int, e
     set_process_name(JUDGE_PROCESS_NAME)
     set_parent_death_signal()
     watch_parent_process()
-    backend = create_grammar_backend(backend_name, load_tokenizer(tokenizer_path), vocab_size, eos_token_ids)
+    tokenizer = load_tokenizer(tokenizer_path)
+    try:
+        vocab_size, eos_token_ids = conn.recv()
+    except (EOFError, OSError):
+        return
+    backend = create_grammar_backend(backend_name, tokenizer, vocab_size, eos_token_ids)
     conn.send("ready")
     while True:
         try:
@@ -94,17 +102,27 @@ def _child_main(conn, backend_name: str, tokenizer_path: str, vocab_size: int, e
 
 
 class JudgeChild:
-    """One judge process and its pipe; blocking calls, made from the judge's own thread."""
+    """One judge process and its pipe; blocking calls, made from the judge's own thread. Started, it loads
+    its tokenizer; `configure` gives it the model's vocabulary and waits until it is ready."""
 
-    def __init__(self, args: tuple):
+    def __init__(self, backend_name: str, tokenizer_path: str):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_child_main, args=(child_conn, *args), daemon=True)
+        self.process = ctx.Process(target=_child_main, args=(child_conn, backend_name, tokenizer_path), daemon=True)
         self.process.start()
         child_conn.close()
-        if not self.conn.poll(STARTUP_TIMEOUT_SECONDS) or self.conn.recv() != "ready":
+        self.configured = False
+
+    def configure(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        try:
+            self.conn.send((vocab_size, list(eos_token_ids)))
+            ready = self.conn.poll(STARTUP_TIMEOUT_SECONDS) and self.conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
             self.kill()
             raise JudgeUnavailable("the grammar judge process did not start")
+        self.configured = True
 
     def ask(self, key: GrammarKey, timeout: float) -> Verdict | str:
         """The verdict; or TIMED_OUT when the child ran past `timeout`, CRASHED when it died (it is then
@@ -136,15 +154,17 @@ class GrammarJudge:
         self,
         backend_name: str,
         tokenizer_path: str,
-        vocab_size: int,
+        vocab_size: int | None,
         eos_token_ids: list[int],
         timeout: float,
         cache_size: int = VERDICT_CACHE_SIZE,
     ):
+        """`vocab_size` None: not known yet (the scheduler says it when ready); `bind` it before `start`."""
         self.backend_name = backend_name
         self.timeout = timeout
         self.cache_size = cache_size
-        self._args = (backend_name, tokenizer_path, vocab_size, list(eos_token_ids))
+        self._path = tokenizer_path
+        self._model = None if vocab_size is None else (vocab_size, list(eos_token_ids))
         self._child: JudgeChild | None = None
         self._verdicts: OrderedDict[GrammarKey, str | None] = OrderedDict()
         self._pending: dict[GrammarKey, asyncio.Future] = {}
@@ -154,15 +174,31 @@ class GrammarJudge:
         self.num_timeouts = 0
         self.num_crashes = 0
 
+    def spawn(self) -> None:
+        """Start the child now, loading its tokenizer, before the model's vocabulary is known (`bind`)."""
+        if self.backend_name != NO_GRAMMAR_BACKEND:
+            self._thread.submit(self._spawn_child)
+
+    def bind(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        """The model's vocabulary size and end-of-sequence ids, which the backend is built for."""
+        self._model = (vocab_size, list(eos_token_ids))
+
     def start(self) -> None:
-        """Start the child in the background (the first constrained request would otherwise wait for it)."""
+        """Make the child ready in the background (the first constrained request would otherwise wait for it)."""
         if self.backend_name != NO_GRAMMAR_BACKEND:
             self._thread.submit(self._ensure_child)
 
-    def _ensure_child(self) -> JudgeChild:
+    def _spawn_child(self) -> JudgeChild:
         if self._child is None or not self._child.alive:
-            self._child = JudgeChild(self._args)
+            self._child = JudgeChild(self.backend_name, self._path)
         return self._child
+
+    def _ensure_child(self) -> JudgeChild:
+        child = self._spawn_child()
+        if not child.configured:
+            assert self._model is not None, "bind() the model's vocabulary before judging"
+            child.configure(*self._model)
+        return child
 
     def _judge_blocking(self, key: GrammarKey) -> str | None:
         child = self._ensure_child()

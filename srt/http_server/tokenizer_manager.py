@@ -71,6 +71,14 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.inputs = InputProcessor(tokenizer, server_args.grammar_backend)
+        # the constraint judge (srt/constrained/judge.py): `spawn` it early, it is bound once the scheduler is ready
+        self.judge = GrammarJudge(
+            server_args.grammar_backend,
+            server_args.tokenizer_path or model_dir,
+            None,
+            [],
+            server_args.grammar_compile_timeout,
+        )
         self.ready: SchedulerReady | None = None
         self.rid_to_state: dict[str, ReqState] = {}
         self.group_rids: dict[str, list[str]] = {}
@@ -109,15 +117,8 @@ class TokenizerManager:
         """Record the scheduler's limits and create the request-level metrics (needs the context length)."""
         self.ready = ready
         self.inputs.set_limits(ready.context_len, ready.max_req_input_len)
-        self.inputs.set_judge(
-            GrammarJudge(
-                self.server_args.grammar_backend,
-                self.server_args.tokenizer_path or self.model_dir,
-                ready.vocab_size or self.vocab_size,
-                ready.eos_token_ids or [self.tokenizer.eos_token_id],
-                self.server_args.grammar_compile_timeout,
-            )
-        )
+        self.judge.bind(ready.vocab_size or self.vocab_size, ready.eos_token_ids or [self.tokenizer.eos_token_id])
+        self.inputs.set_judge(self.judge)
         args = self.server_args
         reading = ReasoningReading.for_server(args.reasoning_parser, args.reasoning_field, self.tokenizer)
         self.metrics = RequestMetricsRecorder(args, ready.context_len, reading)
@@ -144,8 +145,7 @@ class TokenizerManager:
             sock.close()
         if self.metrics is not None:
             self.metrics.close()  # writes the request export's queued lines
-        if self.inputs.judge is not None:
-            self.inputs.judge.close()
+        self.judge.close()
 
     @property
     def context_len(self) -> int:

@@ -287,3 +287,20 @@ def test_a_judge_that_cannot_start_is_unavailable_not_a_verdict(tmp_path):
             asyncio.run(judge.check(GrammarKey("regex", "[0-9]")))
     finally:
         judge.close()
+
+
+def test_the_judge_process_starts_before_the_vocabulary_is_known(tokenizer):
+    """The server spawns the child with its other processes, so the tokenizer loads while the scheduler loads
+    the model; the backend is built once the scheduler has said the vocabulary's size."""
+    from srt.model_source import resolve_model_dir
+
+    judge = GrammarJudge("llguidance", resolve_model_dir(None), None, [], 20.0)
+    try:
+        judge.spawn()
+        judge._thread.submit(lambda: None).result(timeout=30)  # the spawn has run
+        assert judge._child is not None and judge._child.alive and not judge._child.configured
+        judge.bind(len(tokenizer), [tokenizer.eos_token_id])
+        asyncio.run(judge.check(GrammarKey("regex", "[0-9]{3}")))
+        assert judge._child.configured and judge.num_judged == 1
+    finally:
+        judge.close()

@@ -132,6 +132,7 @@ class Launcher:
             for rank in range(a.dp_size)
         ]
         detokenizer = self._spawn("detokenizer", DETOKENIZER_TARGET, a, p, model_dir)
+        from srt.constrained.judge import READY_WAIT_SECONDS
         from srt.http_server.tokenizer_manager import TokenizerManager
 
         # Loading the tokenizer here overlaps with the children's start-up.
@@ -155,6 +156,10 @@ class Launcher:
             ready.attention_backend,
         )
         self.tokenizer_manager.set_ready(ready)
+        judge = self.tokenizer_manager.judge
+        judge.start()
+        if not judge.wait_started(READY_WAIT_SECONDS):
+            logger.warning("the grammar judge is still starting: constrained requests wait for it")
 
     def run(self) -> int:
         try:

@@ -10,9 +10,9 @@ time, for three reasons:
   library cannot be interrupted: xgrammar spends minutes on a schema nested 1,500 deep), then answered 400;
 - a library that crashes on hostile input (an abort, a stack overflow) takes down only that child.
 The child is started with the server's other processes, so its tokenizer loads while the scheduler loads the
-model (started once the scheduler was ready, its ~2 s of CPU slowed the first requests' steps 2-3 times on a
-2-core CPU), and builds its backend once the scheduler has said the vocabulary's size. It is restarted after a
-kill or a crash, and never loads torch for llguidance (the default).
+model, and builds its backend once the scheduler has said the vocabulary's size, before the server listens
+(started once the server listened, its ~2 s of CPU slowed the first requests' steps 2-3 times on a 2-core
+CPU). It is restarted after a kill or a crash, and never loads torch for llguidance (the default).
 
 Verdicts, passes and failures alike, are kept in an LRU keyed by (kind, text), so a failing constraint sent
 again costs nothing; concurrent requests with the same constraint share one judgement.
@@ -25,7 +25,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from srt.constrained import NO_GRAMMAR_BACKEND, create_grammar_backend
@@ -40,6 +40,8 @@ VERDICT_CACHE_SIZE = 1024
 MAX_MESSAGE_CHARS = 300
 # How long the child may take to start (import the library, load the tokenizer) before requests give up.
 STARTUP_TIMEOUT_SECONDS = 120.0
+# How long the server waits for the child before it listens (then it serves, and constrained requests wait).
+READY_WAIT_SECONDS = 10.0
 TIMED_OUT, CRASHED = "timed out", "crashed"
 # The child's process name (ps, top): 15 characters at most, the kernel's limit.
 JUDGE_PROCESS_NAME = "srt-grammar"
@@ -166,6 +168,7 @@ class GrammarJudge:
         self._path = tokenizer_path
         self._model = None if vocab_size is None else (vocab_size, list(eos_token_ids))
         self._child: JudgeChild | None = None
+        self._started: Future | None = None
         self._verdicts: OrderedDict[GrammarKey, str | None] = OrderedDict()
         self._pending: dict[GrammarKey, asyncio.Future] = {}
         # One thread: the child judges one constraint at a time, and the pipe has one reader.
@@ -186,7 +189,21 @@ class GrammarJudge:
     def start(self) -> None:
         """Make the child ready in the background (the first constrained request would otherwise wait for it)."""
         if self.backend_name != NO_GRAMMAR_BACKEND:
-            self._thread.submit(self._ensure_child)
+            self._started = self._thread.submit(self._ensure_child)
+
+    def wait_started(self, timeout: float) -> bool:
+        """Wait up to `timeout` for `start`'s child to be ready (or to have failed: requests then answer
+        503); False if it is still starting. The server waits before it listens: building the backend took
+        ~0.4 s of CPU, which slowed the first requests' steps when it ran beside them."""
+        if self._started is None:
+            return True
+        try:
+            self._started.result(timeout)
+        except TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - the failure is each constrained request's 503, not the start's
+            pass
+        return True
 
     def _spawn_child(self) -> JudgeChild:
         if self._child is None or not self._child.alive:

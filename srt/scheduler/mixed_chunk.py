@@ -112,13 +112,10 @@ class _Moments:
         self.kk += w * (k * k - self.kk)
         self.ks += w * (k * s - self.ks)
 
-    def fit(self, key_seconds: float) -> tuple[float, float]:
-        """(b, c): least squares where the steps' contexts spread enough to tell b from c; elsewhere the last
-        c kept and b the mean cost less it. c is clamped to [0, s / k] so that neither goes negative."""
+    def slope(self) -> float | None:
+        """The least-squares c of s = b + c k, where the steps' contexts spread enough to tell b from c."""
         spread = self.kk - self.k * self.k
-        c = (self.ks - self.k * self.s) / spread if spread >= MIN_KEY_SPREAD**2 else key_seconds
-        c = min(max(c, 0.0), self.s / self.k if self.k > 0 else 0.0)
-        return self.s - c * self.k, c
+        return (self.ks - self.k * self.s) / spread if spread >= MIN_KEY_SPREAD**2 else None
 
 
 class MixedChunkBudget:
@@ -134,7 +131,11 @@ class MixedChunkBudget:
         self.fixed_seconds: float | None = None  # a
         self.token_seconds: float | None = None  # b
         self.key_seconds = 0.0  # c
-        self._moments = _Moments()
+        self.keys_fitted = False  # c has been measured (until then, contexts beyond `keys_seen` are guarded)
+        self.keys_seen = 0.0  # the most keys per token of a step measured, K
+        self.keys_seen_seconds = 0.0  # that step's cost per token, s_K
+        self._moments = _Moments()  # every prefill-carrying step: b's level
+        self._chunk_moments = _Moments()  # steps of at least MIN_LONE_PREFILL_TOKENS prefill tokens: c
 
     def observe(self, prefill_tokens: int, decode_tokens: int, seconds: float, keys: int = 0) -> None:
         """One forward step: its prefill tokens, its decoding rows, how long the forward took, and `keys`, the
@@ -149,8 +150,24 @@ class MixedChunkBudget:
             tokens = prefill_tokens + decode_tokens
             per_token = max(seconds - (self.fixed_seconds or 0.0), 0.0) / tokens
             if per_token > 0.0:
-                self._moments.add(keys / tokens, per_token)
-                self.token_seconds, self.key_seconds = self._moments.fit(self.key_seconds)
+                self._fit(prefill_tokens, keys / tokens, per_token)
+
+    def _fit(self, prefill_tokens: int, keys_per_token: float, per_token: float) -> None:
+        """c from the large steps' regression of per-token cost on keys per token (a short prompt's tokens
+        carry its step's overhead, which made attention look free: `MIN_LONE_PREFILL_TOKENS`), kept where they
+        do not spread; b every step's mean cost less c at their mean keys, c clamped so that b >= 0."""
+        self._moments.add(keys_per_token, per_token)
+        if keys_per_token >= self.keys_seen:
+            self.keys_seen, self.keys_seen_seconds = keys_per_token, per_token
+        if prefill_tokens >= MIN_LONE_PREFILL_TOKENS:
+            self._chunk_moments.add(keys_per_token, per_token)
+            slope = self._chunk_moments.slope()
+            if slope is not None:
+                self.key_seconds = max(slope, 0.0)
+                self.keys_fitted |= slope > 0.0
+        mean = self._moments
+        self.key_seconds = min(self.key_seconds, mean.s / mean.k if mean.k > 0 else 0.0)
+        self.token_seconds = mean.s - self.key_seconds * mean.k
 
     def prefill_tokens(self, decode_tokens: int, decode_keys: int = 0) -> int:
         """Prefill tokens the next mixed step may carry next to `decode_tokens` decoding requests, whose rows
@@ -186,15 +203,30 @@ class MixedChunkBudget:
     def _tokens_within(self, seconds: float, prefix: int) -> float:
         """The chunk size C whose prefill after `prefix` tokens costs `seconds`: each of its tokens costs b, and
         c for each key it attends to, C P + C (C + 1) / 2 in all, so C solves
-        (c / 2) C^2 + (b + c (P + 1/2)) C = seconds (written so that c = 0 gives seconds / b)."""
+        (c / 2) C^2 + (b + c (P + 1/2)) C = seconds.
+
+        Until c is measured, a chunk reaching beyond the contexts measured (`keys_seen`, K keys a token, at
+        s_K seconds a token) is guarded: it may cost no more than if a token's whole cost grew with its keys,
+        s_K / K a key (an upper bound where a token costs b + c k, both unknown but not negative). Unguarded,
+        a fresh server's first long prompt took a second chunk as large as its first, deep into its context:
+        912 tokens after 878, in 1.64 s."""
         if seconds <= 0.0:
             return 0.0
         b, c = self.token_seconds, self.key_seconds
         assert b is not None
-        linear = b + c * (prefix + 0.5)
-        if linear <= 0.0:
-            return 0.0
-        return 2.0 * seconds / (linear + math.sqrt(linear * linear + 2.0 * c * seconds))
+        chunk = _root(c / 2.0, b + c * (prefix + 0.5), seconds)
+        if self.keys_fitted or not 0.0 < self.keys_seen < prefix + (chunk + 1.0) / 2.0:
+            return chunk  # (a model set by hand, with no step measured, is not guarded)
+        g = self.keys_seen_seconds / self.keys_seen
+        return min(chunk, _root(g / 2.0, g * (prefix + 0.5), seconds))
+
+
+def _root(quadratic: float, linear: float, seconds: float) -> float:
+    """The positive C with quadratic C^2 + linear C = seconds (0 where linear is not positive); written so
+    that quadratic = 0 gives seconds / linear."""
+    if linear <= 0.0:
+        return 0.0
+    return 2.0 * seconds / (linear + math.sqrt(linear * linear + 4.0 * quadratic * seconds))
 
 
 def attention_keys(extends: Iterable[tuple[int, int]]) -> int:

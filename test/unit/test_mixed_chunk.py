@@ -201,8 +201,37 @@ def test_a_long_prompts_chunks_keep_their_time_budget_as_its_context_grows():
     assert learnt.key_seconds == pytest.approx(c, rel=0.05)
     assert learnt.token_seconds == pytest.approx(b, rel=0.05)
     blind = warmed(MixedChunkBudget())  # the per-token model alone, for contrast: it overruns
-    blind._moments.fit = lambda key_seconds: (blind._moments.s, 0.0)
+    blind._chunk_moments.slope = lambda: None
+    blind.keys_fitted = True  # nor guarded
     assert max(_long_prompt_steps(blind, truth, 8000)) > LONE_PREFILL_STEP_SECONDS * 1.15
+
+
+def test_a_fresh_servers_first_long_prompt_keeps_its_budget_while_the_model_learns_attention():
+    """A fresh server has measured only short prompts, whose tokens also carry their step's overhead: its
+    first long prompt's chunks reach contexts never measured. Until c is measured those keys are guarded, so
+    no chunk overruns; and the long prompt's own chunks teach c, which short prompts' overhead does not hide."""
+    # p: a prefill step's own overhead, which a decode step lacks; c: attention at 2 us a key
+    a, p, b, c = 0.010, 0.005, 0.0005, 2e-6
+
+    def prefill(tokens: int, keys: int) -> float:
+        return a + p + b * tokens + c * keys
+
+    def fresh() -> MixedChunkBudget:
+        budget = MixedChunkBudget()
+        for _ in range(4):  # short prompts, each decoding a few tokens
+            budget.observe(24, 0, prefill(24, attention_keys([(0, 24)])), attention_keys([(0, 24)]))
+            for length in range(24, 30):
+                budget.observe(0, 1, a + b + c * (length + 1), length + 1)
+        return budget
+
+    learning = fresh()
+    times = _long_prompt_steps(learning, prefill, 3000)
+    assert max(times) <= LONE_PREFILL_STEP_SECONDS * 1.05
+    assert learning.key_seconds == pytest.approx(c, rel=0.2)
+    assert sum(times) <= 1.15 * prefill(3000, attention_keys([(0, 3000)]))  # no crawl: few, full steps
+    unguarded = fresh()
+    unguarded.keys_fitted = True  # priced as if c were known to be 0 until it is
+    assert max(_long_prompt_steps(unguarded, prefill, 3000)) > LONE_PREFILL_STEP_SECONDS * 1.25
 
 
 def test_a_mixed_steps_decode_rows_are_priced_by_their_context():

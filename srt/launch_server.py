@@ -145,7 +145,7 @@ class Launcher:
                 "or --model-path",
                 config_error=True,
             ) from e
-        self.tokenizer_manager.judge.spawn()  # its tokenizer loads while the scheduler starts, not after
+        self.tokenizer_manager.judge.start()  # built while the scheduler starts, not beside the first requests
         ready = [self._wait_ready(s) for s in schedulers][0]  # every replica has the same limits
         self._wait_ready(detokenizer)
         logger.info(

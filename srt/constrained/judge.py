@@ -9,10 +9,11 @@ time, for three reasons:
 - a constraint over `--grammar-compile-timeout` is stopped by killing that child (a thread inside a native
   library cannot be interrupted: xgrammar spends minutes on a schema nested 1,500 deep), then answered 400;
 - a library that crashes on hostile input (an abort, a stack overflow) takes down only that child.
-The child is started with the server's other processes, so its tokenizer loads while the scheduler loads the
-model, and builds its backend once the scheduler has said the vocabulary's size, before the server listens
-(started once the server listened, its ~2 s of CPU slowed the first requests' steps 2-3 times on a 2-core
-CPU). It is restarted after a kill or a crash, and never loads torch for llguidance (the default).
+The child is started with the server's other processes and built for the tokenizer's vocabulary while the
+scheduler loads the model; should the scheduler, once ready, say another vocabulary size or other
+end-of-sequence ids, it is rebuilt for those before the server listens. (Started once the server listened,
+its ~2 s of CPU slowed a fresh server's first steps 2-3 times on a 2-core CPU.) It is restarted after a kill
+or a crash, and never loads torch for llguidance (the default).
 
 Verdicts, passes and failures alike, are kept in an LRU keyed by (kind, text), so a failing constraint sent
 again costs nothing; concurrent requests with the same constraint share one judgement.
@@ -113,18 +114,18 @@ class JudgeChild:
         self.process = ctx.Process(target=_child_main, args=(child_conn, backend_name, tokenizer_path), daemon=True)
         self.process.start()
         child_conn.close()
-        self.configured = False
+        self.model: tuple[int, list[int]] | None = None  # what `configure` built the backend for
 
-    def configure(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def configure(self, model: tuple[int, list[int]]) -> None:
         try:
-            self.conn.send((vocab_size, list(eos_token_ids)))
+            self.conn.send(model)
             ready = self.conn.poll(STARTUP_TIMEOUT_SECONDS) and self.conn.recv() == "ready"
         except (EOFError, OSError):
             ready = False
         if not ready:
             self.kill()
             raise JudgeUnavailable("the grammar judge process did not start")
-        self.configured = True
+        self.model = model
 
     def ask(self, key: GrammarKey, timeout: float) -> Verdict | str:
         """The verdict; or TIMED_OUT when the child ran past `timeout`, CRASHED when it died (it is then
@@ -156,17 +157,16 @@ class GrammarJudge:
         self,
         backend_name: str,
         tokenizer_path: str,
-        vocab_size: int | None,
+        vocab_size: int,
         eos_token_ids: list[int],
         timeout: float,
         cache_size: int = VERDICT_CACHE_SIZE,
     ):
-        """`vocab_size` None: not known yet (the scheduler says it when ready); `bind` it before `start`."""
         self.backend_name = backend_name
         self.timeout = timeout
         self.cache_size = cache_size
         self._path = tokenizer_path
-        self._model = None if vocab_size is None else (vocab_size, list(eos_token_ids))
+        self._model = (vocab_size, list(eos_token_ids))
         self._child: JudgeChild | None = None
         self._started: Future | None = None
         self._verdicts: OrderedDict[GrammarKey, str | None] = OrderedDict()
@@ -177,14 +177,11 @@ class GrammarJudge:
         self.num_timeouts = 0
         self.num_crashes = 0
 
-    def spawn(self) -> None:
-        """Start the child now, loading its tokenizer, before the model's vocabulary is known (`bind`)."""
-        if self.backend_name != NO_GRAMMAR_BACKEND:
-            self._thread.submit(self._spawn_child)
-
     def bind(self, vocab_size: int, eos_token_ids: list[int]) -> None:
-        """The model's vocabulary size and end-of-sequence ids, which the backend is built for."""
-        self._model = (vocab_size, list(eos_token_ids))
+        """The model's vocabulary size and end-of-sequence ids, as the scheduler says them once ready (the
+        judge starts on the tokenizer's): a child built for others is replaced at the next `start`."""
+        if self.backend_name != NO_GRAMMAR_BACKEND:
+            self._thread.submit(self._rebind, (vocab_size, list(eos_token_ids)))
 
     def start(self) -> None:
         """Make the child ready in the background (the first constrained request would otherwise wait for it)."""
@@ -205,17 +202,18 @@ class GrammarJudge:
             pass
         return True
 
-    def _spawn_child(self) -> JudgeChild:
-        if self._child is None or not self._child.alive:
-            self._child = JudgeChild(self.backend_name, self._path)
-        return self._child
+    def _rebind(self, model: tuple[int, list[int]]) -> None:
+        self._model = model
+        if self._child is not None and self._child.model not in (None, model):
+            self._child.kill()
+            self._child = None
 
     def _ensure_child(self) -> JudgeChild:
-        child = self._spawn_child()
-        if not child.configured:
-            assert self._model is not None, "bind() the model's vocabulary before judging"
-            child.configure(*self._model)
-        return child
+        if self._child is None or not self._child.alive:
+            self._child = JudgeChild(self.backend_name, self._path)
+        if self._child.model is None:
+            self._child.configure(self._model)
+        return self._child
 
     def _judge_blocking(self, key: GrammarKey) -> str | None:
         child = self._ensure_child()

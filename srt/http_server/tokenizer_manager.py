@@ -71,12 +71,12 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.inputs = InputProcessor(tokenizer, server_args.grammar_backend)
-        # the constraint judge (srt/constrained/judge.py): `spawn` it early, it is bound once the scheduler is ready
+        # the constraint judge (srt/constrained/judge.py), on the tokenizer's vocabulary until the scheduler's
         self.judge = GrammarJudge(
             server_args.grammar_backend,
             server_args.tokenizer_path or model_dir,
-            None,
-            [],
+            self.vocab_size,
+            self._tokenizer_eos(),
             server_args.grammar_compile_timeout,
         )
         self.ready: SchedulerReady | None = None
@@ -117,7 +117,7 @@ class TokenizerManager:
         """Record the scheduler's limits and create the request-level metrics (needs the context length)."""
         self.ready = ready
         self.inputs.set_limits(ready.context_len, ready.max_req_input_len)
-        self.judge.bind(ready.vocab_size or self.vocab_size, ready.eos_token_ids or [self.tokenizer.eos_token_id])
+        self.judge.bind(ready.vocab_size or self.vocab_size, ready.eos_token_ids or self._tokenizer_eos())
         self.inputs.set_judge(self.judge)
         args = self.server_args
         reading = ReasoningReading.for_server(args.reasoning_parser, args.reasoning_field, self.tokenizer)
@@ -126,6 +126,10 @@ class TokenizerManager:
             from srt.tracing.request_tracer import RequestTracer
 
             self.tracer = RequestTracer(self.server_args)
+
+    def _tokenizer_eos(self) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        return [] if eos is None else [eos]
 
     async def start(self) -> None:
         """Bind the PULL socket and start the output dispatcher; call inside the server's event loop."""

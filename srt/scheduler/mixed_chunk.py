@@ -8,9 +8,11 @@ The scheduler feeds every forward step's time to a step-cost model t = a + b x t
 online: `a` (the fixed cost of a step: on a CPU, streaming the weights once) from decode steps, `b` (seconds
 per token) and `c` (seconds per key a row attends to: attention, whose cost grows with the context) from
 steps carrying at least `MIN_COST_SAMPLE_TOKENS` prefill tokens, by least squares over exponential moving
-averages of their per-token cost and keys per token (c only once their contexts spread: `MIN_KEY_SPREAD`).
-Without c a chunk deep into a long prompt was priced at the earlier chunks' cost per token, and steps at a
-3,000-token context ran a quarter over their budget. With D decoding requests and c = 0, the prefill
+averages of their per-token cost and keys per token (c from the steps of at least `MIN_LONE_PREFILL_TOKENS`,
+once their contexts spread: `MIN_KEY_SPREAD`; until then a chunk reaching beyond the contexts measured is
+guarded, `_tokens_within`). Without c a chunk deep into a long prompt was priced at the earlier chunks' cost
+per token, and steps at a 3,000-token context ran a quarter over their budget. With D decoding requests and
+c = 0, the prefill
 budget C solves a + b (D + C) = K (a + b D):
 
     C = (K - 1) (a + b D) / b

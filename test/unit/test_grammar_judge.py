@@ -289,18 +289,23 @@ def test_a_judge_that_cannot_start_is_unavailable_not_a_verdict(tmp_path):
         judge.close()
 
 
-def test_the_judge_process_starts_before_the_vocabulary_is_known(tokenizer):
-    """The server spawns the child with its other processes, so the tokenizer loads while the scheduler loads
-    the model; the backend is built once the scheduler has said the vocabulary's size."""
-    from srt.model_source import resolve_model_dir
-
-    judge = GrammarJudge("llguidance", resolve_model_dir(None), None, [], 20.0)
+def test_the_judge_is_rebuilt_when_the_scheduler_says_another_vocabulary(tokenizer):
+    """The server starts the judge on the tokenizer's vocabulary while the scheduler loads the model; the
+    scheduler's own vocabulary size and end-of-sequence ids, once ready, replace a child built for others."""
+    judge = make_judge(tokenizer, timeout=20.0)
     try:
-        judge.spawn()
-        judge._thread.submit(lambda: None).result(timeout=30)  # the spawn has run
-        assert judge._child is not None and judge._child.alive and not judge._child.configured
-        judge.bind(len(tokenizer), [tokenizer.eos_token_id])
+        judge.start()
+        assert judge.wait_started(60.0)
+        first = judge._child
+        assert first.model == (len(tokenizer), [tokenizer.eos_token_id])
+        judge.bind(len(tokenizer), [tokenizer.eos_token_id])  # the same: kept
+        judge.start()
+        assert judge.wait_started(60.0) and judge._child is first
+        judge.bind(len(tokenizer) + 64, [tokenizer.eos_token_id, 0])  # a padded vocabulary: rebuilt
+        judge.start()
+        assert judge.wait_started(60.0)
+        assert judge._child is not first and not first.alive
+        assert judge._child.model == (len(tokenizer) + 64, [tokenizer.eos_token_id, 0])
         asyncio.run(judge.check(GrammarKey("regex", "[0-9]{3}")))
-        assert judge._child.configured and judge.num_judged == 1
     finally:
         judge.close()

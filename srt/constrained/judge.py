@@ -167,8 +167,9 @@ class GrammarJudge:
         self.cache_size = cache_size
         self._path = tokenizer_path
         self._model = (vocab_size, list(eos_token_ids))
-        self._child: JudgeChild | None = None
+        self._child: JudgeChild | None = None  # replaced, and its pipe used, on the judge's thread only
         self._started: Future | None = None
+        self._closed = False
         self._verdicts: OrderedDict[GrammarKey, str | None] = OrderedDict()
         self._pending: dict[GrammarKey, asyncio.Future] = {}
         # One thread: the child judges one constraint at a time, and the pipe has one reader.
@@ -209,6 +210,8 @@ class GrammarJudge:
             self._child = None
 
     def _ensure_child(self) -> JudgeChild:
+        if self._closed:
+            raise JudgeUnavailable("the grammar judge is closed (the server is stopping)")
         if self._child is None or not self._child.alive:
             self._child = JudgeChild(self.backend_name, self._path)
         if self._child.model is None:
@@ -266,7 +269,20 @@ class GrammarJudge:
             self._verdicts.popitem(last=False)
 
     def close(self) -> None:
+        """Kill the child now (a judge thread waiting on it wakes to its end of file); its pipe is closed on
+        the judge's thread, the pipe's one reader, after whatever that thread is doing: closed here, it raced
+        the thread's own close of it (EBADF, or another file's descriptor once the number is reused). What is
+        still queued finds the judge closed: unavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        child = self._child
+        if child is not None:
+            child.process.kill()
+        self._thread.submit(self._drop_child)
+        self._thread.shutdown(wait=False)
+
+    def _drop_child(self) -> None:
         child, self._child = self._child, None
         if child is not None:
             child.kill()
-        self._thread.shutdown(wait=False, cancel_futures=True)

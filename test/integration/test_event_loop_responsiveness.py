@@ -5,7 +5,7 @@ body (over --max-request-bytes: 413) and a 5 MB prompt (over the character bound
 Judged against a baseline measured in the same run, never an absolute time (a loaded machine slows both
 periods alike): under the huge requests, /health's p99 (a stalled event loop shows as one slow sample) and
 the small request's median stay within `STALL_FACTOR` of the small request's median under normal traffic
-alone. The small request's p99 is printed, not judged: from ten samples it is the maximum, which one busy
+alone (/health also within what decoding the 5 MB prompt holds the GIL for: `GIL_HOLD_ALLOWANCE`). The small request's p99 is printed, not judged: from ten samples it is the maximum, which one busy
 moment of a loaded machine sets (2.45 s once against a 1.0 s limit; 5.2 s within the baseline itself
 while other work ran). The figures are printed (`pytest -s`) and put in the assertion message.
 """
@@ -38,6 +38,11 @@ MIN_REQUEST_PROBES = 10
 PROBE_INTERVAL_SECONDS = 0.05
 # How much slower than under normal traffic alone a statistic may be under the huge requests.
 STALL_FACTOR = 3.0
+# /health may also wait this many times what decoding the 5 MB prompt's body takes in this process, measured
+# in the same run: the C JSON decoder holds the GIL for a whole string value, so the worker thread that
+# parses such a body holds the event loop for that long, whatever thread it runs on (8 ms quiet on a 2-core
+# Xeon, 30-60 ms under the suite's load; the stalls this test is for were 260-430 ms).
+GIL_HOLD_ALLOWANCE = 3.0
 HTTP_TIMEOUT_SECONDS = 60.0
 BIG_TIMEOUT_SECONDS = 180.0
 # Probing stops this long after the start at the latest, whatever the counts.
@@ -113,6 +118,12 @@ def send_big(server: ServerHandle, path: str, content: bytes) -> tuple[int | str
     return r.status_code, r.text[:300]
 
 
+def decode_time(body: bytes) -> float:
+    start = time.perf_counter()
+    json.loads(body)
+    return time.perf_counter() - start
+
+
 def summary(name: str, samples: list[float]) -> str:
     if not samples:
         return f"{name}: no samples"
@@ -155,6 +166,7 @@ def test_health_and_small_requests_stay_fast_under_huge_requests(server):
             and time.monotonic() - t_baseline < PERIOD_LIMIT_SECONDS
         ):
             time.sleep(PROBE_INTERVAL_SECONDS)
+        decode_seconds = min(decode_time(prompt_5mb) for _ in range(3))  # at the same load as the period
         t0 = time.monotonic()
         for _ in range(BIG_ROUNDS):
             senders = [
@@ -181,7 +193,8 @@ def test_health_and_small_requests_stay_fast_under_huge_requests(server):
         f"over {period:.1f} s with {BIG_ROUNDS} x (50 MB body + 5 MB prompt): "
         f"{summary('/health', health_latencies)}; {summary('small chat request', request_latencies)} "
         f"(normal traffic alone: {summary('/health', health_probe.between(t_baseline, t0))}; "
-        f"{summary('small chat request', request_probe.between(t_baseline, t0))})"
+        f"{summary('small chat request', request_probe.between(t_baseline, t0))}; "
+        f"the 5 MB prompt's body decodes here in {decode_seconds * 1000:.0f} ms)"
     )
     print(f"\n[event loop] {report}")
 
@@ -192,5 +205,6 @@ def test_health_and_small_requests_stay_fast_under_huge_requests(server):
     assert len(health_latencies) >= MIN_HEALTH_PROBES, report
     assert len(baseline) >= MIN_REQUEST_PROBES, report
     typical = STALL_FACTOR * percentile(baseline, 50)
-    assert percentile(health_latencies, 99) <= typical, f"limit {typical * 1000:.0f} ms: {report}"
+    held = typical + GIL_HOLD_ALLOWANCE * decode_seconds
+    assert percentile(health_latencies, 99) <= held, f"limit {held * 1000:.0f} ms: {report}"
     assert percentile(request_latencies, 50) <= typical, f"limit {typical * 1000:.0f} ms: {report}"

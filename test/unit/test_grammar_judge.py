@@ -309,3 +309,21 @@ def test_the_judge_is_rebuilt_when_the_scheduler_says_another_vocabulary(tokeniz
         asyncio.run(judge.check(GrammarKey("regex", "[0-9]{3}")))
     finally:
         judge.close()
+
+
+def test_a_judge_closed_while_its_child_starts_stops_it_cleanly(tokenizer):
+    """The server can stop while the judge's child is still loading: the child is killed at once and its pipe
+    closed on the judge's thread, which reads it (closed from the stopping thread, the two closes raced:
+    EBADF at a test server's shutdown)."""
+    judge = make_judge(tokenizer, timeout=20.0)
+    judge.start()
+    deadline = time.monotonic() + 30
+    while judge._child is None and time.monotonic() < deadline:  # spawned, still loading its tokenizer
+        time.sleep(0.01)
+    child = judge._child
+    assert child is not None and child.model is None
+    judge.close()
+    judge.close()  # twice: nothing more
+    judge._thread.shutdown(wait=True)
+    assert judge._started.exception() is not None  # the start it cut short: unavailable, not a verdict
+    assert not child.alive and child.conn.closed and judge._child is None

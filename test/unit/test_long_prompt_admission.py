@@ -154,3 +154,26 @@ def test_a_chunk_that_finishes_its_prompt_beside_arrivals_is_never_cut(tiny_mode
     assert steps[0][0]  # the first chunk of 150 left the prompt mid-chunk
     assert not steps[1][0], "the last 50 tokens were cut beside a 25-token arrival"
     assert_pool_whole(sched)
+
+
+def test_a_long_prompts_last_chunk_beside_an_arrival_is_its_floor(tiny_model_dir):
+    """A prompt that needed more than whole steps stays long to its end: its last chunk, deep into its context,
+    falls to its floor beside an arrival like the chunks before it, so the arrival's step is its own prefill
+    and a small chunk; the rest follows in the next step."""
+    sched = make_scheduler(tiny_model_dir, chunked_prefill_size=4096, disable_radix_cache=True)
+    sched = with_step_budget(sched, STEP_TOKENS)
+    length = 3 * STEP_TOKENS + 75
+    arrival = request("short", prompts(1, low=25, high=25, seed=27)[0], greedy(2))  # live after its prefill
+    steps = []
+
+    def record(_, s):
+        steps.append({r.rid: r.kv_len for r in s.live.values()})
+
+    long_prompt = prompts(1, low=length, high=length, seed=28)[0]
+    res = drive(sched, {0: [request("long", long_prompt, greedy(1))], 3: [arrival]}, on_step=record)
+    assert [steps[k]["long"] for k in range(3)] == [STEP_TOKENS, 2 * STEP_TOKENS, 3 * STEP_TOKENS]
+    assert steps[3]["long"] == 3 * STEP_TOKENS + MIN_MIXED_PREFILL_TOKENS  # beside the arrival's prefill
+    assert steps[3]["short"] == 25
+    assert "long" not in steps[4] and len(res["long"].output_ids) == 1  # the rest, in the next step
+    assert res["long"].first_token_ts > res["short"].first_token_ts
+    assert_pool_whole(sched)

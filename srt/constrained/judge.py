@@ -111,7 +111,9 @@ class JudgeChild:
     def __init__(self, backend_name: str, tokenizer_path: str):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_child_main, args=(child_conn, backend_name, tokenizer_path), daemon=True)
+        self.process = ctx.Process(
+            target=_child_main, args=(child_conn, backend_name, tokenizer_path), daemon=True
+        )
         self.process.start()
         child_conn.close()
         self.model: tuple[int, list[int]] | None = None  # what `configure` built the backend for

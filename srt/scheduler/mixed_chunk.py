@@ -12,8 +12,7 @@ averages of their per-token cost and keys per token (c from the steps of at leas
 once their contexts spread: `MIN_KEY_SPREAD`; until then a chunk reaching beyond the contexts measured is
 guarded, `_tokens_within`). Without c a chunk deep into a long prompt was priced at the earlier chunks' cost
 per token, and steps at a 3,000-token context ran a quarter over their budget. With D decoding requests and
-c = 0, the prefill
-budget C solves a + b (D + C) = K (a + b D):
+c = 0, the prefill budget C solves a + b (D + C) = K (a + b D):
 
     C = (K - 1) (a + b D) / b
 
